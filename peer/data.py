@@ -134,6 +134,7 @@ class ByteCorpus:
 
     @classmethod
     def from_bytes(cls, raw: bytes, n_files: int = 0) -> ByteCorpus:
+        """A corpus holding a copy of ``raw`` (handy for tests and in-memory text)."""
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return cls(data, n_files)
 
@@ -260,10 +261,12 @@ def load_corpora(
     concatenated bytes are split instead: the last ``val_fraction`` goes to validation.
 
     Raises:
-        ValueError: on an unknown source, an empty ``paths`` for ``"files"`` (naming
-            ``data.paths``), or an entry of ``paths`` that matches no file.
+        ValueError: on an unknown source, an empty ``paths`` for ``"files"`` or a non-empty one
+            for ``"stdlib"`` (naming ``data.paths``), or an entry that matches no file.
     """
     if source == "stdlib":
+        if paths:
+            raise ValueError('data.paths is only used with data.source = "files"; remove it or change the source')
         train_paths, val_paths = split_train_val(stdlib_python_files(), val_fraction, root=stdlib_root())
     elif source == "files":
         if not paths:
