@@ -127,7 +127,9 @@ class ByteCorpus:
 
     def __post_init__(self) -> None:
         if self.data.dtype != torch.uint8 or self.data.dim() != 1:
-            raise ValueError(f"ByteCorpus.data must be a 1-D uint8 tensor, got {self.data.dtype} {tuple(self.data.shape)}")
+            raise ValueError(
+                f"ByteCorpus.data must be a 1-D uint8 tensor, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
 
     def __len__(self) -> int:
         return self.data.numel()

@@ -62,7 +62,8 @@ def test_split_depends_on_relative_path_only(tmp_path: Path) -> None:
     for where in ("a", "b/c"):
         files = [tmp_path / where / n for n in names]
         train, val = split_train_val(files, 0.2, root=tmp_path / where)
-        splits.append(([f.relative_to(tmp_path / where) for f in train], [f.relative_to(tmp_path / where) for f in val]))
+        base = tmp_path / where
+        splits.append(([f.relative_to(base) for f in train], [f.relative_to(base) for f in val]))
     assert splits[0] == splits[1]
     assert 20 < len(splits[0][1]) < 60
 
@@ -155,7 +156,8 @@ def test_load_files_source(tmp_path: Path) -> None:
     single.write_bytes(bytes(range(100)) * 10)
     train_s, val_s = load_corpora("files", [str(single)], val_fraction=0.1)
     assert len(train_s) == 900 and len(val_s) == 100
-    assert torch.equal(torch.cat([train_s.data, val_s.data]), torch.tensor(list(bytes(range(100)) * 10), dtype=torch.uint8))
+    whole = torch.tensor(list(bytes(range(100)) * 10), dtype=torch.uint8)
+    assert torch.equal(torch.cat([train_s.data, val_s.data]), whole)
 
 
 def test_load_errors(tmp_path: Path) -> None:

@@ -44,7 +44,9 @@ def _global_params(stages: list[nn.Module]) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def _pipeline_step(stages: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pipeline_step(
+    stages: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward stage by stage with detached boundaries, then backward hop by hop, as peers do."""
     boundary_inputs, outputs = [], []
     x = inputs
@@ -185,7 +187,8 @@ def test_gpt_from_params() -> None:
 
 
 def test_entry_point_loads_example_end_to_end() -> None:
-    model = load_entry_point("swarmgrad.peer.model.examples:tiny_mlp", {"d_model": 16, "seq_len": 8}, n_stages=2, seed=3)
+    spec, params = "swarmgrad.peer.model.examples:tiny_mlp", {"d_model": 16, "seq_len": 8}
+    model = load_entry_point(spec, params, n_stages=2, seed=3)
     assert isinstance(model, StagedModel) and model.n_stages == 2
     inputs = torch.randint(0, 256, (2, 8))
     targets = torch.randint(0, 256, (2, 8))
@@ -197,7 +200,7 @@ def test_entry_point_loads_example_end_to_end() -> None:
         assert model.output_spec(s, 2) == (tuple(x.shape), x.dtype)
     model.loss_fn(x, targets).backward()
     assert all(p.grad is not None for stage in stages for p in stage.parameters())
-    again = load_entry_point("swarmgrad.peer.model.examples:tiny_mlp", {"d_model": 16, "seq_len": 8}, 2, 3)
+    again = load_entry_point(spec, params, 2, 3)
     for a, b in zip(stages[0].parameters(), again.build_stage(0).parameters()):
         assert torch.equal(a, b)
 

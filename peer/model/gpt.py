@@ -225,7 +225,8 @@ class GPTStage(nn.Module):
             for ln in (block.ln1, block.ln2):
                 ln.weight.fill_(1.0)
                 ln.bias.zero_()
-            for lin, s in ((block.attn.qkv, std), (block.attn.proj, resid_std), (block.mlp.fc, std), (block.mlp.proj, resid_std)):
+            scaled = ((block.attn.qkv, std), (block.attn.proj, resid_std), (block.mlp.fc, std), (block.mlp.proj, resid_std))
+            for lin, s in scaled:
                 lin.weight.normal_(0.0, s, generator=gen)
                 lin.bias.zero_()
         if self.is_last:
