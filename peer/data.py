@@ -257,7 +257,8 @@ def load_corpora(
             or ``"files"`` (``paths``).
         paths: for ``"files"``: files, directories or glob patterns.
         val_fraction: share of files held out for validation (split by path hash).
-        max_bytes: cap on each corpus's size in bytes (train and val separately).
+        max_bytes: cap on each corpus's size in bytes (train and val separately); ``None`` or
+            0 means no cap (0 is the manifest's "unset").
 
     With ``"files"``, if the per-file split leaves one side empty (say, a single file), the
     concatenated bytes are split instead: the last ``val_fraction`` goes to validation.
@@ -266,6 +267,8 @@ def load_corpora(
         ValueError: on an unknown source, an empty ``paths`` for ``"files"`` or a non-empty one
             for ``"stdlib"`` (naming ``data.paths``), or an entry that matches no file.
     """
+    if not max_bytes:
+        max_bytes = None
     if source == "stdlib":
         if paths:
             raise ValueError('data.paths is only used with data.source = "files"; remove it or change the source')

@@ -156,6 +156,8 @@ def test_load_files_source(tmp_path: Path) -> None:
     single.write_bytes(bytes(range(100)) * 10)
     train_s, val_s = load_corpora("files", [str(single)], val_fraction=0.1)
     assert len(train_s) == 900 and len(val_s) == 100
+    assert [len(c) for c in load_corpora("files", [str(single)], 0.1, max_bytes=50)] == [50, 50]
+    assert [len(c) for c in load_corpora("files", [str(single)], 0.1, max_bytes=0)] == [900, 100]  # 0: no cap
     whole = torch.tensor(list(bytes(range(100)) * 10), dtype=torch.uint8)
     assert torch.equal(torch.cat([train_s.data, val_s.data]), whole)
 
