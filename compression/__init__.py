@@ -1,0 +1,42 @@
+"""swarmgrad.compression: tensor codecs (pure torch; no networking).
+
+Quick use::
+
+    from swarmgrad.compression import get_codec, decode, ErrorFeedback
+    enc = get_codec("int8", block_size=128).encode(t)   # Encoded: codec, shape, dtype, params, buffers
+    t2 = decode(enc)                                      # float32, shape of t
+
+Codecs (wire names in ``CODEC_NAMES``): fp32, fp16, bf16 (dense); int8, int4 (blockwise
+absmax); topk (sparse, values through a dense/blockwise codec); powersgd (low rank, warm
+start). ``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
+Every failure is a :class:`CodecError` (a ``ValueError``).
+"""
+
+from .adaptive import SizeAdaptive
+from .base import DEFAULT_MAX_NUMEL, Codec, CodecError, Encoded, decode
+from .blockwise import Int4Codec, Int8Codec
+from .dense import BFloat16Codec, Float16Codec, Float32Codec
+from .error_feedback import ErrorFeedback
+from .powersgd import PowerSGDCodec
+from .registry import CODEC_NAMES, get_codec, parse_codec_spec
+from .topk import TopKCodec
+
+__all__ = [
+    "CODEC_NAMES",
+    "DEFAULT_MAX_NUMEL",
+    "BFloat16Codec",
+    "Codec",
+    "CodecError",
+    "Encoded",
+    "ErrorFeedback",
+    "Float16Codec",
+    "Float32Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "PowerSGDCodec",
+    "SizeAdaptive",
+    "TopKCodec",
+    "decode",
+    "get_codec",
+    "parse_codec_spec",
+]

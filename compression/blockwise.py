@@ -1,0 +1,196 @@
+"""Blockwise absmax quantisation: ``int8`` and ``int4``.
+
+The flattened tensor is cut into blocks of ``block_size`` values (the last block may be
+shorter; nothing is padded on the wire). Each block stores ``scale = absmax / L`` as fp32 and
+each value the integer code ``q = round(x / scale)`` in ``[-L, L]`` (L = 127 for int8, 7 for
+int4); decode is ``q * scale``. Symmetric codes keep zero exact and rounding unbiased.
+
+Error budget (round to nearest): ``|x - x̂| <= scale / 2 = absmax_block / (2L)`` per value;
+stochastic rounding: ``|x - x̂| < scale`` with ``E[x̂] = x``.
+
+Wire layout (params ``{"block_size": B}``; n = numel, nb = ceil(n / B)):
+
+- int8: buffers ``(codes, scales)``; codes = n bytes int8; scales = 4*nb bytes fp32 LE.
+  ``nbytes = n + 4 * ceil(n / B)``.
+- int4: buffers ``(codes, scales)``; codes = ceil(n/2) bytes, two codes per byte, value i in
+  the low nibble of byte i//2 when i is even, the high nibble when odd, stored as ``q + 8``
+  (1..15; a 0 nibble would decode as -8). scales as int8.
+  ``nbytes = ceil(n / 2) + 4 * ceil(n / B)``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import Codec, CodecError, Encoded, ParamValue, dtype_name, expect_buffers, param_int, prepare
+from .base import register, check_positive_int, tensor_bytes, tensor_from_bytes
+
+__all__ = ["BlockwiseCodec", "Int8Codec", "Int4Codec", "MAX_BLOCK_SIZE"]
+
+MAX_BLOCK_SIZE = 2**24
+_CHUNK = 2**18  # values per chunk: 1 MiB of fp32, sized for L2
+
+
+class BlockwiseCodec(Codec):
+    """Shared implementation of int8/int4.
+
+    Args:
+        block_size: values per scale (default 128); any tensor length is accepted.
+        stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
+        seed: seeds this codec's own generator for stochastic rounding, so a sequence of
+            encodes is reproducible; ``None`` uses torch's global generator.
+    """
+
+    levels: ClassVar[int]
+
+    def __init__(self, *, block_size: int = 128, stochastic: bool = False, seed: int | None = None) -> None:
+        self.block_size = check_positive_int("block_size", block_size, MAX_BLOCK_SIZE)
+        if not isinstance(stochastic, bool):
+            raise CodecError(f"stochastic must be a bool, got {stochastic!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise CodecError(f"seed must be an int or None, got {seed!r}")
+        self.stochastic = stochastic
+        self.seed = seed
+        self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def config(self) -> dict[str, ParamValue]:
+        cfg: dict[str, ParamValue] = {"block_size": self.block_size}
+        if self.stochastic:
+            cfg["stochastic"] = True
+        if self.seed is not None:
+            cfg["seed"] = self.seed
+        return cfg
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
+        # Finiteness is checked on the per-block scales (NaN/Inf propagate into absmax),
+        # which saves a full pass over the input.
+        x = prepare(tensor, check_finite=False)
+        if x.dtype != torch.float32:
+            x = x.float()
+        codes, scales = self._quantize(x)
+        params = {"block_size": self.block_size}
+        return Encoded(
+            self.name, tuple(tensor.shape), dtype_name(tensor.dtype), params,
+            (self._pack(codes), tensor_bytes(scales)),
+        )
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (int8, one per value) and fp32 scales for flat fp32 ``x``.
+
+        Works through the tensor in cache-sized chunks of whole blocks, so that each value is
+        read from memory once and the fp32 temporaries stay in L2 (3x faster than whole-tensor
+        ops, which are bound by memory traffic and page faults of large temporaries)."""
+        n, bs, L = x.numel(), self.block_size, self.levels
+        nfull, tail = divmod(n, bs)
+        scales = torch.empty(nfull + (tail > 0), dtype=torch.float32)
+        codes = torch.empty(n, dtype=torch.int8)
+        cb = max(1, _CHUNK // bs)  # blocks per chunk
+        tmp = torch.empty(min(nfull, cb) * bs, dtype=torch.float32)
+        aux = torch.empty(min(nfull, cb), dtype=torch.float32)
+        inv = torch.empty(min(nfull, cb), dtype=torch.float32)
+        xv, qv = x[: nfull * bs].view(nfull, bs), codes[: nfull * bs].view(nfull, bs)
+        for b0 in range(0, nfull, cb):
+            m = min(cb, nfull - b0)
+            self._quantize_rows(xv[b0 : b0 + m], scales[b0 : b0 + m], qv[b0 : b0 + m],
+                                tmp[: m * bs].view(m, bs), aux[:m], inv[:m])
+        if tail:
+            self._quantize_rows(x[nfull * bs :].view(1, tail), scales[nfull:], codes[nfull * bs :].view(1, tail),
+                                torch.empty(1, tail), torch.empty(1), torch.empty(1))
+        scales.div_(L)
+        return codes, scales
+
+    def _quantize_rows(self, xc: torch.Tensor, s: torch.Tensor, qc: torch.Tensor,
+                       t: torch.Tensor, aux: torch.Tensor, inv: torch.Tensor) -> None:
+        """Quantise rows ``xc`` (one block each) into ``qc``; absmax into ``s``."""
+        L = self.levels
+        torch.amax(xc, 1, out=s)
+        torch.amin(xc, 1, out=aux)
+        torch.maximum(s, aux.neg_(), out=s)  # absmax; NaN propagates, Inf stays Inf
+        if not bool(torch.isfinite(s).all()):
+            raise CodecError(f"{self.name}: input contains NaN or Inf; refusing to encode")
+        # inv = L / absmax; all-zero (and subnormal-absmax) blocks get inv = 0, hence codes 0
+        torch.reciprocal(s, out=inv).mul_(L)
+        inv.masked_fill_(~torch.isfinite(inv), 0.0)
+        torch.mul(xc, inv[:, None], out=t)
+        if self.stochastic:
+            t.add_(torch.rand(t.shape, generator=self._generator)).floor_().clamp_(-L, L)
+        else:
+            t.round_()  # |x * L/absmax| <= L (1 + 1e-7), so round never exceeds L: no clamp
+        qc.copy_(t)
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        return tensor_bytes(codes)
+
+    # ------------------------------------------------------------------ decode
+
+    @classmethod
+    def _codes_nbytes(cls, n: int) -> int:
+        return n
+
+    @classmethod
+    def _unpack(cls, buf: bytes, n: int) -> torch.Tensor:
+        return tensor_from_bytes(buf, torch.int8, n)
+
+    @classmethod
+    def decode_encoded(cls, enc: Encoded, max_numel: int) -> torch.Tensor:
+        n = enc.numel
+        bs = param_int(enc, "block_size", 1, MAX_BLOCK_SIZE)
+        if set(enc.params) != {"block_size"}:
+            raise CodecError(f"{cls.name}: unexpected params {sorted(set(enc.params) - {'block_size'})}")
+        nb = -(-n // bs)
+        expect_buffers(enc, (cls._codes_nbytes(n), 4 * nb))
+        scales = tensor_from_bytes(enc.buffers[1], torch.float32, nb)
+        if nb and not (bool(torch.isfinite(scales).all()) and bool((scales >= 0).all())):
+            raise CodecError(f"{cls.name}: scales must be finite and >= 0")
+        codes = cls._unpack(enc.buffers[0], n)
+        out = torch.empty(n, dtype=torch.float32)
+        nfull = n // bs
+        cb = max(1, _CHUNK // bs)
+        ov, cv = out[: nfull * bs].view(nfull, bs), codes[: nfull * bs].view(nfull, bs)
+        full_scales = scales[:nfull]
+        for b0 in range(0, nfull, cb):  # chunked so the fp32 output is touched once, in cache
+            o = ov[b0 : b0 + cb]
+            o.copy_(cv[b0 : b0 + cb])
+            o.mul_(full_scales[b0 : b0 + cb, None])
+        if n % bs:
+            out[nfull * bs :].copy_(codes[nfull * bs :]).mul_(scales[nfull])
+        return out
+
+
+@register
+class Int8Codec(BlockwiseCodec):
+    """Blockwise absmax int8; relative L2 error ~0.5-1% on Gaussian data with block 128."""
+
+    name = "int8"
+    levels = 127
+
+
+@register
+class Int4Codec(BlockwiseCodec):
+    """Blockwise absmax int4 (codes -7..7), two codes per byte."""
+
+    name = "int4"
+    levels = 7
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        u = (codes + 8).to(torch.uint8)
+        if u.numel() % 2:
+            u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
+        pairs = u.view(-1, 2)
+        return tensor_bytes(pairs[:, 0] | (pairs[:, 1] << 4))
+
+    @classmethod
+    def _codes_nbytes(cls, n: int) -> int:
+        return (n + 1) // 2
+
+    @classmethod
+    def _unpack(cls, buf: bytes, n: int) -> torch.Tensor:
+        packed = tensor_from_bytes(buf, torch.uint8, (n + 1) // 2)
+        codes = torch.empty(packed.numel(), 2, dtype=torch.int8)
+        codes[:, 0] = (packed & 0x0F).to(torch.int8)
+        codes[:, 1] = (packed >> 4).to(torch.int8)
+        return codes.view(-1)[:n].sub_(8)
