@@ -56,7 +56,7 @@ class Float32Codec(DenseCodec):
 
 @register
 class BFloat16Codec(DenseCodec):
-    """bf16: fp32's range, 8 significant bits (relative error <= 2**-9 per value)."""
+    """bf16: fp32's range, 8 significant bits (relative error <= 2**-8 per value)."""
 
     name = "bf16"
     wire_dtype = torch.bfloat16
