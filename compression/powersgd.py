@@ -74,6 +74,8 @@ class PowerSGDCodec(Codec):
         return r < min(m, n) and 4 * r * (m + n) < m * n * _ITEMSIZE[self.fallback]
 
     def encode(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
+        if not isinstance(tensor, torch.Tensor):
+            raise CodecError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         shape = tuple(tensor.shape)
         if not self.uses_low_rank(shape):
             return self._fallback_codec.encode(tensor)

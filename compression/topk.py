@@ -16,7 +16,12 @@ Buffers: ``(indices, *value_buffers)``.
 - values: the k kept values in index order, encoded by the values codec as a 1-D tensor.
 
 ``nbytes = ceil(k * w / 8) + values.nbytes(k)``; e.g. fraction 0.01, values int8 (block 128)
-on 1M floats: ~82x smaller than fp32.
+on 1M floats: ~145x smaller than fp32.
+
+Untrusted input: decode checks every length against the header before allocating, but a
+sparse message is *legitimately* much smaller than its output (k values, numel zeros), so the
+output size is bounded only by ``max_numel``. A receiver that knows the expected shape should
+compare ``enc.shape`` with it (or pass ``max_numel``) before decoding.
 """
 
 from __future__ import annotations
