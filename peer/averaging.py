@@ -1,0 +1,280 @@
+"""Outer rounds (DiLoCo) for one stage group, built on hivemind's DHT and P2P layer.
+
+A round r of stage s, on every replica:
+1. matchmaking: register (digest, applied rounds, weight) under {run}/round/{s}/{r}; wait until
+   every ONLINE replica of the stage has registered (or timeouts.matchmaking); the group is the
+   registrants whose θ_global digest is the reference one (newest, then most common);
+2. reduce-scatter: the stage's tensors are split into one part per member (`partition`); member
+   j reduces part j. Each member encodes its pseudo-gradient Δ once (codec, optional error
+   feedback) and sends every reducer its part; the reducer waits for all members, takes the
+   weighted mean of the *decoded* contributions in sorted member order, encodes it, and
+   answers every member with the same bytes;
+3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
+   value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
+   bit-identical on all members.
+A round is complete only if every part came back with the full group as contributors. Anything
+less is a failed round, logged as such: nobody applies a partial mean. A member that failed
+while others completed re-syncs θ_global from one of them (the daemon does this); a member
+that vanished delays the others by at most timeouts.matchmaking + timeouts.allreduce.
+
+hivemind's DecentralizedAverager is not used: it returns partial results with only a warning,
+lets each peer apply local + Q(avg − local), and its codec set is a closed enum (see the primer).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.swarm import ONLINE, SwarmView
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.validation import (RunIdentity, check_envelope, decode_named, encoded_to_proto,
+                                           envelope, validate_average)
+
+logger = logging.getLogger(__name__)
+
+
+# pure decisions ---------------------------------------------------------------------------------
+def partition(shapes: dict[str, tuple[int, ...]], n_parts: int) -> dict[str, int]:
+    """Assign whole tensors to parts, largest first to the lightest part (deterministic LPT).
+
+    Whole tensors (not slices of a flat vector) keep shapes intact for codecs like PowerSGD and
+    keep error-feedback residuals per named tensor.
+    """
+    loads = [0] * n_parts
+    out = {}
+    for name in sorted(shapes, key=lambda n: (-_numel(shapes[n]), n)):
+        part = min(range(n_parts), key=lambda i: (loads[i], i))
+        out[name] = part
+        loads[part] += _numel(shapes[name])
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class Group:
+    members: tuple[str, ...]
+    digest: str
+    applied_rounds: int
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(",".join(self.members).encode()).hexdigest()[:16]
+
+
+def choose_group(registrations: dict[str, dict[str, Any]]) -> Group | None:
+    """The registrants that hold the reference state: the most applied rounds, then the most common
+    digest, then the smallest digest. Every member computes the same answer from the same view."""
+    if not registrations:
+        return None
+    newest = max(v["applied_rounds"] for v in registrations.values())
+    digests = Counter(v["digest"] for v in registrations.values() if v["applied_rounds"] == newest)
+    best = max(digests.values())
+    digest = min(d for d, n in digests.items() if n == best)
+    members = tuple(sorted(p for p, v in registrations.items()
+                           if v["digest"] == digest and v["applied_rounds"] == newest))
+    return Group(members, digest, newest)
+
+
+def weighted_mean(contributions: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """Σ wᵢ·Δᵢ / Σ wᵢ in the given order; all-zero weights give zeros (the outer step then only
+    carries momentum, identically everywhere)."""
+    total = sum(w for w, _ in contributions)
+    out = torch.zeros_like(contributions[0][1])
+    if total <= 0:
+        return out
+    for w, t in contributions:
+        out.add_(t, alpha=w / total)
+    return out
+
+
+# the reducer's side ---------------------------------------------------------------------------
+@dataclass
+class _Slot:
+    """One round as seen by this reducer: filled by the local member and by remote requests."""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    group: Group | None = None
+    part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    my_part: int = -1
+    contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    result: asyncio.Future | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    complete: bool
+    reason: str
+    group: tuple[str, ...]
+    mean_delta: dict[str, torch.Tensor] | None
+    stale: bool = False
+    """This replica's θ_global was not the group's reference: it must re-sync."""
+
+
+class Averager:
+    """Runs outer rounds for one stage replica and serves the reducer side for its peers."""
+
+    def __init__(self, manifest: Manifest, stage: int, peer_id: str, shapes: dict[str, tuple[int, ...]],
+                 rpc: FramedRPC, swarm: SwarmView, max_numel: int):
+        self.m = manifest
+        self.stage = stage
+        self.peer_id = peer_id
+        self.shapes = shapes
+        self.rpc = rpc
+        self.swarm = swarm
+        self.max_numel = max_numel
+        self.identity = RunIdentity(manifest.run_id, manifest.hash)
+        avg = manifest.averaging
+        large = parse_codec_spec(avg.codec)
+        self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
+        self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
+        self._slots: dict[int, _Slot] = {}
+
+    def _slot(self, round: int) -> _Slot:
+        if round not in self._slots:
+            self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())
+            for old in [r for r in self._slots if r < round - 2]:  # nobody waits on those any more
+                slot = self._slots.pop(old)
+                if slot.result is not None and not slot.result.done():
+                    slot.result.cancel()
+        return self._slots[round]
+
+    async def handle(self, request: pb.AverageRequest, caller: PeerID) -> pb.AverageResponse:
+        check_envelope(request.envelope, self.identity, [self.stage])
+        slot = self._slot(request.round)
+        timeouts = self.m.timeouts
+        try:
+            await asyncio.wait_for(slot.ready.wait(), timeouts.matchmaking + timeouts.allreduce)
+        except asyncio.TimeoutError:
+            raise ProtocolError(pb.WRONG_ROUND, f"this peer is not in round {request.round}") from None
+        group = slot.group
+        assert group is not None
+        if request.group_hash != group.hash:
+            raise ProtocolError(pb.GROUP_MISMATCH, f"group {request.group_hash} differs from ours {group.hash}")
+        if request.state_digest != group.digest:
+            raise ProtocolError(pb.STALE_STATE, f"θ_global digest {request.state_digest} is not the group's")
+        sender = str(caller)
+        if sender not in group.members:
+            raise ProtocolError(pb.GROUP_MISMATCH, "the caller is not a member of this round's group")
+        inp = validate_average(request, self.identity, self.stage,
+                               lambda part: slot.part_names if part == slot.my_part else None, self.max_numel)
+        if sender in slot.contributions:
+            raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
+        slot.contributions[sender] = (inp.weight, inp.tensors)
+        self._maybe_reduce(slot)
+        assert slot.result is not None
+        try:
+            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), timeouts.allreduce)
+        except asyncio.TimeoutError:
+            raise ProtocolError(pb.DEADLINE_EXCEEDED, "not every member's part arrived in time") from None
+        return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
+
+    def _maybe_reduce(self, slot: _Slot) -> None:
+        group = slot.group
+        if group is None or slot.result is None or slot.result.done():
+            return
+        if set(slot.contributions) != set(group.members):
+            return
+        order = sorted(slot.contributions)
+        total = sum(slot.contributions[p][0] for p in order)
+        tensors = []
+        for name in sorted(slot.part_names):
+            mean = weighted_mean([(slot.contributions[p][0], slot.contributions[p][1][name]) for p in order])
+            tensors.append(pb.NamedTensor(name=name, tensor=encoded_to_proto(self.codec.encode(mean))))
+        slot.result.set_result((tensors, order, total))
+
+    # the member's side ------------------------------------------------------------------------
+    async def matchmake(self, round: int, registration: dict[str, Any]) -> Group | None:
+        t = self.m.timeouts
+        await self.swarm.register_round(self.stage, round, self.peer_id, registration)
+        deadline = time.monotonic() + t.matchmaking
+        while True:
+            regs = await self.swarm.round_registrations(self.stage, round)
+            alive = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
+            alive.add(self.peer_id)
+            if alive <= set(regs) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)  # let late registrations land so every member reads the same set
+        regs = await self.swarm.round_registrations(self.stage, round)
+        regs.setdefault(self.peer_id, registration)
+        return choose_group(regs)
+
+    def _encode_delta(self, delta: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+        if self.feedback is not None:
+            return {name: self.feedback.encode(name, delta[name]) for name in sorted(delta)}
+        return {name: self.codec.encode(delta[name]) for name in sorted(delta)}
+
+    async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
+                        applied_rounds: int) -> RoundResult:
+        """Average `delta` with the stage group; the returned mean is what every member applies."""
+        registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
+        group = await self.matchmake(round, registration)
+        if group is None or self.peer_id not in group.members:
+            return RoundResult(False, "our θ_global is not the group's reference", group.members if group else (),
+                               None, stale=True)
+        parts = partition(self.shapes, len(group.members))
+        my_part = group.members.index(self.peer_id)
+        encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
+        slot = self._slot(round)
+        slot.group = group
+        slot.my_part = my_part
+        slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
+        slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
+        slot.ready.set()
+        self._maybe_reduce(slot)
+
+        async def remote(part: int) -> pb.AverageResponse:
+            request = pb.AverageRequest(
+                envelope=envelope(self.identity, self.stage), round=round, group_hash=group.hash,
+                state_digest=digest, weight=float(weight), part=part,
+                tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
+                         for n in sorted(parts) if parts[n] == part])
+            return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse,
+                                       timeout=self.m.timeouts.allreduce)
+
+        async def local() -> pb.AverageResponse:
+            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), self.m.timeouts.allreduce)
+            return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
+
+        calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return self._combine(group, parts, results)
+
+    def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
+        mean: dict[str, torch.Tensor] = {}
+        for part, res in enumerate(results):
+            reducer = group.members[part][-8:]
+            if isinstance(res, (RPCFailed, asyncio.TimeoutError)):
+                return RoundResult(False, f"part {part} (reducer {reducer}): {res or 'timed out'}", group.members, None)
+            if isinstance(res, BaseException):
+                return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None)
+            if res.status != pb.OK:
+                return RoundResult(False, f"part {part} refused by {reducer}: {pb.Status.Name(res.status)} "
+                                          f"{res.reason}", group.members, None)
+            if tuple(res.contributors) != group.members:
+                return RoundResult(False, f"part {part} averaged over {len(res.contributors)} of "
+                                          f"{len(group.members)} members", group.members, None)
+            expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
+            try:
+                mean.update(decode_named(res.tensors, expected, self.max_numel, f"mean of part {part}"))
+            except ProtocolError as e:
+                return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None)
+        return RoundResult(True, "", group.members, mean)

@@ -1,0 +1,142 @@
+"""`swarmgrad peer | status | demo`: the command line. It only parses flags, sets up logging and
+hivemind, and hands over to the daemon; no training logic lives here."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parent / "defaults" / "tiny-gpt.toml"
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
+               identity: str | None, timeout: float):
+    from hivemind import DHT
+    kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True,
+                  startup_timeout=timeout)
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    if identity:
+        kwargs["identity_path"] = identity
+    return DHT(**kwargs)
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.manifest import ManifestError, load
+    try:
+        manifest = load(args.manifest)
+    except ManifestError as e:
+        print(e, file=sys.stderr)
+        return 2
+    from swarmgrad.peer.daemon import Peer, PeerOptions
+    from swarmgrad.peer.model import from_manifest
+    model = from_manifest(manifest)
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+            return 2
+    # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
+    dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
+                     manifest.timeouts.state_download)
+    print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
+    for addr in dht.get_visible_maddrs():
+        print("  visible at", addr, flush=True)
+    options = PeerOptions(stage=None if args.stage == "auto" else int(args.stage), device=args.device,
+                          events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
+                          max_rounds=args.max_rounds, linger=args.linger)
+    peer = Peer(manifest, model, dht, options)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await peer.run(stop)
+
+    code = 0
+    try:
+        asyncio.run(main())
+    except Exception:
+        logging.getLogger("swarmgrad").exception("peer failed")
+        code = 1
+    finally:
+        dht.shutdown()
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.status import print_status
+    return print_status(args.initial_peers, args.run_id, args.manifest, args.json, args.timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.demo import run_demo
+    return run_demo(manifest_path=Path(args.manifest), rounds=args.rounds, replicas=args.replicas,
+                    workdir=Path(args.workdir) if args.workdir else None, round_seconds=args.round_seconds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmgrad", description="Decentralized low-bandwidth pipeline training.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
+    p.add_argument("--manifest", required=True, help="run manifest (TOML)")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of peers already in the swarm; none starts a new swarm")
+    p.add_argument("--stage", default="auto", help="stage to serve: auto (fewest replicas) or an index")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
+                   help="where to listen (default: loopback, a free port)")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                   help="addresses other peers should dial (public IP behind NAT)")
+    p.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
+    p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
+    p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
+    p.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds (overrides manifest)")
+    p.add_argument("--linger", type=float, default=60.0,
+                   help="seconds a non-driver keeps serving after its last round while drivers evaluate")
+    p.set_defaults(fn=cmd_peer)
+
+    s = sub.add_parser("status", help="print the swarm as the DHT sees it")
+    s.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--run-id", default=None)
+    group.add_argument("--manifest", default=None, help="take the run id and stage count from this manifest")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--timeout", type=float, default=15.0)
+    s.set_defaults(fn=cmd_status)
+
+    d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
+    d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
+    d.add_argument("--rounds", type=int, default=12)
+    d.add_argument("--replicas", type=int, default=2, help="replicas per stage")
+    d.add_argument("--round-seconds", type=float, default=None, help="override rounds.round_seconds")
+    d.add_argument("--workdir", default=None, help="keep logs and events here (default: a temp dir)")
+    d.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The driver: a stage-0 replica that reads its data shard and pushes microbatches through the
+pipeline, several in flight, each with a deadline, retried along another route when it fails.
+
+Every microbatch is either trained on (its loss came back, stage 0 ran its backward) or retried;
+after pipeline.max_retries failed attempts it is given up and logged as lost, never silently.
+An attempt that fails releases its stage-0 graph before the retry waits, so a driver never holds
+a round boundary hostage to a slow retry.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from hivemind.utils import get_dht_time
+
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.pipeline import Downstream
+from swarmgrad.peer.routing import DeadlineEstimator
+from swarmgrad.peer.worker import StageWorker
+from swarmgrad.protocol import wire_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class DriverStats:
+    completed: int = 0
+    retries: int = 0
+    lost: int = 0
+    not_ready_waits: int = 0
+    failed_peers: set[str] = field(default_factory=set)
+
+
+class Driver:
+    def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
+                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None]):
+        self.m = manifest
+        self.worker = worker
+        self.downstream = downstream
+        self.peer_id = peer_id
+        self.n_stages = n_stages
+        self.stream = stream
+        self.emit = emit
+        t = manifest.timeouts
+        self.deadlines = DeadlineEstimator(minimum=t.min_microbatch, maximum=t.microbatch)
+        self.stats = DriverStats()
+        self._ids = itertools.count()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep pipeline.max_in_flight microbatches going until `stop` is set."""
+        lanes = [asyncio.create_task(self._lane(stop), name=f"driver-lane-{i}")
+                 for i in range(self.m.pipeline.max_in_flight)]
+        try:
+            await asyncio.gather(*lanes)
+        finally:
+            for lane in lanes:
+                lane.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
+
+    async def _lane(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            inputs, targets = next(self.stream)
+            await self.train_microbatch(inputs, targets, stop)
+
+    async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
+                       eval_only: bool) -> tuple[int, float, str, str]:
+        """One trip through the pipeline: (status, loss, reason, failed peer)."""
+        async with self.worker.admitted(wait=True):
+            if self.n_stages == 1:
+                loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
+                return pb.OK, loss, "", ""
+            assert self.downstream is not None
+            x, h = await self.worker.forward(inputs, train=not eval_only)
+            started = time.monotonic()
+            hop = await self.downstream.forward(1, h, targets, mb, attempt, self.peer_id,
+                                                get_dht_time() + self.deadlines.deadline(), eval_only)
+            if hop.status != pb.OK:
+                return hop.status, math.nan, hop.reason, hop.failed_peer
+            self.deadlines.observe(time.monotonic() - started)
+            if not eval_only:
+                assert hop.grad is not None
+                await self.worker.backward(x, h, hop.grad, inputs.shape[0])
+                self.worker.record_loss(hop.loss)
+            return pb.OK, hop.loss, "", ""
+
+    async def _through(self, inputs: torch.Tensor, targets: torch.Tensor, eval_only: bool,
+                       stop: asyncio.Event | None) -> float | None:
+        mb = next(self._ids)
+        attempt = 0
+        backoff = 0.2
+        while attempt < self.m.pipeline.max_retries:
+            status, loss, reason, failed = await self._attempt(mb, attempt, inputs, targets, eval_only)
+            if status == pb.OK:
+                return loss
+            if stop is not None and stop.is_set():
+                return None
+            if status == pb.NOT_READY:
+                # the next stage is between rounds (or not there yet): wait, it is not a failure
+                self.stats.not_ready_waits += 1
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 1.5)
+                continue
+            attempt += 1
+            self.stats.retries += 1
+            if failed:
+                self.stats.failed_peers.add(failed)
+            self.emit("retry", microbatch=mb, attempt=attempt, reason=reason[:200], failed_peer=failed)
+            logger.info("microbatch %d attempt %d failed (%s); re-sending on another route", mb, attempt, reason[:120])
+        self.stats.lost += 1
+        self.emit("lost", microbatch=mb, attempts=attempt)
+        logger.warning("microbatch %d given up after %d attempts", mb, attempt)
+        return None
+
+    async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor,
+                               stop: asyncio.Event | None = None) -> float | None:
+        loss = await self._through(inputs, targets, eval_only=False, stop=stop)
+        if loss is not None:
+            self.stats.completed += 1
+            await self.worker.maybe_step()
+        return loss
+
+    async def evaluate(self, batches: list[Batch]) -> float:
+        """Mean validation loss in nats over `batches`, forward only, through the live pipeline."""
+        losses = []
+        for inputs, targets in batches:
+            loss = await self._through(inputs, targets, eval_only=True, stop=None)
+            if loss is not None:
+                losses.append(loss)
+        return sum(losses) / len(losses) if losses else math.nan

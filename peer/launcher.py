@@ -1,0 +1,125 @@
+"""Local swarms of real peer processes, for the demo, the tests and the benchmarks.
+
+Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session (process group), so
+stopping it reaches its forked DHT child and p2pd daemons too (a killed hivemind peer otherwise
+leaves both running, see the primer). `LocalSwarm` is a context manager that always reaps.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmgrad.peer.events import read_events
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    proc: subprocess.Popen
+    events_path: Path
+    log_path: Path
+    stage: int | None
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.events_path) if kind is None or e.get("event") == kind]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class LocalSwarm:
+    manifest: Path
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    peers: list[PeerProcess] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+
+    def __enter__(self) -> "LocalSwarm":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
+        name = name or f"peer{len(self.peers)}"
+        events = self.workdir / f"{name}.events.jsonl"
+        log = self.workdir / f"{name}.log"
+        cmd = [sys.executable, "-m", "swarmgrad.peer.cli", "peer", "--manifest", str(self.manifest),
+               "--events", str(events), "--stage", str(stage)]
+        if self.initial_peers:
+            cmd += ["--initial-peers", *self.initial_peers]
+        cmd += list(extra)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        peer = PeerProcess(name, proc, events, log, stage if isinstance(stage, int) else None)
+        self.peers.append(peer)
+        return peer
+
+    def start_first(self, stage: int | str = "auto", *extra: str, timeout: float = 60.0) -> PeerProcess:
+        """Start the peer that opens the swarm and remember its addresses for the others."""
+        peer = self.start(stage, *extra)
+        started = self.wait_for(peer, lambda e: e["event"] == "started", timeout)
+        self.initial_peers = [a for a in started["maddrs"] if "/127.0.0.1/" in a] or started["maddrs"]
+        return peer
+
+    def wait_for(self, peer: PeerProcess, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+                 what: str = "event") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in peer.events():
+                if predicate(event):
+                    return event
+            if not peer.alive:
+                raise RuntimeError(f"{peer.name} exited (code {peer.proc.returncode}) before {what}:\n{peer.log_tail()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{peer.name}: no {what} within {timeout:.0f}s:\n{peer.log_tail()}")
+
+    def wait_exit(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for peer in self.peers:
+            try:
+                peer.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.proc.poll() for p in self.peers]
+
+    def close(self, grace: float = 15.0) -> None:
+        """SIGTERM every peer's process group, wait, then SIGKILL what is left."""
+        for peer in self.peers:
+            if peer.alive:
+                peer.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for peer in self.peers:
+            try:
+                peer.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for peer in self.peers:
+            peer.signal(signal.SIGKILL)  # also reaps the DHT child and p2pd of a peer that exited itself
+            try:
+                peer.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass

@@ -1,0 +1,379 @@
+"""The run manifest: a TOML run spec loaded into frozen dataclasses, validated, hashed.
+
+Every peer of a run loads the same manifest; its hash travels with every DHT record and
+every RPC, and a peer refuses work for another hash. Errors name the field and the fix, so
+a user editing TOML sees ``manifest: inner.lr must be > 0 (got -1)`` rather than a traceback
+from deep inside the optimiser.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the offending field."""
+
+
+def _fail(field_name: str, problem: str) -> ManifestError:
+    return ManifestError(f"manifest: {field_name} {problem}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    kind: str = "gpt"
+    """`gpt` (the built-in byte-level decoder) or `entry_point` (a user function)."""
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 128
+    entry_point: str = ""
+    """`package.module:function` returning a StagedModel; only with kind = "entry_point"."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form keyword parameters handed to the entry point."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagesConfig:
+    count: int = 2
+    layers: tuple[int, ...] = ()
+    """Blocks per stage (GPT only); empty means an even split of model.n_layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerOptConfig:
+    """AdamW, stepped locally by every replica on its own accumulated gradients."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Max L2 norm of a stage's gradient (per stage, not whole-model); 0 disables clipping."""
+    microbatch_size: int = 8
+    microbatches_per_step: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptConfig:
+    """Nesterov SGD on the averaged pseudo-gradient, applied to θ_global (DiLoCo)."""
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundsConfig:
+    inner_steps: int = 0
+    """H: end a round after this many inner steps of a replica (0: not used)."""
+    round_seconds: float = 30.0
+    """End rounds on a shared wall clock, every this many seconds (0: not used)."""
+    max_rounds: int = 0
+    """Stop after this many rounds (0: run until stopped)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingConfig:
+    codec: str = "fp16"
+    """Codec spec for pseudo-gradients, e.g. "fp16", "int8", "topk:fraction=0.01,values=fp16"."""
+    error_feedback: bool = False
+    """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
+    small_tensor_threshold: int = 4096
+    """Tensors with fewer elements travel as fp32 (they are cheap, and biases matter)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    activation_codec: str = "fp16"
+    gradient_codec: str = "fp16"
+    max_in_flight: int = 4
+    """Microbatches a driver keeps in flight at once."""
+    max_retries: int = 5
+    """Attempts per microbatch before the driver gives it up (and logs it)."""
+    max_message_mb: float = 256.0
+    """Incoming messages larger than this are refused before they are parsed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the running interpreter's own .py files) or `files` (data.paths)."""
+    paths: tuple[str, ...] = ()
+    val_fraction: float = 0.05
+    max_bytes: int = 0
+    """Cap on bytes read per split (0: no cap)."""
+    eval_every: int = 2
+    """Drivers evaluate validation loss every this many rounds (0: only at start and end)."""
+    eval_batches: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutsConfig:
+    """Every network wait has a deadline, and each one is named here (seconds)."""
+    dht: float = 10.0
+    microbatch: float = 30.0
+    """Upper bound for one microbatch's trip through the pipeline; the driver's actual deadline
+    is derived from observed round trips and never exceeds this."""
+    min_microbatch: float = 5.0
+    matchmaking: float = 5.0
+    allreduce: float = 20.0
+    state_download: float = 60.0
+    announce_ttl: float = 15.0
+    """DHT records live this long unless refreshed; a silent peer disappears after it."""
+    heartbeat: float = 3.0
+    ban_base: float = 5.0
+    """First ban of a failed peer; doubles per consecutive failure up to ban_max."""
+    ban_max: float = 60.0
+    shutdown: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    run_id: str
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    stages: StagesConfig = StagesConfig()
+    inner: InnerOptConfig = InnerOptConfig()
+    outer: OuterOptConfig = OuterOptConfig()
+    rounds: RoundsConfig = RoundsConfig()
+    averaging: AveragingConfig = AveragingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    data: DataConfig = DataConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+
+    @property
+    def hash(self) -> str:
+        """Stable identity of the run: sha256 of the canonical JSON of every field."""
+        canonical = json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        if self.stages.layers:
+            return self.stages.layers
+        base, extra = divmod(self.model.n_layers, self.stages.count)
+        return tuple(base + (1 if i < extra else 0) for i in range(self.stages.count))
+
+    def replace(self, **sections: Any) -> "Manifest":
+        """A copy with some fields replaced, e.g. ``m.replace(rounds={"max_rounds": 3})``; validated."""
+        data = to_dict(self)
+        for key, value in sections.items():
+            if isinstance(value, Mapping):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
+        return from_dict(data)
+
+
+_SECTIONS = {
+    "model": ModelConfig, "stages": StagesConfig, "inner": InnerOptConfig, "outer": OuterOptConfig,
+    "rounds": RoundsConfig, "averaging": AveragingConfig, "pipeline": PipelineConfig,
+    "data": DataConfig, "timeouts": TimeoutsConfig,
+}
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
+    name = f"{section}.{f.name}" if section else f.name
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise _fail(name, f"must be true or false (got {value!r})")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(name, f"must be an integer (got {value!r})")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(name, f"must be a number (got {value!r})")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise _fail(name, f"must be a string (got {value!r})")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _fail(name, f"must be a list (got {value!r})")
+        return tuple(value)
+    if isinstance(default, Mapping):
+        if not isinstance(value, Mapping):
+            raise _fail(name, f"must be a table (got {value!r})")
+        return dict(value)
+    return value
+
+
+def _build(cls: type, section: str, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise _fail(section, f"must be a table (got {raw!r})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{section}." if section else ""
+        raise _fail(f"{where}{unknown[0]}", f"is not a known field (known: {', '.join(sorted(fields))})")
+    kwargs = {k: _coerce(section, fields[k], v) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def from_dict(raw: Mapping[str, Any]) -> Manifest:
+    """Build and validate a Manifest from parsed TOML (or an equivalent dict)."""
+    if "run_id" not in raw:
+        raise _fail("run_id", "is required (a short name for the run, e.g. \"tiny-gpt\")")
+    top = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    unknown = sorted(set(top) - {"run_id", "seed"})
+    if unknown:
+        raise _fail(unknown[0], f"is not a known field or section (sections: {', '.join(_SECTIONS)})")
+    run_id, seed = raw["run_id"], raw.get("seed", 0)
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise _fail("run_id", f"must be 1-64 characters of letters, digits, '_', '.', '-' (got {run_id!r})")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise _fail("seed", f"must be an integer (got {seed!r})")
+    sections = {name: _build(cls, name, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    manifest = Manifest(run_id=run_id, seed=seed, **sections)
+    validate(manifest)
+    return manifest
+
+
+def load(path: str | Path) -> Manifest:
+    """Read a TOML manifest; ManifestError names the field of any problem."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"manifest: file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"manifest: {path} is not valid TOML: {e}") from None
+    return from_dict(raw)
+
+
+def loads(text: str) -> Manifest:
+    try:
+        return from_dict(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"manifest: not valid TOML: {e}") from None
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise _fail(name, f"must be > 0 (got {value})")
+
+
+def validate(m: Manifest) -> None:
+    """Cross-field checks; raises ManifestError naming the field and the fix."""
+    md = m.model
+    if md.kind not in ("gpt", "entry_point"):
+        raise _fail("model.kind", f"must be \"gpt\" or \"entry_point\" (got {md.kind!r})")
+    if md.kind == "gpt":
+        if md.entry_point:
+            raise _fail("model.entry_point", "is only used with model.kind = \"entry_point\"")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+            _positive(f"model.{name}", getattr(md, name))
+        if md.vocab_size != 256:
+            raise _fail("model.vocab_size", f"must be 256 for the byte-level GPT (got {md.vocab_size})")
+        if md.d_model % md.n_heads:
+            raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
+    elif not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
+        raise _fail("model.entry_point", f"must look like \"package.module:function\" (got {md.entry_point!r})")
+    st = m.stages
+    if st.count < 1:
+        raise _fail("stages.count", f"must be >= 1 (got {st.count})")
+    if st.layers:
+        if len(st.layers) != st.count:
+            raise _fail("stages.layers", f"has {len(st.layers)} entries but stages.count is {st.count}")
+        if any((not isinstance(n, int)) or n < 1 for n in st.layers):
+            raise _fail("stages.layers", f"entries must be integers >= 1 (got {list(st.layers)})")
+        if md.kind == "gpt" and sum(st.layers) != md.n_layers:
+            raise _fail("stages.layers", f"sums to {sum(st.layers)} but model.n_layers is {md.n_layers}")
+    elif md.kind == "gpt" and st.count > md.n_layers:
+        raise _fail("stages.count", f"({st.count}) cannot exceed model.n_layers ({md.n_layers})")
+    inn = m.inner
+    _positive("inner.lr", inn.lr)
+    if len(inn.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in inn.betas):
+        raise _fail("inner.betas", f"must be two numbers in [0, 1) (got {list(inn.betas)})")
+    if inn.weight_decay < 0:
+        raise _fail("inner.weight_decay", f"must be >= 0 (got {inn.weight_decay})")
+    if inn.grad_clip < 0:
+        raise _fail("inner.grad_clip", f"must be >= 0, 0 disables clipping (got {inn.grad_clip})")
+    _positive("inner.microbatch_size", inn.microbatch_size)
+    _positive("inner.microbatches_per_step", inn.microbatches_per_step)
+    _positive("outer.lr", m.outer.lr)
+    if not 0 <= m.outer.momentum < 1:
+        raise _fail("outer.momentum", f"must be in [0, 1) (got {m.outer.momentum})")
+    r = m.rounds
+    if r.inner_steps < 0 or r.round_seconds < 0 or r.max_rounds < 0:
+        raise _fail("rounds", "inner_steps, round_seconds and max_rounds must be >= 0")
+    if r.inner_steps == 0 and r.round_seconds == 0:
+        raise _fail("rounds", "needs inner_steps > 0 or round_seconds > 0 (or both) to know when a round ends")
+    _check_codec("averaging.codec", m.averaging.codec)
+    _check_codec("pipeline.activation_codec", m.pipeline.activation_codec)
+    _check_codec("pipeline.gradient_codec", m.pipeline.gradient_codec)
+    if m.averaging.small_tensor_threshold < 0:
+        raise _fail("averaging.small_tensor_threshold", "must be >= 0")
+    _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
+    _positive("pipeline.max_retries", m.pipeline.max_retries)
+    _positive("pipeline.max_message_mb", m.pipeline.max_message_mb)
+    d = m.data
+    if d.source not in ("stdlib", "files"):
+        raise _fail("data.source", f"must be \"stdlib\" or \"files\" (got {d.source!r})")
+    if d.source == "files" and not d.paths:
+        raise _fail("data.paths", "must list files or globs when data.source = \"files\"")
+    if not 0 < d.val_fraction < 1:
+        raise _fail("data.val_fraction", f"must be in (0, 1) (got {d.val_fraction})")
+    if d.max_bytes < 0 or d.eval_every < 0:
+        raise _fail("data", "max_bytes and eval_every must be >= 0")
+    _positive("data.eval_batches", d.eval_batches)
+    for f in dataclasses.fields(m.timeouts):
+        _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))
+    if m.timeouts.min_microbatch > m.timeouts.microbatch:
+        raise _fail("timeouts.min_microbatch", "must not exceed timeouts.microbatch")
+    if m.timeouts.heartbeat >= m.timeouts.announce_ttl:
+        raise _fail("timeouts.heartbeat", "must be shorter than timeouts.announce_ttl, or records expire between refreshes")
+
+
+def _check_codec(name: str, spec: str) -> None:
+    # Imported lazily: the manifest is loadable (and testable) before the codec library is.
+    from swarmgrad.compression import CodecError, parse_codec_spec
+    try:
+        parse_codec_spec(spec)
+    except CodecError as e:
+        raise _fail(name, f"is not a valid codec ({e})") from None
+
+
+def dumps(manifest: Manifest) -> str:
+    """The manifest as TOML (loads(dumps(m)) == m), e.g. to hand a modified run to other processes."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + "}"
+        raise TypeError(f"cannot write {v!r} as TOML")
+
+    data = to_dict(manifest)
+    lines = [f"run_id = {value(data.pop('run_id'))}", f"seed = {value(data.pop('seed'))}"]
+    for section, fields in data.items():
+        lines.append(f"\n[{section}]")
+        lines.extend(f"{k} = {value(v)}" for k, v in fields.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,197 @@
+"""The pipeline: a stage server (stages ≥ 1) and the downstream client that drivers and
+servers both use to hand a microbatch to the next stage.
+
+A forward request stays open while the microbatch travels on: stage k runs forward, sends its
+output to a replica of stage k+1 it picks (SWARM's stochastic wiring), gets back the gradient
+w.r.t. that output, runs backward and answers with the gradient w.r.t. its own input. So
+activations cross each boundary once, gradients come back along the same route, and backward
+always runs on the replica that ran the forward (replicas drift between DiLoCo rounds).
+A stage that cannot reach its next stage answers DOWNSTREAM_FAILED naming the failed peer; the
+driver re-sends the microbatch along another route. A stage does not retry itself: one owner
+(the driver) decides, so no microbatch is trained twice by two retry loops.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from swarmgrad.compression import Codec
+from swarmgrad.peer.routing import BanList, Candidate, choose_replica
+from swarmgrad.peer.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.swarm import ONLINE, SwarmView
+from swarmgrad.peer.worker import NotReady, StageWorker
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.validation import (RunIdentity, StageContract, decode_tensor, encoded_to_proto, envelope,
+                                           raw_from_tensor, validate_forward)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """What came back from the next stage."""
+    status: int
+    reason: str = ""
+    loss: float = math.nan
+    n_targets: int = 0
+    grad: torch.Tensor | None = None
+    failed_peer: str = ""
+    route: str = ""
+
+
+class Downstream:
+    """Sends microbatches to the next stage: replica choice, bans, queue counts, validation of answers."""
+
+    def __init__(self, identity: RunIdentity, rpc: FramedRPC, swarm: SwarmView, bans: BanList,
+                 activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None):
+        self.identity = identity
+        self.rpc = rpc
+        self.swarm = swarm
+        self.bans = bans
+        self.codec = activation_codec
+        self.max_numel = max_numel
+        self.refresh_seconds = refresh_seconds
+        self.in_flight: dict[str, int] = {}
+        self.rng = random.Random(seed)
+        self._cache: dict[int, tuple[float, list[Candidate]]] = {}
+
+    async def candidates(self, stage: int) -> list[Candidate]:
+        now = time.monotonic()
+        cached = self._cache.get(stage)
+        if cached is None or now - cached[0] > self.refresh_seconds:
+            try:
+                records = await self.swarm.stage_records(stage)
+                cached = (now, [Candidate(r.peer_id, r.throughput) for r in records if r.state == ONLINE])
+            except Exception as e:  # the DHT is slow or gone: keep the last view rather than fail
+                logger.warning("could not refresh stage %d replicas: %s", stage, e)
+                cached = (now, cached[1] if cached else [])
+            self._cache[stage] = cached
+        return cached[1]
+
+    async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
+                      attempt: int, driver: str, deadline: float, eval_only: bool) -> Hop:
+        peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
+        if peer is None:
+            return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}")
+        request = pb.ForwardRequest(
+            envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
+            activations=encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))),
+            targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only)
+        self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
+        try:
+            response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
+                                           timeout=max(0.1, deadline - get_dht_time()))
+        except RPCFailed as e:
+            self.bans.ban(peer, time.monotonic())
+            return Hop(pb.DOWNSTREAM_FAILED, str(e), failed_peer=peer)
+        finally:
+            self.in_flight[peer] -= 1
+        return self._check(peer, response, tuple(output.shape), eval_only)
+
+    def _check(self, peer: str, response: pb.ForwardResponse, shape: tuple[int, ...], eval_only: bool) -> Hop:
+        route = f"{peer},{response.route}" if response.route else peer
+        if response.status == pb.NOT_READY:
+            return Hop(pb.NOT_READY, response.reason)
+        if response.status != pb.OK:
+            failed = response.failed_peer if response.status == pb.DOWNSTREAM_FAILED and response.failed_peer else peer
+            self.bans.ban(failed, time.monotonic())
+            return Hop(pb.DOWNSTREAM_FAILED, f"{pb.Status.Name(response.status)}: {response.reason}", failed_peer=failed)
+        if not math.isfinite(response.loss):
+            self.bans.ban(peer, time.monotonic())
+            return Hop(pb.DOWNSTREAM_FAILED, "non-finite loss", failed_peer=peer)
+        grad = None
+        if not eval_only:
+            try:
+                grad = decode_tensor(response.grad_input, self.max_numel, "grad_input", shape)
+            except ProtocolError as e:
+                self.bans.ban(peer, time.monotonic())
+                return Hop(pb.DOWNSTREAM_FAILED, f"bad gradient from {peer[-8:]}: {e.reason}", failed_peer=peer)
+        self.bans.succeeded(peer)
+        return Hop(pb.OK, loss=response.loss, n_targets=response.n_targets, grad=grad, route=route)
+
+
+class StageServer:
+    """Serves forward requests for one stage ≥ 1 replica."""
+
+    def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
+                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int):
+        self.identity = identity
+        self.contract = contract
+        self.worker = worker
+        self.downstream = downstream
+        self.codec = gradient_codec
+        self.max_numel = max_numel
+        self.served = 0
+        self.refused = 0
+
+    @property
+    def last(self) -> bool:
+        return self.contract.stage == self.contract.n_stages - 1
+
+    async def handle(self, request: pb.ForwardRequest, caller: PeerID) -> pb.ForwardResponse:
+        inp = validate_forward(request, self.identity, self.contract, self.max_numel)
+        if get_dht_time() > inp.deadline:
+            raise ProtocolError(pb.DEADLINE_EXCEEDED, "the microbatch's deadline has passed")
+        train = not inp.eval_only
+        try:
+            async with self.worker.admitted(wait=False):
+                response = await self._serve(inp, train)
+        except NotReady as e:
+            self.refused += 1
+            return pb.ForwardResponse(status=pb.NOT_READY, reason=str(e))
+        if train and response.status == pb.OK:
+            self.served += 1
+            await self.worker.maybe_step()
+        return response
+
+    async def _serve(self, inp, train: bool) -> pb.ForwardResponse:
+        batch = inp.activations.shape[0]
+        if self.last:
+            loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, train)
+            response = pb.ForwardResponse(status=pb.OK, loss=loss, n_targets=inp.targets.numel())
+            if grad_x is not None:
+                response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
+            return response
+        assert self.downstream is not None
+        x, y = await self.worker.forward(inp.activations, train)
+        hop = await self.downstream.forward(self.contract.stage + 1, y, inp.targets, inp.microbatch_id, inp.attempt,
+                                            inp.driver, inp.deadline, inp.eval_only)
+        if hop.status != pb.OK:
+            status = pb.NOT_READY if hop.status == pb.NOT_READY else pb.DOWNSTREAM_FAILED
+            return pb.ForwardResponse(status=status, reason=hop.reason, failed_peer=hop.failed_peer)
+        response = pb.ForwardResponse(status=pb.OK, loss=hop.loss, n_targets=hop.n_targets, route=hop.route)
+        if train:
+            assert hop.grad is not None
+            grad_x = await self.worker.backward(x, y, hop.grad, batch)
+            assert grad_x is not None
+            response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
+        return response
+
+
+def refusal(response_type: type) -> "callable":
+    def make(status: int, reason: str):
+        return response_type(status=status, reason=reason)
+    return make
+
+
+async def wait_for_pipeline(swarm: SwarmView, n_stages: int, timeout: float, poll: float = 0.5) -> bool:
+    """True once every stage has an ONLINE replica (drivers wait for this before sending)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            view = await swarm.swarm()
+            if all(any(r.state == ONLINE for r in view.get(s, [])) for s in range(1, n_stages)):
+                return True
+        except Exception as e:
+            logger.debug("swarm view failed: %s", e)
+        await asyncio.sleep(poll)
+    return False

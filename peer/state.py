@@ -1,0 +1,130 @@
+"""Stage state: θ_global, the outer optimiser and the round counter of one stage replica.
+
+θ_global lives on the CPU in fp32 whatever the device of the module: it is what the replicas
+of a stage agree on bit for bit after every round, and the outer step is run by identical CPU
+code on identical inputs so that agreement survives it. `digest` names a state; replicas
+compare digests before they average and after, and one whose digest differs re-syncs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from swarmgrad.peer.manifest import OuterOptConfig
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """An immutable copy of a committed state, safe to serve while training goes on."""
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    round: int
+    applied_rounds: int
+    digest: str
+
+
+def state_digest(params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for prefix, tensors in (("p", params), ("m", momentum)):
+        for name in sorted(tensors):
+            h.update(f"{prefix}:{name}:{tuple(tensors[name].shape)}".encode())
+            h.update(tensors[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class StageState:
+    def __init__(self, module: nn.Module, outer: OuterOptConfig):
+        self.names = [name for name, _ in module.named_parameters()]
+        self.shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        self.params = {name: p.detach().to("cpu", torch.float32).clone().requires_grad_(True)
+                       for name, p in module.named_parameters()}
+        self._outer_cfg = outer
+        self.outer_opt = self._make_outer()
+        self.round = 0
+        """The round this replica runs next."""
+        self.applied_rounds = 0
+        """How many outer steps produced θ_global (0: the initialisation)."""
+        self.digest = ""
+        self.snapshot: StateSnapshot | None = None
+        self.commit()
+
+    def _make_outer(self) -> torch.optim.SGD:
+        cfg = self._outer_cfg
+        # foreach=False: one code path everywhere, so every replica computes bit-identical updates
+        return torch.optim.SGD([self.params[n] for n in self.names], lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov and cfg.momentum > 0, foreach=False)
+
+    def momentum(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in self.names:
+            buf = self.outer_opt.state.get(self.params[name], {}).get("momentum_buffer")
+            if buf is not None:
+                out[name] = buf
+        return out
+
+    def commit(self) -> None:
+        """Recompute the digest and freeze a snapshot for state download."""
+        params = {n: p.detach().clone() for n, p in self.params.items()}
+        momentum = {n: m.detach().clone() for n, m in self.momentum().items()}
+        self.digest = state_digest(params, momentum)
+        self.snapshot = StateSnapshot(params, momentum, self.round, self.applied_rounds, self.digest)
+
+    def pseudo_gradient(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Δ = θ_global − θ_local, fp32 on the CPU."""
+        local = dict(module.named_parameters())
+        return {n: self.params[n].detach() - local[n].detach().to("cpu", torch.float32) for n in self.names}
+
+    def apply_outer(self, mean_delta: dict[str, torch.Tensor]) -> None:
+        """θ_global ← OuterOpt(θ_global, mean Δ); the caller sets `round` and commits."""
+        for name in self.names:
+            self.params[name].grad = mean_delta[name].to(torch.float32).clone()
+        self.outer_opt.step()
+        self.outer_opt.zero_grad(set_to_none=True)
+        self.applied_rounds += 1
+
+    def copy_to(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(self.params[name].detach().to(p.device, p.dtype))
+
+    def load(self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round: int,
+             applied_rounds: int) -> None:
+        """Adopt a state downloaded from another replica (names and shapes already validated)."""
+        with torch.no_grad():
+            for name in self.names:
+                self.params[name].copy_(params[name])
+        self.outer_opt = self._make_outer()
+        for name, buf in momentum.items():
+            self.outer_opt.state[self.params[name]]["momentum_buffer"] = buf.detach().clone()
+        self.round = round
+        self.applied_rounds = applied_rounds
+        self.commit()
+
+    def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
+        """A safetensors checkpoint of the committed state (θ_global and outer momentum)."""
+        from safetensors.torch import save_file
+        snap = self.snapshot
+        assert snap is not None
+        tensors = {f"global.{n}": t.contiguous() for n, t in snap.params.items()}
+        tensors.update({f"momentum.{n}": t.contiguous() for n, t in snap.momentum.items()})
+        meta = {"round": str(snap.round), "applied_rounds": str(snap.applied_rounds), "digest": snap.digest}
+        meta.update(extra or {})
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"swarmgrad": json.dumps(meta)})
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(θ_global, momentum, metadata) from a checkpoint written by StageState.save."""
+    from safetensors import safe_open
+    params, momentum = {}, {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("swarmgrad", "{}"))
+        for key in f.keys():
+            kind, name = key.split(".", 1)
+            (params if kind == "global" else momentum)[name] = f.get_tensor(key)
+    return params, momentum, meta

@@ -1,0 +1,133 @@
+"""Swarm state in the DHT: who serves which stage, the run's clock, round registrations.
+
+Keys (all under the run id, so runs never see each other's records):
+  {run}/stage/{s}          subkey peer id -> PeerRecord as a dict   (expires: timeouts.announce_ttl)
+  {run}/epoch              the run's time origin for wall-clock rounds
+  {run}/round/{s}/{r}      subkey peer id -> registration for round r of stage s
+Values are small dicts (hivemind's pipe breaks on values over ~16 KiB, see the primer). Every
+record read back is validated; a malformed record or one of another manifest is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+JOINING, ONLINE, LEAVING = "joining", "online", "leaving"
+STATES = (JOINING, ONLINE, LEAVING)
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    peer_id: str
+    stage: int
+    state: str
+    throughput: float
+    """Microbatches per second this replica processes (forward + backward, moving average)."""
+    round: int
+    applied_rounds: int
+    digest: str
+    manifest_hash: str
+    driver: bool
+    maddrs: tuple[str, ...] = ()
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        value.pop("peer_id")
+        value["maddrs"] = list(self.maddrs)
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> "PeerRecord | None":
+        try:
+            record = cls(peer_id=peer_id, stage=int(value["stage"]), state=str(value["state"]),
+                         throughput=float(value["throughput"]), round=int(value["round"]),
+                         applied_rounds=int(value["applied_rounds"]), digest=str(value["digest"]),
+                         manifest_hash=str(value["manifest_hash"]), driver=bool(value["driver"]),
+                         maddrs=tuple(str(m) for m in value.get("maddrs", ()))[:8])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if record.state not in STATES or not math.isfinite(record.throughput) or record.throughput < 0:
+            return None
+        return record
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/stage/{stage}"
+
+
+def round_key(run_id: str, stage: int, round: int) -> str:
+    return f"{run_id}/round/{stage}/{round}"
+
+
+class SwarmView:
+    """The peer's window on the DHT: typed reads and writes, each with a deadline."""
+
+    def __init__(self, dht: DHT, run_id: str, manifest_hash: str, n_stages: int, timeout: float, ttl: float):
+        self.dht = dht
+        self.run_id = run_id
+        self.manifest_hash = manifest_hash
+        self.n_stages = n_stages
+        self.timeout = timeout
+        self.ttl = ttl
+
+    async def _store(self, key: str, subkey: str | None, value: Any, ttl: float) -> bool:
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        return bool(await asyncio.wait_for(future, self.timeout))
+
+    async def _get(self, key: str) -> Any:
+        future = self.dht.get(key, latest=True, return_future=True)
+        found = await asyncio.wait_for(future, self.timeout)
+        return None if found is None else found.value
+
+    async def announce(self, record: PeerRecord) -> bool:
+        return await self._store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), self.ttl)
+
+    async def stage_records(self, stage: int) -> list[PeerRecord]:
+        """Live replicas of `stage` that run our manifest, sorted by peer id."""
+        raw = await self._get(stage_key(self.run_id, stage))
+        records = []
+        if isinstance(raw, dict):
+            for subkey, item in raw.items():
+                record = PeerRecord.from_value(str(subkey), getattr(item, "value", None))
+                if record is None or record.stage != stage:
+                    logger.debug("dropped a malformed record under stage %d from %s", stage, subkey)
+                elif record.manifest_hash == self.manifest_hash:
+                    records.append(record)
+        return sorted(records, key=lambda r: r.peer_id)
+
+    async def swarm(self) -> dict[int, list[PeerRecord]]:
+        results = await asyncio.gather(*(self.stage_records(s) for s in range(self.n_stages)))
+        return dict(enumerate(results))
+
+    async def epoch(self) -> float:
+        """The run's time origin: read it, or set it to now if nobody has (first writer wins)."""
+        key = f"{self.run_id}/epoch"
+        found = await self._get(key)
+        if not isinstance(found, (int, float)):
+            await self._store(key, None, float(get_dht_time()), 7 * 86400)
+            found = await self._get(key)
+        if not isinstance(found, (int, float)) or not math.isfinite(found):
+            raise RuntimeError(f"could not read or set the run's epoch in the DHT ({found!r})")
+        return float(found)
+
+    async def register_round(self, stage: int, round: int, peer_id: str, value: dict[str, Any]) -> bool:
+        return await self._store(round_key(self.run_id, stage, round), peer_id, value, self.ttl * 4)
+
+    async def round_registrations(self, stage: int, round: int) -> dict[str, dict[str, Any]]:
+        raw = await self._get(round_key(self.run_id, stage, round))
+        out = {}
+        if isinstance(raw, dict):
+            for subkey, item in raw.items():
+                value = getattr(item, "value", None)
+                if isinstance(value, dict) and isinstance(value.get("digest"), str) \
+                        and isinstance(value.get("applied_rounds"), int):
+                    out[str(subkey)] = value
+        return out

@@ -1,0 +1,197 @@
+"""One stage replica's compute: forward, backward, gradient accumulation, inner steps, and the
+gate that keeps them consistent.
+
+Graphs of microbatches in flight reference the live parameters, so an inner step (or an outer
+round, which rewrites them) must wait until no microbatch is between its forward and its
+backward: the gate closes to newcomers, in-flight work drains, the step runs, the gate opens.
+That makes every gradient exact (no stale weights), which is what lets a pipeline round with
+one replica per stage equal a plain step of the whole model.
+
+All torch work runs on one worker thread per peer, so compute never blocks the event loop
+that serves RPCs, and forward/backward of different microbatches never interleave mid-op.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
+
+import torch
+from torch import nn
+
+from swarmgrad.peer.manifest import InnerOptConfig
+from swarmgrad.peer.routing import RateMeter
+
+
+class NotReady(Exception):
+    """The replica is between rounds (or leaving) and takes no new microbatches now."""
+
+
+class StageWorker:
+    def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None):
+        self.module = module.to(device)
+        self.device = device
+        self.loss_fn = loss_fn
+        self.cfg = inner
+        self.optimizer = self._make_optimizer()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._cond = asyncio.Condition()
+        self._in_flight = 0
+        self._paused = False
+        self._stepping = False
+        self.accumulated = 0
+        """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
+        self.inner_steps = 0
+        """Inner steps since the last round boundary."""
+        self.samples = 0
+        """Samples trained on since the last round boundary (the averaging weight)."""
+        self.losses: list[float] = []
+        """Losses of microbatches since the last round boundary (known at the last stage and at drivers)."""
+        self.rate = RateMeter()
+        self._busy_since: float | None = None
+        self._done_since_rate = 0
+        self.step_event = asyncio.Event()
+        self.steps_per_round = 0
+        """H: with rounds counted in inner steps, the worker pauses itself after the H-th step, in
+        the same critical section, so no microbatch slips into the next round's first step."""
+
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        c = self.cfg
+        return torch.optim.AdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, wait: bool) -> AsyncIterator[None]:
+        """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady."""
+        async with self._cond:
+            while self._paused or self._stepping:
+                if self._paused and not wait:
+                    raise NotReady("between rounds")
+                await self._cond.wait()
+            self._in_flight += 1
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    # compute -----------------------------------------------------------------------------
+    def _forward(self, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device)
+        if x.is_floating_point() and train:
+            x.requires_grad_(True)
+        with torch.set_grad_enabled(train):
+            return x, self.module(x)
+
+    async def forward(self, x: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input as used, output). With train, both keep the graph for `backward`."""
+        return await self.run(self._forward, x, train)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
+        y.backward(grad_y.to(y.device, y.dtype))
+        return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
+
+    async def backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """Accumulate parameter gradients; return the gradient w.r.t. the stage input (None at stage 0)."""
+        grad_x = await self.run(self._backward, x, y, grad_y)
+        self._finished(batch)
+        return grad_x
+
+    def _forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
+        assert self.loss_fn is not None
+        x, y = self._forward(x, train)
+        loss = self.loss_fn(y, targets.to(self.device))
+        if not train:
+            return loss.item(), None
+        loss.backward()
+        return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
+
+    async def forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool = True
+                           ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, loss and (with train) backward in one go."""
+        loss, grad_x = await self.run(self._forward_loss, x, targets, train)
+        if train:
+            self.losses.append(loss)
+            self._finished(x.shape[0])
+        return loss, grad_x
+
+    def _finished(self, batch: int) -> None:
+        self.accumulated += 1
+        self.samples += batch
+        self._done_since_rate += 1
+
+    def record_loss(self, loss: float) -> None:
+        self.losses.append(loss)
+
+    # inner steps and round boundaries ------------------------------------------------------
+    def _step(self) -> None:
+        scale = 1.0 / self.accumulated
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)  # the mean over microbatches, as the whole model would see it
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    async def maybe_step(self, force: bool = False) -> bool:
+        """Take an inner step once enough microbatches accumulated (or any, with force).
+
+        Closes the gate, waits for in-flight microbatches, steps, reopens. Returns whether it stepped.
+        """
+        async with self._cond:
+            if self._stepping or self.accumulated == 0 or (not force and self.accumulated < self.cfg.microbatches_per_step):
+                return False
+            self._stepping = True
+            try:
+                await self._cond.wait_for(lambda: self._in_flight == 0)
+                await self.run(self._step)
+                self.accumulated = 0
+                self.inner_steps += 1
+                self._update_rate()
+                if self.steps_per_round and self.inner_steps >= self.steps_per_round:
+                    self._paused = True
+            finally:
+                self._stepping = False
+                self._cond.notify_all()
+        self.step_event.set()
+        return True
+
+    def _update_rate(self) -> None:
+        now = time.monotonic()
+        if self._busy_since is not None:
+            self.rate.update(self._done_since_rate, now - self._busy_since)
+        self._busy_since, self._done_since_rate = None, 0
+
+    async def pause(self) -> None:
+        """Stop taking microbatches, let the in-flight ones finish, take a last (partial) inner step."""
+        async with self._cond:
+            self._paused = True
+            await self._cond.wait_for(lambda: self._in_flight == 0 and not self._stepping)
+        await self.maybe_step(force=True)
+
+    async def resume(self, carry_over: bool = False) -> None:
+        """Take microbatches again. With carry_over (a round that applied nothing), the round's
+        samples keep counting into the next round's weight, since θ_local still holds their work."""
+        async with self._cond:
+            self._paused = False
+            self.inner_steps = 0
+            if not carry_over:
+                self.samples = 0
+                self.losses = []
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)

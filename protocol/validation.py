@@ -1,0 +1,213 @@
+"""Validation of every message another peer sends us: wire messages in, typed values out.
+
+Nothing from the network reaches peer code without passing through here. Each check that
+fails raises ProtocolError with a wire Status and a reason that the caller sends back, so a
+bad message is refused, explained, and leaves no trace in the receiver's state.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from swarmgrad.compression import CODEC_NAMES, CodecError, Encoded, decode
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+
+MAX_PARAMS_JSON = 4096
+"""Codec parameters are a handful of numbers; anything longer is not a codec's."""
+
+RAW_DTYPES = {"int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "float32": torch.float32}
+DTYPE_NAMES = {"float32", "float16", "bfloat16"}
+
+Spec = Callable[[int], tuple[tuple[int, ...], torch.dtype]]
+"""batch size -> (shape, dtype) of a boundary tensor."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    run_id: str
+    manifest_hash: str
+
+
+def check_envelope(env: pb.Envelope, identity: RunIdentity, stages: Sequence[int]) -> None:
+    if env.run_id != identity.run_id:
+        raise ProtocolError(pb.WRONG_RUN, f"run_id {env.run_id!r} is not this peer's run {identity.run_id!r}")
+    if env.manifest_hash != identity.manifest_hash:
+        raise ProtocolError(pb.WRONG_RUN, f"manifest hash {env.manifest_hash[:12]!r} differs from ours "
+                                          f"{identity.manifest_hash[:12]!r}: the peers run different manifests")
+    if env.stage not in stages:
+        raise ProtocolError(pb.WRONG_STAGE, f"stage {env.stage} is not served here (serving {list(stages)})")
+
+
+def envelope(identity: RunIdentity, stage: int) -> pb.Envelope:
+    return pb.Envelope(run_id=identity.run_id, manifest_hash=identity.manifest_hash, stage=stage)
+
+
+def _check_shape(shape: Sequence[int], max_numel: int, what: str) -> tuple[int, ...]:
+    if len(shape) > 8:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {len(shape)} dimensions (at most 8)")
+    numel = 1
+    for dim in shape:
+        if dim < 0:
+            raise ProtocolError(pb.BAD_REQUEST, f"{what}: negative dimension in shape {list(shape)}")
+        numel *= dim
+        if numel > max_numel:
+            raise ProtocolError(pb.TOO_LARGE, f"{what}: shape {list(shape)} exceeds {max_numel} elements")
+    return tuple(int(d) for d in shape)
+
+
+def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor") -> Encoded:
+    """Turn a wire EncodedTensor into an Encoded after checking its header (not its payload)."""
+    if msg.codec not in CODEC_NAMES:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: unknown codec {msg.codec!r}")
+    if msg.dtype not in DTYPE_NAMES:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: dtype {msg.dtype!r} not one of {sorted(DTYPE_NAMES)}")
+    shape = _check_shape(msg.shape, max_numel, what)
+    if len(msg.params_json) > MAX_PARAMS_JSON:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params longer than {MAX_PARAMS_JSON} characters")
+    try:
+        params = json.loads(msg.params_json) if msg.params_json else {}
+    except json.JSONDecodeError as e:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params are not JSON ({e})") from None
+    if not isinstance(params, dict):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params must be a JSON object")
+    return Encoded(codec=msg.codec, shape=shape, dtype=msg.dtype, params=params, buffers=tuple(msg.buffers))
+
+
+def encoded_to_proto(enc: Encoded) -> pb.EncodedTensor:
+    return pb.EncodedTensor(codec=enc.codec, shape=list(enc.shape), dtype=enc.dtype,
+                            params_json=json.dumps(enc.params, sort_keys=True), buffers=list(enc.buffers))
+
+
+def decode_tensor(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor",
+                  expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Header checks, shape check against what we expect, payload decode, finiteness."""
+    enc = encoded_from_proto(msg, max_numel, what)
+    if expected_shape is not None and enc.shape != tuple(expected_shape):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: shape {list(enc.shape)} but expected {list(expected_shape)}")
+    try:
+        tensor = decode(enc)
+    except CodecError as e:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {e}") from None
+    if not torch.isfinite(tensor).all():
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: contains NaN or Inf")
+    return tensor
+
+
+def raw_from_tensor(tensor: torch.Tensor) -> pb.RawTensor:
+    tensor = tensor.detach().cpu().contiguous()
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in RAW_DTYPES:
+        raise ValueError(f"raw tensors must be one of {sorted(RAW_DTYPES)}, not {name}")
+    return pb.RawTensor(dtype=name, shape=list(tensor.shape), data=tensor.numpy().tobytes())
+
+
+def raw_to_tensor(msg: pb.RawTensor, max_numel: int, what: str = "raw tensor") -> torch.Tensor:
+    if msg.dtype not in RAW_DTYPES:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: dtype {msg.dtype!r} not one of {sorted(RAW_DTYPES)}")
+    shape = _check_shape(msg.shape, max_numel, what)
+    dtype = RAW_DTYPES[msg.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if len(msg.data) != numel * itemsize:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {len(msg.data)} bytes for shape {list(shape)} of {msg.dtype}")
+    array = np.frombuffer(msg.data, dtype=str(dtype).removeprefix("torch.")).reshape(shape)
+    tensor = torch.from_numpy(array.copy())
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: contains NaN or Inf")
+    return tensor
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    microbatch_id: int
+    attempt: int
+    driver: str
+    activations: torch.Tensor
+    targets: torch.Tensor
+    deadline: float
+    eval_only: bool
+
+
+@dataclass(frozen=True)
+class StageContract:
+    """What one stage accepts: boundary specs from the model, limits from the manifest."""
+    stage: int
+    n_stages: int
+    max_batch: int
+    input_spec: Spec
+    targets_spec: Spec
+    vocab_size: int | None = None
+    """If set, integer targets must lie in [0, vocab_size)."""
+
+
+def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: StageContract,
+                     max_numel: int) -> ForwardInput:
+    check_envelope(req.envelope, identity, [contract.stage])
+    if contract.stage == 0:
+        raise ProtocolError(pb.WRONG_STAGE, "stage 0 is driven locally and takes no forward requests")
+    if not req.HasField("activations") or not req.HasField("targets"):
+        raise ProtocolError(pb.BAD_REQUEST, "forward request needs activations and targets")
+    if not req.driver:
+        raise ProtocolError(pb.BAD_REQUEST, "forward request names no driver")
+    shape = tuple(req.activations.shape)
+    batch = shape[0] if shape else 0
+    if not 1 <= batch <= contract.max_batch:
+        raise ProtocolError(pb.BAD_REQUEST, f"batch of {batch} outside 1..{contract.max_batch} (inner.microbatch_size)")
+    expected_shape, _ = contract.input_spec(batch)
+    activations = decode_tensor(req.activations, max_numel, "activations", expected_shape)
+    targets = raw_to_tensor(req.targets, max_numel, "targets")
+    t_shape, t_dtype = contract.targets_spec(batch)
+    if tuple(targets.shape) != tuple(t_shape) or targets.dtype != t_dtype:
+        raise ProtocolError(pb.BAD_REQUEST, f"targets: {list(targets.shape)} {targets.dtype} but expected "
+                                            f"{list(t_shape)} {t_dtype}")
+    if contract.vocab_size is not None and targets.numel() and not targets.is_floating_point():
+        if int(targets.min()) < 0 or int(targets.max()) >= contract.vocab_size:
+            raise ProtocolError(pb.BAD_REQUEST, f"targets outside [0, {contract.vocab_size})")
+    if not math.isfinite(req.deadline):
+        raise ProtocolError(pb.BAD_REQUEST, "deadline is not a finite time")
+    return ForwardInput(microbatch_id=req.microbatch_id, attempt=req.attempt, driver=req.driver,
+                        activations=activations, targets=targets, deadline=req.deadline, eval_only=req.eval_only)
+
+
+def decode_named(tensors: Sequence[pb.NamedTensor], expected: dict[str, tuple[int, ...]], max_numel: int,
+                 what: str) -> dict[str, torch.Tensor]:
+    """Decode named tensors that must be exactly the `expected` names and shapes."""
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: duplicate tensor names")
+    if set(names) != set(expected):
+        missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: tensors do not match (missing {missing[:3]}, unexpected {extra[:3]})")
+    return {t.name: decode_tensor(t.tensor, max_numel, f"{what} {t.name}", expected[t.name]) for t in tensors}
+
+
+@dataclass(frozen=True)
+class AverageInput:
+    round: int
+    group_hash: str
+    state_digest: str
+    weight: float
+    part: int
+    tensors: dict[str, torch.Tensor]
+
+
+def validate_average(req: pb.AverageRequest, identity: RunIdentity, stage: int,
+                     part_shapes: Callable[[int], dict[str, tuple[int, ...]] | None], max_numel: int) -> AverageInput:
+    """`part_shapes(part)` gives the names and shapes this reducer expects for a part (None: not ours)."""
+    check_envelope(req.envelope, identity, [stage])
+    if not (math.isfinite(req.weight) and req.weight >= 0):
+        raise ProtocolError(pb.BAD_REQUEST, f"weight must be finite and >= 0 (got {req.weight})")
+    if not req.group_hash or not req.state_digest:
+        raise ProtocolError(pb.BAD_REQUEST, "average request needs group_hash and state_digest")
+    expected = part_shapes(req.part)
+    if expected is None:
+        raise ProtocolError(pb.GROUP_MISMATCH, f"part {req.part} is not reduced by this peer")
+    tensors = decode_named(req.tensors, expected, max_numel, f"part {req.part}")
+    return AverageInput(round=req.round, group_hash=req.group_hash, state_digest=req.state_digest,
+                        weight=req.weight, part=req.part, tensors=tensors)
