@@ -177,7 +177,7 @@ class Int4Codec(BlockwiseCodec):
     levels = 7
 
     def _pack(self, codes: torch.Tensor) -> bytes:
-        u = (codes + 8).to(torch.uint8)
+        u = codes.add_(8).view(torch.uint8)  # codes are ours: shift -7..7 to 1..15 in place
         if u.numel() % 2:
             u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
         pairs = u.view(-1, 2)

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, CodecError, Encoded, ParamValue, dtype_name, expect_buffers, prepare, register
-from .base import tensor_bytes, tensor_from_bytes
+from .base import require_finite, tensor_bytes, tensor_from_bytes
 
 __all__ = ["DenseCodec", "Float32Codec", "Float16Codec", "BFloat16Codec", "FP16_MAX"]
 
@@ -28,11 +28,11 @@ class DenseCodec(Codec):
     wire_dtype: ClassVar[torch.dtype]
 
     def encode(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
-        x = prepare(tensor)
-        y = self._cast(x)
+        x = prepare(tensor, check_finite=False)
+        y = self._cast(x, require_finite(x))
         return Encoded(self.name, tuple(tensor.shape), dtype_name(tensor.dtype), {}, (tensor_bytes(y),))
 
-    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+    def _cast(self, x: torch.Tensor, absmax: float) -> torch.Tensor:
         return x.to(self.wire_dtype)
 
     @classmethod
@@ -78,14 +78,13 @@ class Float16Codec(DenseCodec):
             raise CodecError(f"overflow must be 'error' or 'clamp', got {overflow!r}")
         self.overflow = overflow
 
-    def _cast(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float16 or x.numel() == 0:
+    def _cast(self, x: torch.Tensor, absmax: float) -> torch.Tensor:
+        if x.dtype == torch.float16:
             return x
-        amax = float(x.abs().max())
-        if amax > FP16_MAX:
+        if absmax > FP16_MAX:
             if self.overflow == "error":
                 raise CodecError(
-                    f"fp16: |x| up to {amax:.4g} exceeds fp16 max {FP16_MAX}; "
+                    f"fp16: |x| up to {absmax:.4g} exceeds fp16 max {FP16_MAX}; "
                     "use bf16/int8, or fp16 with overflow='clamp'"
                 )
             x = x.clamp(-FP16_MAX, FP16_MAX)

@@ -1,0 +1,192 @@
+"""swarmgrad codecs vs hivemind's, side by side on the same tensors, one CPU core.
+
+    python benchmarks/codecs.py [--sizes 1M,16M,64M] [--quick]
+
+Columns: ratio = fp32 bytes / wire bytes (payload only for swarmgrad; hivemind's serialized
+buffer, which includes its own small header), rel L2 error, encode / decode throughput in GB/s
+of fp32 input (best of 3). Distributions: standard normal and Student-t (df=2, heavy tails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from swarmgrad.compression import decode, get_codec
+
+SWARMGRAD_SPECS = [
+    "fp16", "bf16", "int8", "int4", "topk:fraction=0.01,values=fp16", "topk:fraction=0.01,values=int8",
+    "powersgd:rank=4",
+]
+QUANTILE_MAX_NUMEL = 16 * 2**20  # hivemind's Quantile8Bit takes ~3 s per 16M values
+
+
+@dataclass
+class Row:
+    codec: str
+    size: str
+    dist: str
+    ratio: float
+    err: float
+    enc: float
+    dec: float
+
+
+def patch_quantization_for_numpy24() -> None:
+    """hivemind 1.1.12's 8-bit extract breaks on numpy>=2.4 (TypeError); benchmark-only fix."""
+    from hivemind.compression import quantization as q
+
+    def _extract(self, serialized_tensor):
+        buf = serialized_tensor.buffer
+        n_codes = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buf, offset=8, count=n_codes, dtype=self.codebook_dtype)
+        indices = np.frombuffer(buf, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[indices].requires_grad_(serialized_tensor.requires_grad)
+
+    q.Quantization.extract = _extract
+
+
+def hivemind_codecs() -> tuple[dict[str, Callable], list[str]]:
+    """name -> (encode(t) -> message, decode(message) -> t, nbytes(message)); and notes."""
+    notes: list[str] = []
+    try:
+        from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+        from hivemind.proto.runtime_pb2 import CompressionType
+    except Exception as exc:  # noqa: BLE001 - report any import failure
+        return {}, [f"hivemind unavailable: {exc!r}"]
+    patch_quantization_for_numpy24()
+    out = {}
+    for name, ctype in [("hm:Float16", "FLOAT16"), ("hm:Uniform8Bit", "UNIFORM_8BIT"),
+                        ("hm:Quantile8Bit", "QUANTILE_8BIT"), ("hm:Blockwise8Bit", "BLOCKWISE_8BIT")]:
+        ct = getattr(CompressionType, ctype)
+        try:
+            probe = torch.randn(4096)
+            deserialize_torch_tensor(serialize_torch_tensor(probe, ct))
+        except Exception as exc:  # noqa: BLE001 - e.g. bitsandbytes missing
+            notes.append(f"{name} unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            continue
+        out[name] = (
+            lambda t, ct=ct: serialize_torch_tensor(t, ct),
+            lambda msg: deserialize_torch_tensor(msg),
+            lambda msg: len(msg.buffer),
+        )
+    return out, notes
+
+
+def best_of(fn: Callable, repeats: int = 3) -> tuple[float, object]:
+    best, result = math.inf, None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def measure(name: str, enc_fn, dec_fn, nbytes_fn, x: torch.Tensor, size: str, dist: str) -> Row:
+    t_enc, msg = best_of(lambda: enc_fn(x))
+    t_dec, y = best_of(lambda: dec_fn(msg))
+    y = y.float().reshape(x.shape)
+    gb = x.numel() * 4 / 1e9
+    err = float((y - x).norm() / x.norm())
+    return Row(name, size, dist, x.numel() * 4 / nbytes_fn(msg), err, gb / t_enc, gb / t_dec)
+
+
+def make_tensor(numel: int, dist: str, gen: torch.Generator) -> torch.Tensor:
+    if dist == "normal":
+        return torch.randn(numel, generator=gen)
+    # Student-t with df=2: normal / sqrt(chi2_2 / 2), chi2_2 = -2 log U
+    z = torch.randn(numel, generator=gen)
+    u = torch.rand(numel, generator=gen).clamp_min_(1e-12)
+    return z / torch.sqrt(-torch.log(u))
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1M,16M,64M", help="comma-separated numels, e.g. 1M,16M")
+    parser.add_argument("--quick", action="store_true", help="1M only (smoke run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = ["1M"] if args.quick else args.sizes.split(",")
+    hm, notes = hivemind_codecs()
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    for size in sizes:
+        numel = parse_size(size)
+        for dist in ("normal", "student-t2"):
+            x = make_tensor(numel, dist, gen)
+            for spec in SWARMGRAD_SPECS:
+                codec = get_codec(spec)
+                # powersgd sees a matrix (rows of 1024); warm start is per codec object
+                shape = (numel // 1024, 1024) if spec.startswith("powersgd") else (numel,)
+                xs = x.view(shape)
+                row = measure(spec, codec.encode, decode, lambda e: e.nbytes, xs, size, dist)
+                rows.append(row)
+            for name, (enc_fn, dec_fn, nb_fn) in hm.items():
+                if name == "hm:Quantile8Bit" and numel > QUANTILE_MAX_NUMEL:
+                    note = f"hm:Quantile8Bit skipped above {QUANTILE_MAX_NUMEL // 2**20}M (slow: ~3 s per 16M)"
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                rows.append(measure(name, enc_fn, dec_fn, nb_fn, x, size, dist))
+            del x
+    print_table(rows)
+    print()
+    for note in notes:
+        print("note:", note)
+    print()
+    print_targets(rows)
+
+
+def print_table(rows: list[Row]) -> None:
+    head = f"| {'codec':32s} | {'size':>4s} | {'dist':10s} | {'ratio':>7s} | {'rel L2':>8s} | {'enc GB/s':>8s} | {'dec GB/s':>8s} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for r in rows:
+        print(f"| {r.codec:32s} | {r.size:>4s} | {r.dist:10s} | {r.ratio:7.1f} | {r.err:8.5f} | "
+              f"{r.enc:8.2f} | {r.dec:8.2f} |")
+
+
+def both(r: Row) -> float:
+    """Throughput of encode+decode together (GB/s of fp32 input)."""
+    return 1.0 / (1.0 / r.enc + 1.0 / r.dec)
+
+
+def print_targets(rows: list[Row]) -> None:
+    print("targets (single core):")
+    for size in dict.fromkeys(r.size for r in rows):
+        for dist in ("normal", "student-t2"):
+            sel = {r.codec: r for r in rows if r.size == size and r.dist == dist}
+            ours = sel.get("int8")
+            hm8 = [sel[n] for n in ("hm:Uniform8Bit", "hm:Quantile8Bit", "hm:Blockwise8Bit") if n in sel]
+            if ours and hm8:
+                fastest = max(hm8, key=both)
+                ok = both(ours) >= both(fastest) and ours.err <= fastest.err
+                print(f"  {'PASS' if ok else 'FAIL'} int8 vs fastest hivemind 8-bit ({fastest.codec}) "
+                      f"[{size} {dist}]: {both(ours):.2f} vs {both(fastest):.2f} GB/s enc+dec, "
+                      f"err {ours.err:.4f} vs {fastest.err:.4f}")
+            if ours:
+                ok = both(ours) >= 1.0
+                print(f"  {'PASS' if ok else 'FAIL'} int8 enc+dec >= 1 GB/s [{size} {dist}]: {both(ours):.2f} GB/s")
+            topk = sel.get("topk:fraction=0.01,values=fp16")
+            if topk:
+                ok = topk.ratio >= 40
+                print(f"  {'PASS' if ok else 'FAIL'} topk 1% (fp16 values) >= 40x smaller than fp32 "
+                      f"[{size} {dist}]: {topk.ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
