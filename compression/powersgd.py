@@ -19,6 +19,10 @@ fallback codec (``fp16`` by default). The returned Encoded then names the fallba
 Wire layout (params ``{"rank": r}``; m, n from the shape): buffers ``(P, Q)``, fp32 LE,
 row-major, ``4*m*r`` and ``4*n*r`` bytes. ``nbytes = 4 r (m + n)``.
 
+Untrusted input: as with topk, a low-rank message is legitimately far smaller than its
+output (``4 r (m + n)`` bytes for ``m n`` values), so decode's output size is bounded only by
+``max_numel``; check ``enc.shape`` against the expected shape first where it is known.
+
 State: the codec object keeps one Q per slot: ``key`` if given to :meth:`encode`, otherwise
 ``"shape:m x n"``. Use distinct keys for distinct parameters of equal shape (ErrorFeedback
 passes its tensor name). :meth:`state_dict` / :meth:`load_state_dict` / :meth:`reset` manage it.
