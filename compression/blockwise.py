@@ -20,6 +20,7 @@ Wire layout (params ``{"block_size": B}``; n = numel, nb = ceil(n / B)):
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -100,6 +101,8 @@ class BlockwiseCodec(Codec):
         if tail:
             self._quantize_rows(x[nfull * bs :].view(1, tail), scales[nfull:], codes[nfull * bs :].view(1, tail),
                                 torch.empty(1, tail), torch.empty(1), torch.empty(1))
+        if scales.numel() and not math.isfinite(float(scales.amax())):  # NaN/Inf propagate into absmax
+            raise CodecError(f"{self.name}: input contains NaN or Inf; refusing to encode")
         scales.div_(L)
         return codes, scales
 
@@ -109,12 +112,9 @@ class BlockwiseCodec(Codec):
         L = self.levels
         torch.amax(xc, 1, out=s)
         torch.amin(xc, 1, out=aux)
-        torch.maximum(s, aux.neg_(), out=s)  # absmax; NaN propagates, Inf stays Inf
-        if not bool(torch.isfinite(s).all()):
-            raise CodecError(f"{self.name}: input contains NaN or Inf; refusing to encode")
+        torch.maximum(s, aux.neg_(), out=s)  # absmax; NaN propagates, Inf stays Inf (checked by caller)
         # inv = L / absmax; all-zero (and subnormal-absmax) blocks get inv = 0, hence codes 0
-        torch.reciprocal(s, out=inv).mul_(L)
-        inv.masked_fill_(~torch.isfinite(inv), 0.0)
+        torch.reciprocal(s, out=inv).mul_(L).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         torch.mul(xc, inv[:, None], out=t)
         if self.stochastic:
             t.add_(torch.rand(t.shape, generator=self._generator)).floor_().clamp_(-L, L)
