@@ -94,8 +94,13 @@ class PowerSGDCodec(Codec):
         if q is None or q.shape != (n, self.rank) or not bool(q.any()):  # all-zero: restart
             gen = torch.Generator().manual_seed(self.seed)
             q = torch.randn(n, self.rank, generator=gen)
+        # only Q's column space matters for the iteration: unit columns keep M @ q from
+        # overflowing (huge values) or losing precision (tiny ones)
+        q = q / q.norm(dim=0).clamp_min(1e-30)
         p = torch.linalg.qr(M @ q).Q  # (m, r), orthonormal columns
         q = M.T @ p  # (n, r)
+        if not bool(torch.isfinite(q).all()):
+            raise CodecError("powersgd: factors overflow fp32 (|x| near fp32 max); use int8 or bf16")
         self._q[slot] = q
         return Encoded(
             self.name, shape, dtype_name(tensor.dtype), {"rank": self.rank},
