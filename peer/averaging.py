@@ -126,6 +126,8 @@ class RoundResult:
     mean_delta: dict[str, torch.Tensor] | None
     stale: bool = False
     """This replica's θ_global was not the group's reference: it must re-sync."""
+    total_weight: float = 0.0
+    """Samples the whole group trained on this round; 0 means nobody trained, so nobody steps."""
 
 
 class Averager:
@@ -260,6 +262,7 @@ class Averager:
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
         mean: dict[str, torch.Tensor] = {}
+        totals = set()
         for part, res in enumerate(results):
             reducer = group.members[part][-8:]
             if isinstance(res, (RPCFailed, asyncio.TimeoutError)):
@@ -272,9 +275,12 @@ class Averager:
             if tuple(res.contributors) != group.members:
                 return RoundResult(False, f"part {part} averaged over {len(res.contributors)} of "
                                           f"{len(group.members)} members", group.members, None)
+            totals.add(res.total_weight)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
                 mean.update(decode_named(res.tensors, expected, self.max_numel, f"mean of part {part}"))
             except ProtocolError as e:
                 return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None)
-        return RoundResult(True, "", group.members, mean)
+        if len(totals) != 1:
+            return RoundResult(False, f"reducers report different total weights {sorted(totals)}", group.members, None)
+        return RoundResult(True, "", group.members, mean, total_weight=totals.pop())

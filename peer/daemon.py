@@ -82,6 +82,8 @@ class Peer:
         self._bytes_mark = (0, 0)
         self._round_started = time.monotonic()
         self.driver: Driver | None = None
+        self._evaluating = False
+        self._maddrs: tuple[str, ...] = ()
 
     # lifecycle --------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -91,8 +93,10 @@ class Peer:
             await self.swarm.swarm(), self.n_stages, exclude=self.peer_id)
         if not 0 <= self.stage < self.n_stages:
             raise ValueError(f"--stage {self.stage} is outside 0..{self.n_stages - 1}")
+        # get_visible_maddrs blocks on the DHT process: ask once, while it is surely alive
+        self._maddrs = tuple(str(a) for a in self.dht.get_visible_maddrs())
         self.events = EventLog(self.opt.events_path, peer=self.peer_id, stage=self.stage)
-        self.events.emit("started", maddrs=[str(a) for a in self.dht.get_visible_maddrs()],
+        self.events.emit("started", maddrs=list(self._maddrs),
                          run_id=self.m.run_id, manifest_hash=self.m.hash)
         logger.info("peer %s serves stage %d of %d", self.peer_id[-8:], self.stage, self.n_stages)
         self.epoch = await self.swarm.epoch() if self.m.rounds.round_seconds else None
@@ -122,19 +126,31 @@ class Peer:
             await self._shutdown()
 
     async def _join(self) -> None:
-        """Take the stage's current state from a live replica, or start from the seed if none."""
-        donors = [r for r in await self.swarm.stage_records(self.stage)
-                  if r.state == ONLINE and r.peer_id != self.peer_id]
-        for donor in sorted(donors, key=lambda r: (-r.applied_rounds, r.peer_id)):
-            if await self._download_state(donor.peer_id):
-                self.state.copy_to(self.worker.module)
-                self.events.emit("state_loaded", source=donor.peer_id, round=self.state.round,
-                                 applied_rounds=self.state.applied_rounds, digest=self.state.digest)
+        """Take the stage's current state from a live replica, or start from the seed if none.
+
+        A replica that is averaging refuses (NOT_READY): a joiner must not start from the state a
+        round is about to replace (hivemind #445), so it retries until the round is over.
+        """
+        deadline = time.monotonic() + self.m.timeouts.state_download
+        while True:
+            donors = [r for r in await self.swarm.stage_records(self.stage)
+                      if r.state == ONLINE and r.peer_id != self.peer_id]
+            if not donors:
+                self.events.emit("state_initialised", round=self.state.round, digest=self.state.digest)
                 break
-        else:
-            if donors:
-                raise RuntimeError(f"could not download stage {self.stage} state from any of {len(donors)} replicas")
-            self.events.emit("state_initialised", round=self.state.round, digest=self.state.digest)
+            for donor in sorted(donors, key=lambda r: (-r.applied_rounds, r.peer_id)):
+                if await self._download_state(donor.peer_id):
+                    self.state.copy_to(self.worker.module)
+                    self.events.emit("state_loaded", source=donor.peer_id, round=self.state.round,
+                                     applied_rounds=self.state.applied_rounds, digest=self.state.digest)
+                    break
+            else:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
+                                       f"within timeouts.state_download")
+                await asyncio.sleep(0.5)
+                continue
+            break
         if self.epoch is not None:
             self.state.round = max(self.state.round, self._clock_round(get_dht_time()))
 
@@ -208,7 +224,7 @@ class Peer:
                           throughput=self.worker.rate.rate, round=self.state.round,
                           applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                           manifest_hash=self.m.hash, driver=self.stage == 0,
-                          maddrs=tuple(str(a) for a in self.dht.get_visible_maddrs()[:4]))
+                          maddrs=self._maddrs[:4])
 
     async def _announce(self) -> None:
         try:
@@ -271,7 +287,10 @@ class Peer:
         carry = False
         if result.complete:
             assert result.mean_delta is not None
-            await worker.run(state.apply_outer, result.mean_delta)
+            # A round in which the whole group trained on nothing is a no-op: an outer step on a zero
+            # pseudo-gradient would still move θ_global by momentum alone, on no evidence.
+            if result.total_weight > 0:
+                await worker.run(state.apply_outer, result.mean_delta)
             state.round = next_round
             await worker.run(state.commit)
             await worker.run(state.copy_to, worker.module)
@@ -288,8 +307,8 @@ class Peer:
         self._report_round(round, result, samples, losses, steps, started, sent0, recv0)
         if self.opt.save_dir:
             self._save()
-        if self.stage == 0 and self.driver is not None and self.m.data.eval_every \
-                and (self.rounds_done + 1) % self.m.data.eval_every == 0:
+        if self.stage == 0 and self.driver is not None and self.driver.running and self.m.data.eval_every \
+                and (self.rounds_done + 1) % self.m.data.eval_every == 0 and not self._evaluating:
             self._tasks.append(asyncio.create_task(self._eval_now(), name="eval"))
 
     def _report_round(self, round: int, result: RoundResult, samples: int, losses: list[float], steps: int,
@@ -332,6 +351,8 @@ class Peer:
         snap = self.state.snapshot
         if snap is None or self.state_name != ONLINE:
             raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
+        if self.worker.paused:
+            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
         fp32 = get_codec("fp32")
         return pb.StateResponse(
             status=pb.OK, round=snap.round, state_digest=snap.digest, applied_rounds=snap.applied_rounds,
@@ -374,7 +395,11 @@ class Peer:
 
     async def _eval_now(self) -> None:
         assert self.driver is not None
-        self._emit_eval(await self.driver.evaluate(self._val_batches))
+        self._evaluating = True
+        try:
+            self._emit_eval(await self.driver.evaluate(self._val_batches))
+        finally:
+            self._evaluating = False
 
     def _emit_eval(self, val_nats: float, final: bool = False) -> None:
         bpb = bits_per_byte(val_nats) if val_nats == val_nats else math.nan

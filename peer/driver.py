@@ -53,9 +53,12 @@ class Driver:
         self.deadlines = DeadlineEstimator(minimum=t.min_microbatch, maximum=t.microbatch)
         self.stats = DriverStats()
         self._ids = itertools.count()
+        self.running = False
+        """True once the driver is sending training microbatches."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep pipeline.max_in_flight microbatches going until `stop` is set."""
+        self.running = True
         lanes = [asyncio.create_task(self._lane(stop), name=f"driver-lane-{i}")
                  for i in range(self.m.pipeline.max_in_flight)]
         try:
@@ -106,7 +109,7 @@ class Driver:
                 # the next stage is between rounds (or not there yet): wait, it is not a failure
                 self.stats.not_ready_waits += 1
                 await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 1.5)
+                backoff = min(1.0, backoff * 1.5)
                 continue
             attempt += 1
             self.stats.retries += 1

@@ -34,6 +34,12 @@ class PeerProcess:
         return self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
+        """Signal the peer process alone, as `kill PID` would; it stops its own children."""
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def kill_group(self, sig: int = 9) -> None:  # SIGKILL (the method `signal` shadows the module here)
+        """Signal the whole process group (peer, DHT child, p2pd): a machine that vanished."""
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
@@ -118,7 +124,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 pass
         for peer in self.peers:
-            peer.signal(signal.SIGKILL)  # also reaps the DHT child and p2pd of a peer that exited itself
+            peer.kill_group(signal.SIGKILL)  # also reaps the DHT child and p2pd of a peer that exited itself
             try:
                 peer.proc.wait(5)
             except subprocess.TimeoutExpired:

@@ -52,7 +52,7 @@ class PeerRecord:
                          applied_rounds=int(value["applied_rounds"]), digest=str(value["digest"]),
                          manifest_hash=str(value["manifest_hash"]), driver=bool(value["driver"]),
                          maddrs=tuple(str(m) for m in value.get("maddrs", ()))[:8])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
         if record.state not in STATES or not math.isfinite(record.throughput) or record.throughput < 0:
             return None

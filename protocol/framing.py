@@ -49,14 +49,18 @@ async def read_message(frames: AsyncIterator[pb.Frame], message_type: type[M], m
     """
     parts: list[bytes] = []
     total = 0
+    complete = False
+    # Read the stream to its end even after the last frame: closing it early makes the other
+    # side's pending end-of-stream write fail (BrokenPipeError) on hivemind's p2p streams.
     async for frame in frames:
+        if complete:
+            raise ProtocolError(pb.BAD_REQUEST, "frames after the last frame")
         total += len(frame.data)
         if total > max_bytes:
             raise ProtocolError(pb.TOO_LARGE, f"message exceeds {max_bytes} bytes")
         parts.append(frame.data)
-        if frame.last:
-            break
-    else:
+        complete = frame.last
+    if not complete:
         raise ProtocolError(pb.BAD_REQUEST, "stream ended before the last frame")
     message = message_type()
     try:

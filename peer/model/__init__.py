@@ -13,4 +13,15 @@ __all__ = [
     "gpt_staged_model",
     "load_entry_point",
     "split_layers",
+    "from_manifest",
 ]
+
+
+def from_manifest(manifest) -> StagedModel:
+    """The StagedModel a manifest describes: the built-in GPT or the user's entry point."""
+    md = manifest.model
+    if md.kind == "gpt":
+        cfg = GPTConfig(vocab_size=md.vocab_size, d_model=md.d_model, n_layers=md.n_layers, n_heads=md.n_heads,
+                        seq_len=md.seq_len)
+        return gpt_staged_model(cfg, manifest.layers_per_stage, manifest.seed)
+    return load_entry_point(md.entry_point, dict(md.params), manifest.stages.count, manifest.seed)

@@ -1,0 +1,131 @@
+"""Swarm behaviour with real peer processes talking through hivemind on 127.0.0.1."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+
+from conftest import small_manifest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def complete_rounds(peers: list[PeerProcess], stage: int) -> dict[int, list[dict]]:
+    by_round: dict[int, list[dict]] = defaultdict(list)
+    for peer in peers:
+        for e in peer.events("round"):
+            if e["stage"] == stage and e["complete"]:
+                by_round[e["round"]].append(e)
+    return by_round
+
+
+def assert_replicas_agree(peers: list[PeerProcess], stage: int) -> None:
+    """Every replica that completed a round holds the same θ_global (and outer momentum) after it."""
+    for rnd, events in complete_rounds(peers, stage).items():
+        digests = {e["digest"] for e in events}
+        assert len(digests) == 1, f"stage {stage} round {rnd}: replicas disagree: {digests}"
+
+
+def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
+    manifest = small_manifest()
+    swarm: LocalSwarm = local_swarm(manifest)
+    first = swarm.start_first(0, "--max-rounds", "5", "--linger", "15")
+    for stage in (1, 0, 1):
+        swarm.start(stage, "--max-rounds", "5", "--linger", "15")
+    # the swarm is visible to an outside client while it runs
+    swarm.wait_for(first, lambda e: e["event"] == "round" and e["round"] >= 2 and e["complete"], 120, "round 2")
+    status = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "status", "--initial-peers",
+                             *swarm.initial_peers, "--manifest", str(swarm.manifest)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "run test-run" in status.stdout
+    for peer in swarm.peers:
+        peer_id = peer.events("started")[0]["peer"]
+        assert peer_id in status.stdout, status.stdout
+    assert "stage 0: 2 replica(s)" in status.stdout and "stage 1: 2 replica(s)" in status.stdout
+
+    codes = swarm.wait_exit(150)
+    assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+    for stage in (0, 1):
+        assert_replicas_agree(swarm.peers, stage)
+        full = [r for r, events in complete_rounds(swarm.peers, stage).items()
+                if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
+        assert len(full) >= 3, f"stage {stage}: too few rounds averaged by both replicas: {full}"
+    drivers = [p for p in swarm.peers if p.stage == 0]
+    for driver in drivers:
+        evals = [e["val_loss"] for e in driver.events("eval") if e["val_loss"] is not None]
+        assert len(evals) >= 2
+        assert evals[0] > 7.0, "an untrained byte model scores about 8 bits/byte"
+        assert evals[-1] < evals[0] - 1.0, f"validation loss did not go down: {evals}"
+    # a driver's round weights are the samples it trained on
+    samples = [e["samples"] for p in drivers for e in p.events("round")]
+    assert sum(samples) > 0
+    for peer in swarm.peers:
+        stopped = peer.events("stopped")
+        assert stopped and stopped[0]["bytes_sent"] > 0
+
+
+def test_replica_killed_mid_round_swarm_keeps_training(local_swarm) -> None:
+    manifest = small_manifest()
+    swarm: LocalSwarm = local_swarm(manifest)
+    driver = swarm.start_first(0, "--linger", "5")
+    victim = swarm.start(1)
+    survivor = swarm.start(1)
+    swarm.wait_for(survivor, lambda e: e["event"] == "round" and e["complete"] and e["group_size"] == 2, 120,
+                   "a round averaged by both stage-1 replicas")
+    # SIGKILL in the middle of the next round's inner steps: microbatches are in flight to it
+    time.sleep(1.5)
+    victim.kill_group(signal.SIGKILL)
+    killed_at = time.time()
+    completed_before = len(driver.events("round"))
+    swarm.wait_for(survivor, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
+                   and e["group_size"] == 1, 90, "a round completed by the survivor alone")
+    swarm.wait_for(driver, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
+                   and e["samples"] > 0, 60, "a driver round with trained samples after the kill")
+    retries = driver.events("retry")
+    assert retries, "the driver never re-sent a microbatch after the replica died"
+    victim_id = victim.events("started")[0]["peer"]
+    assert any(r["failed_peer"] == victim_id for r in retries)
+    assert not driver.events("lost"), "a microbatch was given up instead of re-routed"
+    assert len(driver.events("round")) > completed_before
+    assert_replicas_agree(swarm.peers, 1)
+    # the survivor and the driver still shut down cleanly
+    for peer in (driver, survivor):
+        peer.signal(signal.SIGTERM)
+    for peer in (driver, survivor):
+        assert peer.proc.wait(20) == 0, peer.log_tail()
+
+
+def test_late_joiner_receives_state_and_joins_next_round(local_swarm) -> None:
+    manifest = small_manifest()
+    swarm: LocalSwarm = local_swarm(manifest)
+    swarm.start_first(0)
+    old = swarm.start(1)
+    swarm.wait_for(old, lambda e: e["event"] == "round" and e["complete"] and e["samples"] > 0, 120,
+                   "a trained round on stage 1")
+    joiner = swarm.start(1)
+    loaded = swarm.wait_for(joiner, lambda e: e["event"] == "state_loaded", 60, "state download")
+    assert loaded["source"] == old.events("started")[0]["peer"]
+    # the state it received is the replica's θ_global as of the round it had completed
+    old_digests = {e["digest"] for e in old.events("round") if e["complete"]} | \
+                  {e["digest"] for e in old.events("online")}
+    assert loaded["digest"] in old_digests
+    # it takes part in the next round (or, if it came online too close to a boundary for the
+    # others to see it, the one after): same group, same θ_global afterwards
+    swarm.wait_for(joiner, lambda e: e["event"] == "round" and e["complete"], 60, "the joiner's first round")
+    joined = [e for e in joiner.events("round")][:2]
+    full = [e for e in joined if e["complete"] and e["group_size"] == 2]
+    assert full, joined
+    same = [e for e in old.events("round") if e["round"] == full[0]["round"]]
+    assert same and same[0]["digest"] == full[0]["digest"], (same, full[0])
+    joiner.signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert joiner.proc.wait(20) == 0, joiner.log_tail()
+    assert time.monotonic() - started < 15
+    assert joiner.events("stopped")
