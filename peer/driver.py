@@ -76,7 +76,7 @@ class Driver:
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
-        async with self.worker.admitted(wait=True):
+        async with self.worker.admitted(wait=True, train=not eval_only):
             if self.n_stages == 1:
                 loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
                 return pb.OK, loss, "", ""

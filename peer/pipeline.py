@@ -143,7 +143,7 @@ class StageServer:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "the microbatch's deadline has passed")
         train = not inp.eval_only
         try:
-            async with self.worker.admitted(wait=False):
+            async with self.worker.admitted(wait=False, train=train):
                 response = await self._serve(inp, train)
         except NotReady as e:
             self.refused += 1

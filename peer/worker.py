@@ -40,6 +40,7 @@ class StageWorker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._cond = asyncio.Condition()
         self._in_flight = 0
+        self._in_flight_train = 0
         self._paused = False
         self._stepping = False
         self.accumulated = 0
@@ -66,14 +67,21 @@ class StageWorker:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @contextlib.asynccontextmanager
-    async def admitted(self, wait: bool) -> AsyncIterator[None]:
-        """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady."""
+    async def admitted(self, wait: bool, train: bool = True) -> AsyncIterator[None]:
+        """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady.
+
+        A training microbatch is also held back while this inner step's quota is taken (what has
+        accumulated plus what is in flight reaches inner.microbatches_per_step): every inner step
+        then averages exactly that many microbatches, as a plain optimiser step would.
+        """
+        quota = self.cfg.microbatches_per_step
         async with self._cond:
-            while self._paused or self._stepping:
+            while self._paused or self._stepping or (train and self.accumulated + self._in_flight_train >= quota):
                 if self._paused and not wait:
                     raise NotReady("between rounds")
                 await self._cond.wait()
             self._in_flight += 1
+            self._in_flight_train += int(train)
             if self._busy_since is None:
                 self._busy_since = time.monotonic()
         try:
@@ -81,6 +89,7 @@ class StageWorker:
         finally:
             async with self._cond:
                 self._in_flight -= 1
+                self._in_flight_train -= int(train)
                 self._cond.notify_all()
 
     # compute -----------------------------------------------------------------------------
