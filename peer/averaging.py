@@ -149,6 +149,12 @@ class Averager:
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
         self._slots: dict[int, _Slot] = {}
 
+    def reset_feedback(self) -> None:
+        """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
+        dropped from our own (discarded) updates no longer belongs to the state we continue from."""
+        if self.feedback is not None:
+            self.feedback.reset()
+
     def _slot(self, round: int) -> _Slot:
         if round not in self._slots:
             self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())

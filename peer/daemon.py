@@ -262,18 +262,24 @@ class Peer:
                 await asyncio.wait_for(self.worker.step_event.wait(), wait)
 
     async def _round_loop(self, stop: asyncio.Event) -> None:
+        """Run rounds until max_rounds have been counted. Counting starts with the first round in
+        which the stage group trained at all: a swarm still assembling runs empty rounds (no-ops)
+        that must not use up the run's budget."""
         max_rounds = self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
+        counting = False
         while not stop.is_set():
             round = self.state.round
             await self._boundary(round, stop)
             if stop.is_set():
                 return
-            await self._run_round(round)
-            self.rounds_done += 1
+            result = await self._run_round(round)
+            counting = counting or (result.complete and result.total_weight > 0)
+            if counting:
+                self.rounds_done += 1
             if max_rounds and self.rounds_done >= max_rounds:
                 return
 
-    async def _run_round(self, round: int) -> None:
+    async def _run_round(self, round: int) -> RoundResult:
         started = time.monotonic()
         await self.worker.pause()
         worker, state = self.worker, self.state
@@ -298,6 +304,7 @@ class Peer:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
             if await self._resync(result):
                 state.copy_to(worker.module)
+                self.averager.reset_feedback()
             else:
                 carry = True  # nobody applied this round: θ_global unchanged everywhere, keep θ_local's work
                 state.round = next_round
@@ -307,9 +314,12 @@ class Peer:
         self._report_round(round, result, samples, losses, steps, started, sent0, recv0)
         if self.opt.save_dir:
             self._save()
-        if self.stage == 0 and self.driver is not None and self.driver.running and self.m.data.eval_every \
+        max_rounds = self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
+        last = bool(max_rounds) and self.rounds_done + 1 >= max_rounds  # the driver evaluates at the end anyway
+        if self.stage == 0 and self.driver is not None and self.driver.running and self.m.data.eval_every and not last \
                 and (self.rounds_done + 1) % self.m.data.eval_every == 0 and not self._evaluating:
             self._tasks.append(asyncio.create_task(self._eval_now(), name="eval"))
+        return result
 
     def _report_round(self, round: int, result: RoundResult, samples: int, losses: list[float], steps: int,
                       started: float, sent0: int, recv0: int) -> None:

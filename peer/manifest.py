@@ -81,10 +81,11 @@ class RoundsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig:
-    codec: str = "fp16"
-    """Codec spec for pseudo-gradients, e.g. "fp16", "int8", "topk:fraction=0.01,values=fp16"."""
-    error_feedback: bool = False
-    """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
+    codec: str = "int8"
+    """Codec spec for pseudo-gradients, e.g. "fp16", "int8", "int4", "topk:fraction=0.01,values=fp16"."""
+    error_feedback: bool = True
+    """Keep what the codec dropped and add it to the next round's pseudo-gradient (needed by the
+    biased codecs: int4, topk, powersgd; harmless with int8)."""
     small_tensor_threshold: int = 4096
     """Tensors with fewer elements travel as fp32 (they are cheap, and biases matter)."""
 

@@ -469,12 +469,14 @@ def test_garbage_is_bad_request(data: bytes) -> None:
     assert "unparsable ForwardRequest" in info.value.reason
 
 
-def test_frames_after_last_are_not_read() -> None:
+def test_frames_after_last_are_refused() -> None:
+    # the stream is read to its end (closing early breaks the sender's end-of-stream write), and
+    # anything after the last frame is a malformed message, not silently ignored
     msg = pb.AverageResponse(reason="hello")
     frames = list(to_frames(msg)) + [pb.Frame(data=b"\xff\xff", last=True)]
-    pulled: list[int] = []
-    back, _ = read(frames, pb.AverageResponse, pulled=pulled)
-    assert back == msg and len(pulled) == 1
+    with pytest.raises(ProtocolError) as err:
+        read(frames, pb.AverageResponse)
+    assert err.value.status == pb.BAD_REQUEST and "after the last frame" in err.value.reason
 
 
 def test_protocol_error_carries_status_and_reason() -> None:
