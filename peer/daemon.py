@@ -14,7 +14,6 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from hivemind import DHT
@@ -37,10 +36,8 @@ from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord, SwarmView
 from swarmgrad.peer.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
-from swarmgrad.protocol.validation import RunIdentity, StageContract, check_envelope, decode_named, \
-    encoded_to_proto, envelope
-from swarmgrad.compression import get_codec
-from swarmgrad.peer.state import state_digest
+from swarmgrad.peer.state_sync import fetch_state, state_response
+from swarmgrad.protocol.validation import RunIdentity, StageContract, check_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -363,27 +360,16 @@ class Peer:
             raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
         if self.worker.paused:
             raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
-        fp32 = get_codec("fp32")
-        return pb.StateResponse(
-            status=pb.OK, round=snap.round, state_digest=snap.digest, applied_rounds=snap.applied_rounds,
-            params=[pb.NamedTensor(name=n, tensor=encoded_to_proto(fp32.encode(t))) for n, t in snap.params.items()],
-            momentum=[pb.NamedTensor(name=n, tensor=encoded_to_proto(fp32.encode(t))) for n, t in snap.momentum.items()])
+        return state_response(snap)
 
     async def _download_state(self, peer: str) -> bool:
         try:
-            resp = await self.rpc.call(peer, "state", pb.StateRequest(envelope=envelope(self.identity, self.stage)),
-                                       pb.StateResponse, timeout=self.m.timeouts.state_download)
-            if resp.status != pb.OK:
-                raise ProtocolError(resp.status, resp.reason)
-            params = decode_named(resp.params, self.state.shapes, self.max_numel, "state params")
-            momentum = decode_named(resp.momentum, self.state.shapes, self.max_numel, "state momentum") \
-                if len(resp.momentum) else {}
-            if state_digest(params, momentum) != resp.state_digest:
-                raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
+            snap = await fetch_state(self.rpc, peer, self.identity, self.stage, self.state.shapes, self.max_numel,
+                                     self.m.timeouts.state_download)
         except (RPCFailed, ProtocolError) as e:
-            logger.warning("state download from %s failed: %s", peer[-8:], e)
+            logger.info("state download from %s failed: %s", peer[-8:], e)
             return False
-        self.state.load(params, momentum, resp.round, resp.applied_rounds)
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds)
         return True
 
     # driving ----------------------------------------------------------------------------------------
