@@ -173,6 +173,7 @@ class StageServer:
             assert hop.grad is not None
             grad_x = await self.worker.backward(x, y, hop.grad, batch)
             assert grad_x is not None
+            self.worker.record_loss(hop.loss)  # middle stages learn the loss from the answer, for progress
             response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
         return response
 

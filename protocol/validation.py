@@ -81,7 +81,7 @@ def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tenso
 
 def encoded_to_proto(enc: Encoded) -> pb.EncodedTensor:
     return pb.EncodedTensor(codec=enc.codec, shape=list(enc.shape), dtype=enc.dtype,
-                            params_json=json.dumps(enc.params, sort_keys=True), buffers=list(enc.buffers))
+                            params_json=enc.params_json(), buffers=list(enc.buffers))
 
 
 def decode_tensor(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor",
