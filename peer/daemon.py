@@ -80,6 +80,8 @@ class Peer:
         self._round_started = time.monotonic()
         self.driver: Driver | None = None
         self._evaluating = False
+        self._stop_training = asyncio.Event()
+        """Set after the last round: drivers stop sending training microbatches (evaluation goes on)."""
         self._maddrs: tuple[str, ...] = ()
 
     # lifecycle --------------------------------------------------------------------------------
@@ -187,6 +189,7 @@ class Peer:
     async def _finish(self, stop: asyncio.Event) -> None:
         """The last round is done: drivers evaluate a final time; others keep serving them."""
         if self.driver is not None:
+            self._stop_training.set()
             val = await self.driver.evaluate(self._val_batches)
             self._emit_eval(val, final=True)
             return
@@ -201,6 +204,7 @@ class Peer:
 
     async def _shutdown(self) -> None:
         self.state_name = LEAVING
+        self._stop_training.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._announce(), self.m.timeouts.shutdown / 3)
         for task in self._tasks:
@@ -274,6 +278,11 @@ class Peer:
             if counting:
                 self.rounds_done += 1
             if max_rounds and self.rounds_done >= max_rounds:
+                # no more rounds: the worker must not pause itself after H more inner steps, or the
+                # drivers' final evaluation would wait on a round that never comes
+                self.worker.steps_per_round = 0
+                if self.worker.paused:
+                    await self.worker.resume()
                 return
 
     async def _run_round(self, round: int) -> RoundResult:
@@ -387,7 +396,7 @@ class Peer:
         if self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages, self.m.timeouts.state_download):
             raise RuntimeError("no replica serves some stage; the pipeline is incomplete")
         await self._eval_now()
-        await self.driver.run(stop)
+        await self.driver.run(self._stop_training)
 
     async def _eval_now(self) -> None:
         assert self.driver is not None

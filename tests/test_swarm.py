@@ -58,11 +58,12 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
                 if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
         assert len(full) >= 3, f"stage {stage}: too few rounds averaged by both replicas: {full}"
     drivers = [p for p in swarm.peers if p.stage == 0]
-    for driver in drivers:
-        evals = [e["val_loss"] for e in driver.events("eval") if e["val_loss"] is not None]
-        assert len(evals) >= 2
-        assert evals[0] > 7.0, "an untrained byte model scores about 8 bits/byte"
-        assert evals[-1] < evals[0] - 1.0, f"validation loss did not go down: {evals}"
+    evals = sorted((e for d in drivers for e in d.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
+    assert evals[0]["val_loss"] > 7.0, "an untrained byte model scores about 8 bits/byte"
+    finals = [e for e in evals if e["final"]]
+    assert len(finals) == 2, "each driver evaluates once more after its last round"
+    for final in finals:
+        assert final["val_loss"] < evals[0]["val_loss"] - 1.5, f"validation loss did not go down: {evals}"
     # a driver's round weights are the samples it trained on
     samples = [e["samples"] for p in drivers for e in p.events("round")]
     assert sum(samples) > 0
