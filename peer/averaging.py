@@ -148,6 +148,8 @@ class Averager:
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
         self._slots: dict[int, _Slot] = {}
+        self.current_round = 0
+        """The round this replica runs next (or is running); requests for rounds far from it are refused."""
 
     def reset_feedback(self) -> None:
         """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
@@ -158,7 +160,7 @@ class Averager:
     def _slot(self, round: int) -> _Slot:
         if round not in self._slots:
             self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())
-            for old in [r for r in self._slots if r < round - 2]:  # nobody waits on those any more
+            for old in [r for r in self._slots if r < self.current_round - 2]:  # nobody waits on those any more
                 slot = self._slots.pop(old)
                 if slot.result is not None and not slot.result.done():
                     slot.result.cancel()
@@ -166,6 +168,9 @@ class Averager:
 
     async def handle(self, request: pb.AverageRequest, caller: PeerID) -> pb.AverageResponse:
         check_envelope(request.envelope, self.identity, [self.stage])
+        if abs(request.round - self.current_round) > 1:
+            # a peer in another round (or one making up round numbers) gets no slot that could crowd ours out
+            raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.current_round})")
         slot = self._slot(request.round)
         timeouts = self.m.timeouts
         try:
@@ -233,6 +238,7 @@ class Averager:
     async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
+        self.current_round = round
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
         group = await self.matchmake(round, registration)
         if group is None or self.peer_id not in group.members:
@@ -255,13 +261,14 @@ class Averager:
                 state_digest=digest, weight=float(weight), part=part,
                 tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
                          for n in sorted(parts) if parts[n] == part])
-            return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse,
-                                       timeout=self.m.timeouts.allreduce)
+            return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse, timeout=wait_s)
 
         async def local() -> pb.AverageResponse:
-            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), self.m.timeouts.allreduce)
+            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), wait_s)
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
+        # the slowest member may still be in matchmaking when we are done with it
+        wait_s = self.m.timeouts.matchmaking + self.m.timeouts.allreduce
         calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return self._combine(group, parts, results)
@@ -271,8 +278,10 @@ class Averager:
         totals = set()
         for part, res in enumerate(results):
             reducer = group.members[part][-8:]
-            if isinstance(res, (RPCFailed, asyncio.TimeoutError)):
-                return RoundResult(False, f"part {part} (reducer {reducer}): {res or 'timed out'}", group.members, None)
+            if isinstance(res, asyncio.TimeoutError):
+                return RoundResult(False, f"part {part} (reducer {reducer}): timed out", group.members, None)
+            if isinstance(res, RPCFailed):
+                return RoundResult(False, f"part {part} (reducer {reducer}): {res}", group.members, None)
             if isinstance(res, BaseException):
                 return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None)
             if res.status != pb.OK:

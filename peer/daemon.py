@@ -80,6 +80,8 @@ class Peer:
         self._round_started = time.monotonic()
         self.driver: Driver | None = None
         self._evaluating = False
+        self._seen_round = -1
+        """The latest round a microbatch has announced to this replica."""
         self._stop_training = asyncio.Event()
         """Set after the last round: drivers stop sending training microbatches (evaluation goes on)."""
         self._maddrs: tuple[str, ...] = ()
@@ -103,7 +105,7 @@ class Peer:
         module = self.model.build_stage(self.stage)
         self.worker = StageWorker(module, self.m.inner, torch.device(self.opt.device),
                                   self.model.loss_fn if is_last else None)
-        self.worker.steps_per_round = self.m.rounds.inner_steps
+        self.worker.steps_per_round = self.m.rounds.inner_steps if self.stage == 0 else 0
         self.state = StageState(module, self.m.outer)
         self.rpc = FramedRPC(self.p2p, f"swarmgrad/{self.m.run_id}", self.traffic,
                              int(self.m.pipeline.max_message_mb * 2**20))
@@ -116,6 +118,7 @@ class Peer:
         try:
             await self._announce()
             await self._join()
+            self.averager.current_round = self.state.round
             await self._serve()
             self.state_name = ONLINE
             await self._announce()
@@ -160,7 +163,8 @@ class Peer:
                                  vocab_size=self.m.model.vocab_size if self.m.model.kind == "gpt" else None)
         grad_codec = parse_codec_spec(self.m.pipeline.gradient_codec)
         if self.stage > 0:
-            self.server = StageServer(self.identity, contract, self.worker, self.downstream, grad_codec, self.max_numel)
+            self.server = StageServer(self.identity, contract, self.worker, self.downstream, grad_codec, self.max_numel,
+                                      self._round_ahead)
             await self.rpc.add_handler("forward", pb.ForwardRequest, self.server.handle, refusal(pb.ForwardResponse))
         await self.rpc.add_handler("average", pb.AverageRequest, self.averager.handle, refusal(pb.AverageResponse))
         await self.rpc.add_handler("state", pb.StateRequest, self._handle_state, refusal(pb.StateResponse))
@@ -175,6 +179,10 @@ class Peer:
             driving = asyncio.create_task(self._drive(stop), name="driver")
             self._tasks.append(driving)
             watched.append(driving)
+        elif self.opt.max_rounds or self.m.rounds.max_rounds:
+            orphan = asyncio.create_task(self._until_no_drivers(), name="orphan-watch")
+            self._tasks.append(orphan)
+            watched.append(orphan)
         stopper = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait([*watched, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -201,6 +209,17 @@ class Peer:
                     return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.m.timeouts.heartbeat)
+
+    async def _until_no_drivers(self) -> None:
+        """In a bounded run (max_rounds), a later stage whose drivers are all gone for `linger`
+        seconds will never see another round's work: return, so the peer stops."""
+        last_seen = time.monotonic()
+        while time.monotonic() - last_seen < self.opt.linger:
+            await asyncio.sleep(self.m.timeouts.heartbeat)
+            with contextlib.suppress(Exception):
+                if any(r.state == ONLINE for r in await self.swarm.stage_records(0)):
+                    last_seen = time.monotonic()
+        logger.info("no driver online for %.0fs; leaving", self.opt.linger)
 
     async def _shutdown(self) -> None:
         self.state_name = LEAVING
@@ -246,11 +265,30 @@ class Peer:
         assert self.epoch is not None
         return max(0, math.floor((now - self.epoch) / self.m.rounds.round_seconds))
 
+    def _round_ahead(self, round: int) -> bool:
+        """A microbatch of a later round arrived: end ours (the caller answers NOT_READY meanwhile)."""
+        if round <= self.state.round:
+            return False
+        self._seen_round = max(self._seen_round, round)
+        self.worker.step_event.set()  # wakes _boundary
+        return True
+
+    async def _drivers_past(self, round: int) -> bool:
+        with contextlib.suppress(Exception):
+            drivers = [r for r in await self.swarm.stage_records(0) if r.state == ONLINE]
+            return bool(drivers) and min(r.round for r in drivers) > round
+        return False
+
     async def _boundary(self, round: int, stop: asyncio.Event) -> None:
-        """Wait until round `round` ends: its wall-clock end, or H inner steps, whichever first."""
+        """Wait until round `round` ends, whichever comes first: its wall-clock end; on a driver, H inner
+        steps; on a later stage, work (or records) from drivers already past it. Later stages do not
+        count H themselves: how many microbatches reach a replica depends on routing, so their rounds
+        follow the drivers' (each microbatch carries its driver's round)."""
         H = self.m.rounds.inner_steps
         while not stop.is_set():
-            if H and self.worker.inner_steps >= H:
+            if self._seen_round > round:
+                return
+            if H and self.stage == 0 and self.worker.inner_steps >= H:
                 return
             wait = 1.0
             if self.epoch is not None:
@@ -258,6 +296,8 @@ class Peer:
                 if remaining <= 0:
                     return
                 wait = min(wait, remaining)
+            elif self.stage > 0 and await self._drivers_past(round):
+                return
             self.worker.step_event.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.worker.step_event.wait(), wait)
@@ -293,7 +333,7 @@ class Peer:
         sent0, recv0 = self.traffic.sent, self.traffic.recv
         delta = await worker.run(state.pseudo_gradient, worker.module)
         result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)
-        next_round = round + 1
+        next_round = max(round + 1, self._seen_round)
         if self.epoch is not None:
             next_round = max(next_round, self._clock_round(get_dht_time()))
         carry = False
@@ -308,13 +348,14 @@ class Peer:
             await worker.run(state.copy_to, worker.module)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            if await self._resync(result):
+            if await self._resync(round, result):
                 state.copy_to(worker.module)
                 self.averager.reset_feedback()
             else:
                 carry = True  # nobody applied this round: θ_global unchanged everywhere, keep θ_local's work
                 state.round = next_round
                 await worker.run(state.commit)
+        self.averager.current_round = state.round
         await self._announce()
         await worker.resume(carry_over=carry)
         self._report_round(round, result, samples, losses, steps, started, sent0, recv0)
@@ -346,9 +387,12 @@ class Peer:
                     samples / elapsed if elapsed == elapsed else 0.0, sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
 
-    async def _resync(self, result: RoundResult) -> bool:
-        """After a failed round: adopt the state of a replica that completed it, if any did."""
-        deadline = time.monotonic() + self.m.timeouts.matchmaking
+    async def _resync(self, round: int, result: RoundResult) -> bool:
+        """After a failed round: adopt the state of a replica that completed it, if any did. Others
+        may still be finishing the round, so wait until every other member has announced a later
+        round (then, if none applied it, nobody did) or as long as a round may take."""
+        deadline = time.monotonic() + self.m.timeouts.matchmaking + self.m.timeouts.allreduce
+        others = set(result.group) - {self.peer_id}
         while time.monotonic() < deadline:
             records = await self.swarm.stage_records(self.stage)
             newer = [r for r in records if r.peer_id != self.peer_id and r.state == ONLINE and (
@@ -358,6 +402,9 @@ class Peer:
                     self.events.emit("resynced", source=donor.peer_id, round=self.state.round,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True
+            finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
+            if not newer and finished == others:
+                return False
             await asyncio.sleep(0.5)
         return False
 
@@ -392,7 +439,7 @@ class Peer:
         self._val_batches = validation_batches(val, self.m.model.seq_len, self.m.inner.microbatch_size,
                                                d.eval_batches, seed=self.m.seed)
         self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
-                             self.events.emit)
+                             self.events.emit, lambda: self.state.round)
         if self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages, self.m.timeouts.state_download):
             raise RuntimeError("no replica serves some stage; the pipeline is incomplete")
         await self._eval_now()

@@ -41,7 +41,7 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None]):
+                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], round_fn: Callable[[], int]):
         self.m = manifest
         self.worker = worker
         self.downstream = downstream
@@ -49,6 +49,8 @@ class Driver:
         self.n_stages = n_stages
         self.stream = stream
         self.emit = emit
+        self.round_fn = round_fn
+        """The driver's current round, sent with every microbatch so later stages follow its rounds."""
         t = manifest.timeouts
         self.deadlines = DeadlineEstimator(minimum=t.min_microbatch, maximum=t.microbatch)
         self.stats = DriverStats()
@@ -84,7 +86,7 @@ class Driver:
             x, h = await self.worker.forward(inputs, train=not eval_only)
             started = time.monotonic()
             hop = await self.downstream.forward(1, h, targets, mb, attempt, self.peer_id,
-                                                get_dht_time() + self.deadlines.deadline(), eval_only)
+                                                get_dht_time() + self.deadlines.deadline(), eval_only, self.round_fn())
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)
@@ -99,6 +101,7 @@ class Driver:
         mb = next(self._ids)
         attempt = 0
         backoff = 0.2
+        quick = 0
         while attempt < self.m.pipeline.max_retries:
             status, loss, reason, failed = await self._attempt(mb, attempt, inputs, targets, eval_only)
             if status == pb.OK:
@@ -106,10 +109,15 @@ class Driver:
             if stop is not None and stop.is_set():
                 return None
             if status == pb.NOT_READY:
-                # the next stage is between rounds (or not there yet): wait, it is not a failure
+                # a replica is between rounds (or none is there yet): not a failure. If a busy replica
+                # was named, routing now passes it over, so try again at once; else back off.
                 self.stats.not_ready_waits += 1
-                await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 1.5)
+                quick += 1
+                if failed and quick <= 3:
+                    await asyncio.sleep(0.02)
+                else:
+                    await asyncio.sleep(backoff)
+                    backoff = min(1.0, backoff * 1.5)
                 continue
             attempt += 1
             self.stats.retries += 1

@@ -18,6 +18,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -34,6 +35,9 @@ from swarmgrad.protocol.validation import (RunIdentity, StageContract, decode_te
                                            raw_from_tensor, validate_forward)
 
 logger = logging.getLogger(__name__)
+
+NOT_READY_DEFER_SECONDS = 1.0
+"""How long a replica that answered NOT_READY (between rounds) is passed over by routing."""
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,14 @@ class Downstream:
         return cached[1]
 
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
-                      attempt: int, driver: str, deadline: float, eval_only: bool) -> Hop:
+                      attempt: int, driver: str, deadline: float, eval_only: bool, round: int) -> Hop:
         peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
         if peer is None:
-            return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}")
+            return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
         request = pb.ForwardRequest(
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
             activations=encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))),
-            targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only)
+            targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only, round=round)
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
@@ -100,7 +104,10 @@ class Downstream:
     def _check(self, peer: str, response: pb.ForwardResponse, shape: tuple[int, ...], eval_only: bool) -> Hop:
         route = f"{peer},{response.route}" if response.route else peer
         if response.status == pb.NOT_READY:
-            return Hop(pb.NOT_READY, response.reason)
+            busy = response.failed_peer or peer
+            if busy == peer:  # this replica itself is between rounds: try its siblings first
+                self.bans.defer(peer, time.monotonic(), NOT_READY_DEFER_SECONDS)
+            return Hop(pb.NOT_READY, response.reason, failed_peer=busy)
         if response.status != pb.OK:
             failed = response.failed_peer if response.status == pb.DOWNSTREAM_FAILED and response.failed_peer else peer
             self.bans.ban(failed, time.monotonic())
@@ -123,13 +130,16 @@ class StageServer:
     """Serves forward requests for one stage ≥ 1 replica."""
 
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
-                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int):
+                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int,
+                 round_ahead: Callable[[int], bool]):
         self.identity = identity
         self.contract = contract
         self.worker = worker
         self.downstream = downstream
         self.codec = gradient_codec
         self.max_numel = max_numel
+        self.round_ahead = round_ahead
+        """Called with a request's round; True if it is later than ours (we then end our round first)."""
         self.served = 0
         self.refused = 0
 
@@ -142,6 +152,9 @@ class StageServer:
         if get_dht_time() > inp.deadline:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "the microbatch's deadline has passed")
         train = not inp.eval_only
+        if self.round_ahead(inp.round):
+            self.refused += 1
+            return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
         try:
             async with self.worker.admitted(wait=False, train=train):
                 response = await self._serve(inp, train)
@@ -164,7 +177,7 @@ class StageServer:
         assert self.downstream is not None
         x, y = await self.worker.forward(inp.activations, train)
         hop = await self.downstream.forward(self.contract.stage + 1, y, inp.targets, inp.microbatch_id, inp.attempt,
-                                            inp.driver, inp.deadline, inp.eval_only)
+                                            inp.driver, inp.deadline, inp.eval_only, inp.round)
         if hop.status != pb.OK:
             status = pb.NOT_READY if hop.status == pb.NOT_READY else pb.DOWNSTREAM_FAILED
             return pb.ForwardResponse(status=status, reason=hop.reason, failed_peer=hop.failed_peer)

@@ -46,6 +46,10 @@ class BanList:
         self._until[peer_id] = now + duration
         return duration
 
+    def defer(self, peer_id: str, now: float, seconds: float) -> None:
+        """Avoid a peer briefly without counting a failure (it is busy, e.g. between rounds)."""
+        self._until[peer_id] = max(self._until.get(peer_id, 0.0), now + seconds)
+
     def succeeded(self, peer_id: str) -> None:
         self._failures.pop(peer_id, None)
 

@@ -132,6 +132,7 @@ class ForwardInput:
     targets: torch.Tensor
     deadline: float
     eval_only: bool
+    round: int
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: St
     if not math.isfinite(req.deadline):
         raise ProtocolError(pb.BAD_REQUEST, "deadline is not a finite time")
     return ForwardInput(microbatch_id=req.microbatch_id, attempt=req.attempt, driver=req.driver,
-                        activations=activations, targets=targets, deadline=req.deadline, eval_only=req.eval_only)
+                        activations=activations, targets=targets, deadline=req.deadline, eval_only=req.eval_only,
+                        round=req.round)
 
 
 def decode_named(tensors: Sequence[pb.NamedTensor], expected: dict[str, tuple[int, ...]], max_numel: int,
