@@ -123,8 +123,9 @@ def test_late_joiner_receives_state_and_joins_next_round(local_swarm) -> None:
     joined = [e for e in joiner.events("round")][:2]
     full = [e for e in joined if e["complete"] and e["group_size"] == 2]
     assert full, joined
-    same = [e for e in old.events("round") if e["round"] == full[0]["round"]]
-    assert same and same[0]["digest"] == full[0]["digest"], (same, full[0])
+    same = swarm.wait_for(old, lambda e: e["event"] == "round" and e["round"] == full[0]["round"], 30,
+                          "the old replica's event for the same round")
+    assert same["digest"] == full[0]["digest"], (same, full[0])
     joiner.signal(signal.SIGTERM)
     started = time.monotonic()
     assert joiner.proc.wait(20) == 0, joiner.log_tail()
