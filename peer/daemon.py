@@ -349,7 +349,7 @@ class Peer:
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
             if await self._resync(round, result):
-                state.copy_to(worker.module)
+                await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
             else:
                 carry = True  # nobody applied this round: θ_global unchanged everywhere, keep θ_local's work
