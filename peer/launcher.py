@@ -6,6 +6,7 @@ leaves both running, see the primer). `LocalSwarm` is a context manager that alw
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -39,11 +40,19 @@ class PeerProcess:
             self.proc.send_signal(sig)
 
     def kill_group(self, sig: int = 9) -> None:  # SIGKILL (the method `signal` shadows the module here)
-        """Signal the whole process group (peer, DHT child, p2pd): a machine that vanished."""
+        """Signal the whole process group (peer, DHT child, p2pd): a machine that vanished. Unix
+        sockets its p2p daemons leave behind are removed."""
+        sockets = _daemon_sockets(self.proc.pid)
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+        if sockets:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+            for path in sockets:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -113,7 +122,8 @@ class LocalSwarm:
         return [p.proc.poll() for p in self.peers]
 
     def close(self, grace: float = 15.0) -> None:
-        """SIGTERM every peer's process group, wait, then SIGKILL what is left."""
+        """SIGTERM every peer, wait, then SIGKILL each process group (which also removes the unix
+        sockets of p2p daemons that could not remove their own)."""
         for peer in self.peers:
             if peer.alive:
                 peer.signal(signal.SIGTERM)
@@ -129,3 +139,16 @@ class LocalSwarm:
                 peer.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _daemon_sockets(pid: int) -> list[str]:
+    """The -listen unix sockets of the p2pd daemons under a peer process."""
+    import psutil
+    out = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                for arg in child.cmdline():
+                    if arg.startswith("-listen=/unix/"):
+                        out.append(arg.removeprefix("-listen=/unix"))
+    return out
