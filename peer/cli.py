@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
     d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
-    d.add_argument("--rounds", type=int, default=12)
+    d.add_argument("--rounds", type=int, default=14)
     d.add_argument("--replicas", type=int, default=2, help="replicas per stage")
     d.add_argument("--round-seconds", type=float, default=None, help="override rounds.round_seconds")
     d.add_argument("--workdir", default=None, help="keep logs and events here (default: a temp dir)")
