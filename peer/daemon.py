@@ -71,7 +71,8 @@ class Peer:
         self.traffic = Traffic()
         self.swarm = SwarmView(dht, manifest.run_id, manifest.hash, self.n_stages, manifest.timeouts.dht,
                                manifest.timeouts.announce_ttl)
-        self.max_numel = int(manifest.pipeline.max_message_mb * 2**20)  # no tensor has more elements than bytes
+        self.max_message_bytes = int(manifest.pipeline.max_message_mb * 2**20)
+        self.max_numel = self.max_message_bytes  # no tensor has more elements than its message has bytes
         self.state_name = JOINING
         self.events = EventLog(None)
         self.rounds_done = 0
@@ -85,6 +86,11 @@ class Peer:
         self._stop_training = asyncio.Event()
         """Set after the last round: drivers stop sending training microbatches (evaluation goes on)."""
         self._maddrs: tuple[str, ...] = ()
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds to run (0: until stopped): --max-rounds if given, else rounds.max_rounds."""
+        return self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
 
     # lifecycle --------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -107,8 +113,7 @@ class Peer:
                                   self.model.loss_fn if is_last else None)
         self.worker.steps_per_round = self.m.rounds.inner_steps if self.stage == 0 else 0
         self.state = StageState(module, self.m.outer)
-        self.rpc = FramedRPC(self.p2p, f"swarmgrad/{self.m.run_id}", self.traffic,
-                             int(self.m.pipeline.max_message_mb * 2**20))
+        self.rpc = FramedRPC(self.p2p, f"swarmgrad/{self.m.run_id}", self.traffic, self.max_message_bytes)
         self.bans = BanList(t.ban_base, t.ban_max)
         act = parse_codec_spec(self.m.pipeline.activation_codec)
         self.downstream = None if is_last else Downstream(self.identity, self.rpc, self.swarm, self.bans, act,
@@ -179,7 +184,7 @@ class Peer:
             driving = asyncio.create_task(self._drive(stop), name="driver")
             self._tasks.append(driving)
             watched.append(driving)
-        elif self.opt.max_rounds or self.m.rounds.max_rounds:
+        elif self.max_rounds:
             orphan = asyncio.create_task(self._until_no_drivers(), name="orphan-watch")
             self._tasks.append(orphan)
             watched.append(orphan)
@@ -258,7 +263,7 @@ class Peer:
             await self._announce()
             if self.epoch is not None:  # keep the run's clock alive as long as anyone runs
                 with contextlib.suppress(Exception):
-                    await self.swarm._store(f"{self.m.run_id}/epoch", None, self.epoch, 7 * 86400)
+                    await self.swarm.refresh_epoch(self.epoch)
 
     # rounds ---------------------------------------------------------------------------------------
     def _clock_round(self, now: float) -> int:
@@ -306,7 +311,6 @@ class Peer:
         """Run rounds until max_rounds have been counted. Counting starts with the first round in
         which the stage group trained at all: a swarm still assembling runs empty rounds (no-ops)
         that must not use up the run's budget."""
-        max_rounds = self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
         counting = False
         while not stop.is_set():
             round = self.state.round
@@ -317,7 +321,7 @@ class Peer:
             counting = counting or (result.complete and result.total_weight > 0)
             if counting:
                 self.rounds_done += 1
-            if max_rounds and self.rounds_done >= max_rounds:
+            if self.max_rounds and self.rounds_done >= self.max_rounds:
                 # no more rounds: the worker must not pause itself after H more inner steps, or the
                 # drivers' final evaluation would wait on a round that never comes
                 self.worker.steps_per_round = 0
@@ -361,8 +365,7 @@ class Peer:
         self._report_round(round, result, samples, losses, steps, started, sent0, recv0)
         if self.opt.save_dir:
             self._save()
-        max_rounds = self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
-        last = bool(max_rounds) and self.rounds_done + 1 >= max_rounds  # the driver evaluates at the end anyway
+        last = bool(self.max_rounds) and self.rounds_done + 1 >= self.max_rounds  # the driver evaluates at the end anyway
         if self.stage == 0 and self.driver is not None and self.driver.running and self.m.data.eval_every and not last \
                 and (self.rounds_done + 1) % self.m.data.eval_every == 0 and not self._evaluating:
             self._tasks.append(asyncio.create_task(self._eval_now(), name="eval"))
@@ -370,7 +373,7 @@ class Peer:
 
     def _report_round(self, round: int, result: RoundResult, samples: int, losses: list[float], steps: int,
                       started: float, sent0: int, recv0: int) -> None:
-        elapsed = max(1e-9, time.monotonic() - self._round_started) if hasattr(self, "_round_started") else math.nan
+        elapsed = max(1e-9, time.monotonic() - self._round_started)
         self._round_started = time.monotonic()
         train_loss = sum(losses) / len(losses) if losses else math.nan
         sent, recv = self.traffic.sent - self._bytes_mark[0], self.traffic.recv - self._bytes_mark[1]
@@ -380,11 +383,11 @@ class Peer:
                          avg_bytes_recv=self.traffic.recv - recv0, complete=result.complete,
                          reason=result.reason, group_size=len(result.group), group=list(result.group),
                          digest=self.state.digest, applied_rounds=self.state.applied_rounds,
-                         samples_per_s=samples / elapsed if elapsed == elapsed else None,
+                         samples_per_s=samples / elapsed,
                          averaging_s=round_ms(time.monotonic() - started))
         logger.info("stage %d round %d: loss %s | %.1f samples/s | sent %.2f MB recv %.2f MB | group %d %s",
                     self.stage, round, f"{train_loss:.3f}" if losses else "-",
-                    samples / elapsed if elapsed == elapsed else 0.0, sent / 1e6, recv / 1e6, len(result.group),
+                    samples / elapsed, sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
 
     async def _resync(self, round: int, result: RoundResult) -> bool:

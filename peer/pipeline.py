@@ -18,7 +18,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from hivemind.p2p import PeerID
@@ -35,6 +35,8 @@ from swarmgrad.protocol.validation import (RunIdentity, StageContract, decode_te
                                            raw_from_tensor, validate_forward)
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
 
 NOT_READY_DEFER_SECONDS = 1.0
 """How long a replica that answered NOT_READY (between rounds) is passed over by routing."""
@@ -191,8 +193,9 @@ class StageServer:
         return response
 
 
-def refusal(response_type: type) -> "callable":
-    def make(status: int, reason: str):
+def refusal(response_type: type[M]) -> Callable[[int, str], M]:
+    """How a handler of `response_type` refuses: the response with a status and a reason."""
+    def make(status: int, reason: str) -> M:
         return response_type(status=status, reason=reason)
     return make
 

@@ -25,17 +25,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=1.0)
 
         async def gather() -> dict[int, list]:
-            async def one(stage: int) -> list:
-                raw = await view._get(f"{run_id}/stage/{stage}")
-                from swarmgrad.peer.swarm import PeerRecord
-                out = []
-                if isinstance(raw, dict):
-                    for subkey, item in raw.items():
-                        rec = PeerRecord.from_value(str(subkey), getattr(item, "value", None))
-                        if rec is not None and (manifest_hash is None or rec.manifest_hash == manifest_hash):
-                            out.append(rec)
-                return sorted(out, key=lambda r: r.peer_id)
-            results = await asyncio.gather(*(one(s) for s in range(n_stages)))
+            results = await asyncio.gather(*(view.stage_records(s) for s in range(n_stages)))
             return {s: recs for s, recs in enumerate(results) if recs or manifest_path}
 
         swarm = asyncio.run(asyncio.wait_for(gather(), timeout))

@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 logger = logging.getLogger(__name__)
 
 JOINING, ONLINE, LEAVING = "joining", "online", "leaving"
+EPOCH_TTL = 7 * 86400.0
 STATES = (JOINING, ONLINE, LEAVING)
 
 
@@ -91,7 +92,8 @@ class SwarmView:
         return await self._store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), self.ttl)
 
     async def stage_records(self, stage: int) -> list[PeerRecord]:
-        """Live replicas of `stage` that run our manifest, sorted by peer id."""
+        """Live replicas of `stage` that run our manifest (any manifest, for a view built without
+        one, as `swarmgrad status --run-id` does), sorted by peer id."""
         raw = await self._get(stage_key(self.run_id, stage))
         records = []
         if isinstance(raw, dict):
@@ -99,7 +101,7 @@ class SwarmView:
                 record = PeerRecord.from_value(str(subkey), getattr(item, "value", None))
                 if record is None or record.stage != stage:
                     logger.debug("dropped a malformed record under stage %d from %s", stage, subkey)
-                elif record.manifest_hash == self.manifest_hash:
+                elif not self.manifest_hash or record.manifest_hash == self.manifest_hash:
                     records.append(record)
         return sorted(records, key=lambda r: r.peer_id)
 
@@ -109,14 +111,21 @@ class SwarmView:
 
     async def epoch(self) -> float:
         """The run's time origin: read it, or set it to now if nobody has (first writer wins)."""
-        key = f"{self.run_id}/epoch"
-        found = await self._get(key)
+        found = await self._get(self._epoch_key)
         if not isinstance(found, (int, float)):
-            await self._store(key, None, float(get_dht_time()), 7 * 86400)
-            found = await self._get(key)
+            await self.refresh_epoch(float(get_dht_time()))
+            found = await self._get(self._epoch_key)
         if not isinstance(found, (int, float)) or not math.isfinite(found):
             raise RuntimeError(f"could not read or set the run's epoch in the DHT ({found!r})")
         return float(found)
+
+    @property
+    def _epoch_key(self) -> str:
+        return f"{self.run_id}/epoch"
+
+    async def refresh_epoch(self, epoch: float) -> bool:
+        """(Re)store the run's time origin, so it outlives any one peer while anyone runs."""
+        return await self._store(self._epoch_key, None, epoch, EPOCH_TTL)
 
     async def register_round(self, stage: int, round: int, peer_id: str, value: dict[str, Any]) -> bool:
         return await self._store(round_key(self.run_id, stage, round), peer_id, value, self.ttl * 4)
