@@ -18,8 +18,18 @@ from swarmgrad.compression import CODEC_NAMES, CodecError, Encoded, decode
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
+Codecs = frozenset[str] | None
+"""Wire codec names accepted on a path (protocol/codecs.py computes them from the manifest);
+None accepts every known codec (kept for callers that predate the check)."""
+
 MAX_PARAMS_JSON = 4096
 """Codec parameters are a handful of numbers; anything longer is not a codec's."""
+
+MAX_ROUND = 2**40
+"""Round numbers and counts of applied rounds from other peers lie in [0, MAX_ROUND]: a peer that
+claims a larger number is refused rather than believed (thousands of years of rounds)."""
+MAX_ID_CHARS = 128
+"""Peer ids, digests and hashes from the wire are at most this long (ours are 24-64 characters)."""
 
 RAW_DTYPES = {"int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "float32": torch.float32}
 DTYPE_NAMES = {"float32", "float16", "bfloat16"}
@@ -61,10 +71,19 @@ def _check_shape(shape: Sequence[int], max_numel: int, what: str) -> tuple[int, 
     return tuple(int(d) for d in shape)
 
 
-def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor") -> Encoded:
-    """Turn a wire EncodedTensor into an Encoded after checking its header (not its payload)."""
+def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor", *,
+                       allowed_codecs: Codecs = None) -> Encoded:
+    """Turn a wire EncodedTensor into an Encoded after checking its header (not its payload).
+
+    Raises ProtocolError(BAD_REQUEST) for an unknown codec or one not in `allowed_codecs`, a
+    bad dtype, or codec params that are not a flat JSON object of numbers, strings and bools;
+    TOO_LARGE for a shape over `max_numel`.
+    """
     if msg.codec not in CODEC_NAMES:
-        raise ProtocolError(pb.BAD_REQUEST, f"{what}: unknown codec {msg.codec!r}")
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: unknown codec {msg.codec[:32]!r}")
+    if allowed_codecs is not None and msg.codec not in allowed_codecs:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec {msg.codec!r} is not accepted here "
+                                            f"(the manifest allows {sorted(allowed_codecs)})")
     if msg.dtype not in DTYPE_NAMES:
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: dtype {msg.dtype!r} not one of {sorted(DTYPE_NAMES)}")
     shape = _check_shape(msg.shape, max_numel, what)
@@ -74,9 +93,15 @@ def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tenso
         params = json.loads(msg.params_json) if msg.params_json else {}
     except json.JSONDecodeError as e:
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params are not JSON ({e})") from None
+    except (RecursionError, ValueError, OverflowError, MemoryError, TypeError) as e:
+        # deep nesting (RecursionError), over-long integers (ValueError), ...
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params are not usable JSON ({type(e).__name__})") from None
     if not isinstance(params, dict):
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: codec params must be a JSON object")
-    return Encoded(codec=msg.codec, shape=shape, dtype=msg.dtype, params=params, buffers=tuple(msg.buffers))
+    try:
+        return Encoded(codec=msg.codec, shape=shape, dtype=msg.dtype, params=params, buffers=tuple(msg.buffers))
+    except CodecError as e:  # e.g. a param that is a list or null
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {e}"[:500]) from None
 
 
 def encoded_to_proto(enc: Encoded) -> pb.EncodedTensor:
@@ -85,15 +110,21 @@ def encoded_to_proto(enc: Encoded) -> pb.EncodedTensor:
 
 
 def decode_tensor(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor",
-                  expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Header checks, shape check against what we expect, payload decode, finiteness."""
-    enc = encoded_from_proto(msg, max_numel, what)
+                  expected_shape: tuple[int, ...] | None = None, *, allowed_codecs: Codecs = None) -> torch.Tensor:
+    """Header checks, shape check against what we expect, payload decode, finiteness.
+
+    Every failure, including an exception a codec was not written to expect, is a
+    ProtocolError with a reason: nothing another peer sends escapes as another exception."""
+    enc = encoded_from_proto(msg, max_numel, what, allowed_codecs=allowed_codecs)
     if expected_shape is not None and enc.shape != tuple(expected_shape):
-        raise ProtocolError(pb.BAD_REQUEST, f"{what}: shape {list(enc.shape)} but expected {list(expected_shape)}")
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: shape {list(enc.shape)[:9]} but expected {list(expected_shape)}")
     try:
-        tensor = decode(enc)
+        tensor = decode(enc, max_numel=max_numel)
     except CodecError as e:
-        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {e}") from None
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {e}"[:500]) from None
+    except (RecursionError, ValueError, OverflowError, MemoryError, TypeError, IndexError, RuntimeError) as e:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: undecodable {enc.codec} payload "
+                                            f"({type(e).__name__}: {e})"[:500]) from None
     if not torch.isfinite(tensor).all():
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: contains NaN or Inf")
     return tensor
@@ -148,7 +179,8 @@ class StageContract:
 
 
 def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: StageContract,
-                     max_numel: int) -> ForwardInput:
+                     max_numel: int, *, allowed_codecs: Codecs = None) -> ForwardInput:
+    """`allowed_codecs`: names for pipeline.activation_codec (protocol.codecs.wire_codec_names)."""
     check_envelope(req.envelope, identity, [contract.stage])
     if contract.stage == 0:
         raise ProtocolError(pb.WRONG_STAGE, "stage 0 is driven locally and takes no forward requests")
@@ -156,12 +188,17 @@ def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: St
         raise ProtocolError(pb.BAD_REQUEST, "forward request needs activations and targets")
     if not req.driver:
         raise ProtocolError(pb.BAD_REQUEST, "forward request names no driver")
+    if len(req.driver) > MAX_ID_CHARS:
+        raise ProtocolError(pb.BAD_REQUEST, f"driver id longer than {MAX_ID_CHARS} characters")
+    if req.round > MAX_ROUND:
+        raise ProtocolError(pb.BAD_REQUEST, f"round {req.round} exceeds {MAX_ROUND}")
     shape = tuple(req.activations.shape)
     batch = shape[0] if shape else 0
     if not 1 <= batch <= contract.max_batch:
         raise ProtocolError(pb.BAD_REQUEST, f"batch of {batch} outside 1..{contract.max_batch} (inner.microbatch_size)")
     expected_shape, _ = contract.input_spec(batch)
-    activations = decode_tensor(req.activations, max_numel, "activations", expected_shape)
+    activations = decode_tensor(req.activations, max_numel, "activations", expected_shape,
+                                allowed_codecs=allowed_codecs)
     targets = raw_to_tensor(req.targets, max_numel, "targets")
     t_shape, t_dtype = contract.targets_spec(batch)
     if tuple(targets.shape) != tuple(t_shape) or targets.dtype != t_dtype:
@@ -178,15 +215,17 @@ def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: St
 
 
 def decode_named(tensors: Sequence[pb.NamedTensor], expected: dict[str, tuple[int, ...]], max_numel: int,
-                 what: str) -> dict[str, torch.Tensor]:
+                 what: str, *, allowed_codecs: Codecs = None) -> dict[str, torch.Tensor]:
     """Decode named tensors that must be exactly the `expected` names and shapes."""
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: duplicate tensor names")
     if set(names) != set(expected):
         missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-        raise ProtocolError(pb.BAD_REQUEST, f"{what}: tensors do not match (missing {missing[:3]}, unexpected {extra[:3]})")
-    return {t.name: decode_tensor(t.tensor, max_numel, f"{what} {t.name}", expected[t.name]) for t in tensors}
+        extra = [n[:64] for n in extra[:3]]
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: tensors do not match (missing {missing[:3]}, unexpected {extra})")
+    return {t.name: decode_tensor(t.tensor, max_numel, f"{what} {t.name}", expected[t.name],
+                                  allowed_codecs=allowed_codecs) for t in tensors}
 
 
 @dataclass(frozen=True)
@@ -200,16 +239,24 @@ class AverageInput:
 
 
 def validate_average(req: pb.AverageRequest, identity: RunIdentity, stage: int,
-                     part_shapes: Callable[[int], dict[str, tuple[int, ...]] | None], max_numel: int) -> AverageInput:
-    """`part_shapes(part)` gives the names and shapes this reducer expects for a part (None: not ours)."""
+                     part_shapes: Callable[[int], dict[str, tuple[int, ...]] | None], max_numel: int, *,
+                     allowed_codecs: Codecs = None, max_weight: float = math.inf) -> AverageInput:
+    """`part_shapes(part)` gives the names and shapes this reducer expects for a part (None: not ours).
+
+    `allowed_codecs`: protocol.codecs.averaging_codecs(...); `max_weight`: the most samples one
+    member can have trained on in a round (protocol.records.MAX_WEIGHT is a generous default)."""
     check_envelope(req.envelope, identity, [stage])
-    if not (math.isfinite(req.weight) and req.weight >= 0):
-        raise ProtocolError(pb.BAD_REQUEST, f"weight must be finite and >= 0 (got {req.weight})")
+    if not (math.isfinite(req.weight) and 0 <= req.weight <= max_weight):
+        raise ProtocolError(pb.BAD_REQUEST, f"weight must be finite and in [0, {max_weight}] (got {req.weight})")
     if not req.group_hash or not req.state_digest:
         raise ProtocolError(pb.BAD_REQUEST, "average request needs group_hash and state_digest")
+    if len(req.group_hash) > MAX_ID_CHARS or len(req.state_digest) > MAX_ID_CHARS:
+        raise ProtocolError(pb.BAD_REQUEST, f"group_hash and state_digest are at most {MAX_ID_CHARS} characters")
+    if req.round > MAX_ROUND:
+        raise ProtocolError(pb.BAD_REQUEST, f"round {req.round} exceeds {MAX_ROUND}")
     expected = part_shapes(req.part)
     if expected is None:
         raise ProtocolError(pb.GROUP_MISMATCH, f"part {req.part} is not reduced by this peer")
-    tensors = decode_named(req.tensors, expected, max_numel, f"part {req.part}")
+    tensors = decode_named(req.tensors, expected, max_numel, f"part {req.part}", allowed_codecs=allowed_codecs)
     return AverageInput(round=req.round, group_hash=req.group_hash, state_digest=req.state_digest,
                         weight=req.weight, part=req.part, tensors=tensors)

@@ -1,0 +1,36 @@
+"""Which wire codec names a receiver accepts on each path, computed from the manifest's specs.
+
+A peer only decodes what the manifest says its peers send: anything else is refused by name
+before a codec runs, so a stranger cannot pick the codec whose decode is costliest for us.
+"""
+from __future__ import annotations
+
+from swarmgrad.compression import Codec, PowerSGDCodec, SizeAdaptive, parse_codec_spec
+
+FP32_ONLY = frozenset({"fp32"})
+"""State sync sends θ_global and momentum whole, in fp32 (peer/state_sync.py)."""
+
+
+def wire_codec_names(codec: str | Codec) -> frozenset[str]:
+    """The `EncodedTensor.codec` names an encoder built from `codec` can emit.
+
+    A spec string or a Codec: "int8" -> {"int8"}; "topk:values=int8" -> {"topk"} (its values
+    travel inside the topk message); "powersgd:rank=4,fallback=fp16" -> {"powersgd", "fp16"}
+    (small or 1-D tensors go out in the fallback); "adaptive:threshold=N|fp32|int8" ->
+    {"fp32", "int8"}. Raises CodecError for a spec that does not parse.
+    """
+    if isinstance(codec, str):
+        codec = parse_codec_spec(codec)
+    if isinstance(codec, SizeAdaptive):
+        return wire_codec_names(codec.small) | wire_codec_names(codec.large)
+    if isinstance(codec, PowerSGDCodec):
+        return frozenset({codec.name, codec.fallback})
+    return frozenset({codec.name})
+
+
+def averaging_codecs(spec: str | Codec, small_tensor_threshold: int) -> frozenset[str]:
+    """Codecs of the averaging path (requests and the reducer's mean alike): the configured codec
+    for large tensors and fp32 for those under the threshold, as peer/averaging.py encodes them
+    (SizeAdaptive(averaging.small_tensor_threshold, fp32, averaging.codec))."""
+    large = wire_codec_names(spec)
+    return large if small_tensor_threshold <= 0 else large | FP32_ONLY
