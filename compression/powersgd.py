@@ -115,6 +115,11 @@ class PowerSGDCodec(Codec):
         if set(enc.params) != {"rank"}:
             raise CodecError(f"powersgd: unexpected params {sorted(set(enc.params) - {'rank'})}")
         m, n = math.prod(enc.shape[:-1]), enc.shape[-1]
+        # an encoder only sends factors when they are smaller than the matrix (see uses_low_rank),
+        # and a rank of min(m, n) or more is no low-rank approximation: refusing both keeps the
+        # product's cost (m n r) within a factor of min(m, n) of the output bounded by max_numel
+        if not r < min(m, n) or r * (m + n) >= m * n:
+            raise CodecError(f"powersgd: rank {r} is not low rank for a {m}x{n} matrix")
         expect_buffers(enc, (4 * m * r, 4 * n * r))
         p = tensor_from_bytes(enc.buffers[0], torch.float32, m * r).view(m, r)
         q = tensor_from_bytes(enc.buffers[1], torch.float32, n * r).view(n, r)

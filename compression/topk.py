@@ -157,10 +157,24 @@ def _pack_bits(values: np.ndarray, bits: int) -> bytes:
     return np.packbits(bitmat.reshape(-1), bitorder="little").tobytes()
 
 
+_UNPACK_CHUNK = 1 << 16
+"""Values unpacked at a time: the bit matrix of one chunk (64 bytes per bit of width) stays
+small, so unpacking allocates the int64 result (8 bytes per value) and O(chunk) besides,
+never 64 bytes per bit of the payload."""
+
+
 def _unpack_bits(buf: bytes, count: int, bits: int) -> np.ndarray:
     """Inverse of :func:`_pack_bits`; caller checked ``len(buf) == ceil(count * bits / 8)``."""
+    out = np.zeros(count, dtype=np.int64)
     if count == 0:
-        return np.zeros(0, dtype=np.int64)
-    flat = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), count=count * bits, bitorder="little")
+        return out
+    raw = np.frombuffer(buf, dtype=np.uint8)
     weights = np.left_shift(np.int64(1), np.arange(bits, dtype=np.int64))
-    return flat.reshape(count, bits).astype(np.int64) @ weights
+    # chunks start on a byte boundary: chunk * bits is a multiple of 8
+    for start in range(0, count, _UNPACK_CHUNK):
+        n = min(_UNPACK_CHUNK, count - start)
+        first = start * bits // 8
+        chunk = raw[first : first + (n * bits + 7) // 8]
+        flat = np.unpackbits(chunk, count=n * bits, bitorder="little")
+        out[start : start + n] = flat.reshape(n, bits).astype(np.int64) @ weights
+    return out
