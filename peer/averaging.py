@@ -34,6 +34,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
+from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
@@ -43,6 +44,9 @@ from swarmgrad.protocol.validation import (RunIdentity, check_envelope, decode_n
                                            envelope, validate_average)
 
 logger = logging.getLogger(__name__)
+
+MATCHMAKING_POLL_SECONDS = 0.2
+"""How often matchmaking re-reads the registrations (a poll interval, not a deadline)."""
 
 
 # pure decisions ---------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ class Averager:
     """Runs outer rounds for one stage replica and serves the reducer side for its peers."""
 
     def __init__(self, manifest: Manifest, stage: int, peer_id: str, shapes: dict[str, tuple[int, ...]],
-                 rpc: FramedRPC, swarm: SwarmView, max_numel: int):
+                 rpc: FramedRPC, swarm: SwarmView, max_numel: int, clock: RoundClock):
         self.m = manifest
         self.stage = stage
         self.peer_id = peer_id
@@ -148,8 +152,8 @@ class Averager:
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
         self._slots: dict[int, _Slot] = {}
-        self.current_round = 0
-        """The round this replica runs next (or is running); requests for rounds far from it are refused."""
+        self.clock = clock
+        """Requests for rounds far from the clock's are refused."""
 
     def reset_feedback(self) -> None:
         """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
@@ -160,7 +164,7 @@ class Averager:
     def _slot(self, round: int) -> _Slot:
         if round not in self._slots:
             self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())
-            for old in [r for r in self._slots if r < self.current_round - 2]:  # nobody waits on those any more
+            for old in [r for r in self._slots if r < self.clock.current - 2]:  # nobody waits on those any more
                 slot = self._slots.pop(old)
                 if slot.result is not None and not slot.result.done():
                     slot.result.cancel()
@@ -168,9 +172,9 @@ class Averager:
 
     async def handle(self, request: pb.AverageRequest, caller: PeerID) -> pb.AverageResponse:
         check_envelope(request.envelope, self.identity, [self.stage])
-        if abs(request.round - self.current_round) > 1:
+        if abs(request.round - self.clock.current) > 1:
             # a peer in another round (or one making up round numbers) gets no slot that could crowd ours out
-            raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.current_round})")
+            raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.clock.current})")
         slot = self._slot(request.round)
         timeouts = self.m.timeouts
         try:
@@ -218,15 +222,18 @@ class Averager:
         t = self.m.timeouts
         await self.swarm.register_round(self.stage, round, self.peer_id, registration)
         deadline = time.monotonic() + t.matchmaking
+        # The group is settled when every replica the stage records call ONLINE has registered:
+        # each member waits for the same condition, so all read the same set. Past the deadline
+        # (a replica died, or its records lag) members may read different sets; then group hashes
+        # differ, the round fails for all, and nobody applies anything.
+        regs: dict[str, dict[str, Any]] = {}
         while True:
             regs = await self.swarm.round_registrations(self.stage, round)
             alive = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
             alive.add(self.peer_id)
             if alive <= set(regs) or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(0.3)  # let late registrations land so every member reads the same set
-        regs = await self.swarm.round_registrations(self.stage, round)
+            await asyncio.sleep(MATCHMAKING_POLL_SECONDS)
         regs.setdefault(self.peer_id, registration)
         return choose_group(regs)
 
@@ -238,7 +245,6 @@ class Averager:
     async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
-        self.current_round = round
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
         group = await self.matchmake(round, registration)
         if group is None or self.peer_id not in group.members:

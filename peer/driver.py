@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 from hivemind.utils import get_dht_time
 
+from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline import Downstream
 from swarmgrad.peer.routing import DeadlineEstimator
@@ -41,7 +42,7 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], round_fn: Callable[[], int]):
+                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], clock: RoundClock):
         self.m = manifest
         self.worker = worker
         self.downstream = downstream
@@ -49,8 +50,8 @@ class Driver:
         self.n_stages = n_stages
         self.stream = stream
         self.emit = emit
-        self.round_fn = round_fn
-        """The driver's current round, sent with every microbatch so later stages follow its rounds."""
+        self.clock = clock
+        """The driver's round is sent with every microbatch, so later stages follow its rounds."""
         t = manifest.timeouts
         self.deadlines = DeadlineEstimator(minimum=t.min_microbatch, maximum=t.microbatch)
         self.stats = DriverStats()
@@ -86,7 +87,7 @@ class Driver:
             x, h = await self.worker.forward(inputs, train=not eval_only)
             started = time.monotonic()
             hop = await self.downstream.forward(1, h, targets, mb, attempt, self.peer_id,
-                                                get_dht_time() + self.deadlines.deadline(), eval_only, self.round_fn())
+                                                get_dht_time() + self.deadlines.deadline(), eval_only, self.clock.current)
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)

@@ -25,6 +25,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import Codec
+from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
@@ -132,16 +133,15 @@ class StageServer:
     """Serves forward requests for one stage ≥ 1 replica."""
 
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
-                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int,
-                 round_ahead: Callable[[int], bool]):
+                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock):
         self.identity = identity
         self.contract = contract
         self.worker = worker
         self.downstream = downstream
         self.codec = gradient_codec
         self.max_numel = max_numel
-        self.round_ahead = round_ahead
-        """Called with a request's round; True if it is later than ours (we then end our round first)."""
+        self.clock = clock
+        """A request of a later round than ours makes us end ours first (and answer NOT_READY meanwhile)."""
         self.served = 0
         self.refused = 0
 
@@ -154,7 +154,7 @@ class StageServer:
         if get_dht_time() > inp.deadline:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "the microbatch's deadline has passed")
         train = not inp.eval_only
-        if self.round_ahead(inp.round):
+        if self.clock.observe(inp.round):
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
         try:

@@ -1,4 +1,4 @@
-"""Stage state: θ_global, the outer optimiser and the round counter of one stage replica.
+"""Stage state: θ_global, the outer optimiser and the agreed counters behind them (outer steps, samples).
 
 θ_global lives on the CPU in fp32 whatever the device of the module: it is what the replicas
 of a stage agree on bit for bit after every round, and the outer step is run by identical CPU
@@ -24,12 +24,17 @@ class StateSnapshot:
     params: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     round: int
+    """The first round this state is ready for."""
     applied_rounds: int
     digest: str
+    trained_samples: int = 0
+    """Samples the stage group averaged into this state: the schedule's agreed position."""
 
 
-def state_digest(params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]) -> str:
+def state_digest(params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], trained_samples: int = 0) -> str:
     h = hashlib.blake2b(digest_size=12)
+    if trained_samples:  # part of the agreed state: the lr schedule's position (0 keeps older digests)
+        h.update(f"samples:{int(trained_samples)}".encode())
     for prefix, tensors in (("p", params), ("m", momentum)):
         for name in sorted(tensors):
             h.update(f"{prefix}:{name}:{tuple(tensors[name].shape)}".encode())
@@ -45,13 +50,13 @@ class StageState:
                        for name, p in module.named_parameters()}
         self._outer_cfg = outer
         self.outer_opt = self._make_outer()
-        self.round = 0
-        """The round this replica runs next."""
         self.applied_rounds = 0
         """How many outer steps produced θ_global (0: the initialisation)."""
+        self.trained_samples = 0
+        """Samples the stage group averaged into θ_global (the sum of complete rounds' weights)."""
         self.digest = ""
         self.snapshot: StateSnapshot | None = None
-        self.commit()
+        self.commit(0)
 
     def _make_outer(self) -> torch.optim.SGD:
         cfg = self._outer_cfg
@@ -67,25 +72,30 @@ class StageState:
                 out[name] = buf
         return out
 
-    def commit(self) -> None:
-        """Recompute the digest and freeze a snapshot for state download."""
+    def commit(self, round: int) -> None:
+        """Recompute the digest and freeze a snapshot for state download, ready for `round`."""
         params = {n: p.detach().clone() for n, p in self.params.items()}
         momentum = {n: m.detach().clone() for n, m in self.momentum().items()}
-        self.digest = state_digest(params, momentum)
-        self.snapshot = StateSnapshot(params, momentum, self.round, self.applied_rounds, self.digest)
+        self.digest = state_digest(params, momentum, self.trained_samples)
+        self.snapshot = StateSnapshot(params, momentum, round, self.applied_rounds, self.digest, self.trained_samples)
 
     def pseudo_gradient(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Δ = θ_global − θ_local, fp32 on the CPU."""
         local = dict(module.named_parameters())
         return {n: self.params[n].detach() - local[n].detach().to("cpu", torch.float32) for n in self.names}
 
-    def apply_outer(self, mean_delta: dict[str, torch.Tensor]) -> None:
-        """θ_global ← OuterOpt(θ_global, mean Δ); the caller sets `round` and commits."""
+    def apply_outer(self, mean_delta: dict[str, torch.Tensor], total_weight: float = 0.0,
+                    lr_multiplier: float = 1.0) -> None:
+        """θ_global ← OuterOpt(θ_global, mean Δ) with outer lr × `lr_multiplier`; `total_weight`
+        samples join trained_samples. The caller commits."""
+        for group in self.outer_opt.param_groups:
+            group["lr"] = self._outer_cfg.lr * lr_multiplier
         for name in self.names:
             self.params[name].grad = mean_delta[name].to(torch.float32).clone()
         self.outer_opt.step()
         self.outer_opt.zero_grad(set_to_none=True)
         self.applied_rounds += 1
+        self.trained_samples += int(round(total_weight))
 
     def copy_to(self, module: nn.Module) -> None:
         with torch.no_grad():
@@ -93,7 +103,7 @@ class StageState:
                 p.copy_(self.params[name].detach().to(p.device, p.dtype))
 
     def load(self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round: int,
-             applied_rounds: int) -> None:
+             applied_rounds: int, trained_samples: int = 0) -> None:
         """Adopt a state downloaded from another replica (names and shapes already validated)."""
         with torch.no_grad():
             for name in self.names:
@@ -101,9 +111,9 @@ class StageState:
         self.outer_opt = self._make_outer()
         for name, buf in momentum.items():
             self.outer_opt.state[self.params[name]]["momentum_buffer"] = buf.detach().clone()
-        self.round = round
         self.applied_rounds = applied_rounds
-        self.commit()
+        self.trained_samples = trained_samples
+        self.commit(round)
 
     def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
         """A safetensors checkpoint of the committed state (θ_global and outer momentum)."""
@@ -112,7 +122,8 @@ class StageState:
         assert snap is not None
         tensors = {f"global.{n}": t.contiguous() for n, t in snap.params.items()}
         tensors.update({f"momentum.{n}": t.contiguous() for n, t in snap.momentum.items()})
-        meta = {"round": str(snap.round), "applied_rounds": str(snap.applied_rounds), "digest": snap.digest}
+        meta = {"round": str(snap.round), "applied_rounds": str(snap.applied_rounds), "digest": snap.digest,
+                "trained_samples": str(snap.trained_samples)}
         meta.update(extra or {})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"swarmgrad": json.dumps(meta)})

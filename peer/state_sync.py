@@ -1,14 +1,38 @@
-"""State sync: serving a stage's committed θ_global and outer momentum, and fetching it from a
-replica. The receiver validates names and shapes against its own stage and recomputes the
-digest, so a truncated, tampered or mismatched state is refused rather than trained on."""
+"""State sync in one place: serving a stage's committed θ_global and outer momentum, a joiner's
+first download, and the re-sync of a replica after a round it failed while others completed.
+
+The receiver validates names and shapes against its own stage and recomputes the digest, so a
+truncated, tampered or mismatched state is refused rather than trained on. Donors are chosen by
+`policy` from what the stage's majority announces, never by who claims the most rounds.
+"""
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
 from swarmgrad.compression import get_codec
-from swarmgrad.peer.rpc import FramedRPC
-from swarmgrad.peer.state import StateSnapshot, state_digest
+from swarmgrad.peer import policy
+from swarmgrad.peer.averaging import RoundResult
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import TimeoutsConfig
+from swarmgrad.peer.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.state import StageState, StateSnapshot, state_digest
+from swarmgrad.peer.swarm import ONLINE, SwarmView
+from swarmgrad.peer.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
-from swarmgrad.protocol.validation import RunIdentity, decode_named, encoded_to_proto, envelope
+from swarmgrad.protocol.validation import RunIdentity, check_envelope, decode_named, encoded_to_proto, envelope
+
+logger = logging.getLogger(__name__)
+
+MAX_COUNTER = 2**40
+"""Rounds and sample counts beyond this come from a broken or hostile donor."""
 
 
 def state_response(snapshot: StateSnapshot) -> pb.StateResponse:
@@ -20,7 +44,7 @@ def state_response(snapshot: StateSnapshot) -> pb.StateResponse:
 
     return pb.StateResponse(status=pb.OK, round=snapshot.round, state_digest=snapshot.digest,
                             applied_rounds=snapshot.applied_rounds, params=named(snapshot.params),
-                            momentum=named(snapshot.momentum))
+                            momentum=named(snapshot.momentum), trained_samples=snapshot.trained_samples)
 
 
 async def fetch_state(rpc: FramedRPC, peer: str, identity: RunIdentity, stage: int,
@@ -29,10 +53,111 @@ async def fetch_state(rpc: FramedRPC, peer: str, identity: RunIdentity, stage: i
     resp = await rpc.call(peer, "state", pb.StateRequest(envelope=envelope(identity, stage)), pb.StateResponse,
                           timeout=timeout)
     if resp.status != pb.OK:
-        raise ProtocolError(resp.status, resp.reason)
+        raise ProtocolError(resp.status if resp.status in pb.Status.values() else pb.INTERNAL, resp.reason)
+    for name in ("round", "applied_rounds", "trained_samples"):
+        if getattr(resp, name) > MAX_COUNTER:
+            raise ProtocolError(pb.BAD_REQUEST, f"state {name} {getattr(resp, name)} is beyond any real run")
     params = decode_named(resp.params, shapes, max_numel, "state params")
     momentum = decode_named(resp.momentum, shapes, max_numel, "state momentum") if len(resp.momentum) else {}
-    digest = state_digest(params, momentum)
+    digest = state_digest(params, momentum, resp.trained_samples)
     if digest != resp.state_digest:
         raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
-    return StateSnapshot(params, momentum, resp.round, resp.applied_rounds, digest)
+    return StateSnapshot(params, momentum, resp.round, resp.applied_rounds, digest, resp.trained_samples)
+
+
+class StateSync:
+    """Join, re-sync and serve the state of one stage replica."""
+
+    def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
+                 state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
+                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int):
+        self.rpc = rpc
+        self.swarm = swarm
+        self.identity = identity
+        self.peer_id = peer_id
+        self.stage = stage
+        self.state = state
+        self.worker = worker
+        self.clock = clock
+        self.progress = progress
+        self.events = events
+        self.t = timeouts
+        self.max_numel = max_numel
+        self.serving = False
+        """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
+
+    # serving ------------------------------------------------------------------------------------
+    async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
+        check_envelope(request.envelope, self.identity, [self.stage])
+        snap = self.state.snapshot
+        if snap is None or not self.serving:
+            raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
+        if self.worker.paused:
+            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
+        return state_response(snap)
+
+    # fetching -----------------------------------------------------------------------------------
+    async def download(self, peer: str) -> bool:
+        try:
+            snap = await fetch_state(self.rpc, peer, self.identity, self.stage, self.state.shapes, self.max_numel,
+                                     self.t.state_download)
+        except (RPCFailed, ProtocolError) as e:
+            logger.info("stage %d: state download from %s failed: %s", self.stage, peer[-8:], e)
+            return False
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        self.progress.trained = snap.trained_samples
+        self.clock.adopt(snap.round, get_dht_time())
+        return True
+
+    async def join(self) -> None:
+        """Take the stage's current state from a live replica, or start from the seed if none.
+
+        A replica that is averaging refuses (NOT_READY): a joiner must not start from the state a
+        round is about to replace (hivemind #445), so it retries until the round is over.
+        """
+        deadline = time.monotonic() + self.t.state_download
+        while True:
+            records = await self.swarm.stage_records(self.stage)
+            donors = policy.join_donors(records, self.peer_id)
+            if not donors:
+                self.clock.adopt(0, get_dht_time())
+                self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
+                self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
+                return
+            for donor in donors:
+                if await self.download(donor):
+                    await self.worker.run(self.state.copy_to, self.worker.module)
+                    self.progress.expect_group(1 + len(donors))
+                    self.events.emit("state_loaded", source=donor, round=self.clock.current,
+                                     applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                                     trained_samples=self.state.trained_samples)
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
+                                   f"within timeouts.state_download")
+            await asyncio.sleep(0.5)
+
+    async def resync(self, round: int, result: RoundResult) -> bool:
+        """After a failed round: adopt the state of a replica that completed it, if any did. Others
+        may still be finishing the round, so wait until every other member has announced a later
+        round (then, if none applied it, nobody did) or as long as a round may take."""
+        deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
+        others = [p for p in result.group if p != self.peer_id]
+        while time.monotonic() < deadline:
+            try:
+                records = await self.swarm.stage_records(self.stage)
+            except Exception as e:
+                logger.info("stage %d: resync could not read records: %s: %s", self.stage, type(e).__name__, e)
+                await asyncio.sleep(0.5)
+                continue
+            donors = policy.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
+                                          result.stale)
+            for donor in donors:
+                if await self.download(donor):
+                    self.events.emit("resynced", source=donor, round=self.clock.current,
+                                     applied_rounds=self.state.applied_rounds, digest=self.state.digest)
+                    return True
+            if not donors and policy.resync_settled(records, others, round):
+                return False
+            await asyncio.sleep(0.5)
+        return False

@@ -21,8 +21,10 @@ from typing import Any, AsyncIterator, Callable
 import torch
 from torch import nn
 
+from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
+from swarmgrad.peer.schedule import TrainingProgress
 
 
 class NotReady(Exception):
@@ -31,11 +33,16 @@ class NotReady(Exception):
 
 class StageWorker:
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 clock: RoundClock, progress: TrainingProgress):
         self.module = module.to(device)
         self.device = device
         self.loss_fn = loss_fn
         self.cfg = inner
+        self.clock = clock
+        self.progress = progress
+        self.lr = inner.lr
+        """The inner lr of the last step (the schedule's value at the swarm's position then)."""
         self.optimizer = self._make_optimizer()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._cond = asyncio.Condition()
@@ -54,10 +61,6 @@ class StageWorker:
         self.rate = RateMeter()
         self._busy_since: float | None = None
         self._done_since_rate = 0
-        self.step_event = asyncio.Event()
-        self.steps_per_round = 0
-        """H: with rounds counted in inner steps, the worker pauses itself after the H-th step, in
-        the same critical section, so no microbatch slips into the next round's first step."""
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         c = self.cfg
@@ -148,6 +151,9 @@ class StageWorker:
                 p.grad.mul_(scale)  # the mean over microbatches, as the whole model would see it
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+        self.lr = self.cfg.lr * self.progress.multiplier(self.samples)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -166,12 +172,12 @@ class StageWorker:
                 self.accumulated = 0
                 self.inner_steps += 1
                 self._update_rate()
-                if self.steps_per_round and self.inner_steps >= self.steps_per_round:
+                if self.clock.steps_complete(self.inner_steps):
                     self._paused = True
             finally:
                 self._stepping = False
                 self._cond.notify_all()
-        self.step_event.set()
+        self.clock.wake()
         return True
 
     def _update_rate(self) -> None:

@@ -60,7 +60,7 @@ def test_state_copies_module_as_fp32_cpu() -> None:
         assert state.params[n].dtype == torch.float32 and state.params[n].device.type == "cpu"
         assert torch.equal(state.params[n], p.detach().float())
         assert state.params[n].data_ptr() != p.data_ptr()
-    assert state.round == 0 and state.applied_rounds == 0
+    assert state.snapshot.round == 0 and state.applied_rounds == 0 and state.trained_samples == 0
     assert state.momentum() == {}
     assert re.fullmatch(r"[0-9a-f]{24}", state.digest)
     assert state.snapshot is not None and state.snapshot.digest == state.digest
@@ -81,11 +81,11 @@ def test_digest_changes_with_one_param_value() -> None:
     with torch.no_grad():
         state.params["1.bias"][2] += 1e-6
     assert state.digest == before  # not recomputed until commit
-    state.commit()
+    state.commit(0)
     assert state.digest != before
     with torch.no_grad():
         state.params["1.bias"].copy_(original)
-    state.commit()
+    state.commit(0)
     assert state.digest == before  # same bits, same digest
 
 
@@ -93,7 +93,7 @@ def test_digest_covers_momentum() -> None:
     state = StageState(make_module(), NESTEROV)
     without = state.digest
     state.apply_outer(deltas(state, 0))
-    state.commit()
+    state.commit(0)
     params = {n: p.detach().clone() for n, p in state.params.items()}
     momentum = {n: m.clone() for n, m in state.momentum().items()}
     assert momentum.keys() == set(state.names)
@@ -177,9 +177,8 @@ def test_replicas_fed_identical_inputs_stay_bit_identical() -> None:
         d = deltas(a, step)
         a.apply_outer(d)
         b.apply_outer({n: t.clone() for n, t in d.items()})
-        a.round = b.round = step + 1
-        a.commit()
-        b.commit()
+        a.commit(step + 1)
+        b.commit(step + 1)
         assert_states_identical(a, b)
         assert a.digest == b.digest
         digests.add(a.digest)
@@ -190,8 +189,7 @@ def test_replicas_fed_identical_inputs_stay_bit_identical() -> None:
 def test_snapshot_is_frozen_until_commit() -> None:
     state = StageState(make_module(), NESTEROV)
     state.apply_outer(deltas(state, 0))
-    state.round = 1
-    state.commit()
+    state.commit(1)
     snap = state.snapshot
     assert snap is not None and (snap.round, snap.applied_rounds) == (1, 1)
     frozen = {n: t.clone() for n, t in snap.params.items()}
@@ -201,7 +199,7 @@ def test_snapshot_is_frozen_until_commit() -> None:
         assert snap.params[n].data_ptr() != state.params[n].data_ptr()
     assert state_digest(snap.params, snap.momentum) == snap.digest
     assert state.snapshot is snap  # apply_outer does not commit
-    state.commit()
+    state.commit(1)
     assert state.snapshot is not snap and state.snapshot.digest != snap.digest
 
 
@@ -223,8 +221,7 @@ def trained(seed: int = 0, steps: int = 3) -> StageState:
     state = StageState(make_module(seed), NESTEROV)
     for step in range(steps):
         state.apply_outer(deltas(state, step))
-    state.round = steps + 2
-    state.commit()
+    state.commit(steps + 2)
     return state
 
 
@@ -236,14 +233,14 @@ def test_load_reproduces_digest_and_continues_identically() -> None:
     assert snap is not None
     joiner.load(snap.params, snap.momentum, snap.round, snap.applied_rounds)
     assert joiner.digest == donor.digest
-    assert (joiner.round, joiner.applied_rounds) == (5, 3)
+    assert (joiner.snapshot.round, joiner.applied_rounds) == (5, 3)
     assert_states_identical(joiner, donor)
     for step in range(3, 6):
         d = deltas(donor, step)
         donor.apply_outer(d)
         joiner.apply_outer(d)
-        donor.commit()
-        joiner.commit()
+        donor.commit(step + 1)
+        joiner.commit(step + 1)
         assert_states_identical(joiner, donor)
         assert joiner.digest == donor.digest
 
@@ -281,7 +278,8 @@ def test_save_and_load_checkpoint_round_trip(tmp_path: Path) -> None:
     state.save(path, extra={"peer": "QmX", "stage": "1"})
     assert path.exists()
     params, momentum, meta = load_checkpoint(path)
-    assert meta == {"round": "5", "applied_rounds": "3", "digest": state.digest, "peer": "QmX", "stage": "1"}
+    assert meta == {"round": "5", "applied_rounds": "3", "digest": state.digest, "peer": "QmX", "stage": "1",
+                    "trained_samples": "0"}
     assert params.keys() == momentum.keys() == set(state.names)
     for n in state.names:
         assert torch.equal(params[n], state.params[n].detach())
@@ -304,10 +302,40 @@ def test_checkpoint_is_the_committed_snapshot(tmp_path: Path) -> None:
     state.save(path)
     params, momentum, meta = load_checkpoint(path)
     assert momentum == {}
-    assert meta == {"round": "0", "applied_rounds": "0", "digest": committed}
+    assert meta == {"round": "0", "applied_rounds": "0", "digest": committed, "trained_samples": "0"}
     assert state_digest(params, momentum) == committed
 
 
 def test_load_checkpoint_missing_file(tmp_path: Path) -> None:
     with pytest.raises((FileNotFoundError, OSError)):
         load_checkpoint(tmp_path / "absent.safetensors")
+
+
+def test_trained_samples_are_agreed_state() -> None:
+    """The schedule's position is part of what replicas agree on: it enters the digest, travels
+    with a snapshot and survives a load, so a joiner resumes the lr curve where the swarm is."""
+    a, b = StageState(make_module(), NESTEROV), StageState(make_module(), NESTEROV)
+    d = deltas(a, 0)
+    a.apply_outer(d, total_weight=64.0)
+    b.apply_outer({n: t.clone() for n, t in d.items()}, total_weight=32.0)
+    a.commit(1)
+    b.commit(1)
+    assert a.trained_samples == 64 and b.trained_samples == 32
+    assert a.digest != b.digest  # same θ, different positions: not the same state
+    joiner = StageState(make_module(seed=9), NESTEROV)
+    snap = a.snapshot
+    joiner.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+    assert joiner.trained_samples == 64 and joiner.digest == a.digest
+
+
+def test_outer_lr_multiplier_scales_the_outer_step() -> None:
+    plain = StageState(make_module(), PLAIN)
+    half = StageState(make_module(), PLAIN)
+    d = deltas(plain, 0)
+    plain.apply_outer(d)
+    half.apply_outer({n: t.clone() for n, t in d.items()}, lr_multiplier=0.5)
+    start = StageState(make_module(), PLAIN)
+    for n in plain.names:
+        moved_plain = plain.params[n].detach() - start.params[n].detach()
+        moved_half = half.params[n].detach() - start.params[n].detach()
+        assert torch.allclose(moved_half, moved_plain * 0.5, atol=1e-7)

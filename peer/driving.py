@@ -1,0 +1,91 @@
+"""What a driver (a stage-0 replica) does besides computing: read its data shard, wait until
+every stage is served, push microbatches through the pipeline, and evaluate on held-out text
+at the start, every `data.eval_every` rounds, and once more after the last round."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from hivemind.p2p import PeerID
+
+from swarmgrad.peer import policy
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
+from swarmgrad.peer.driver import Batch, Driver
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.pipeline import Downstream, wait_for_pipeline
+from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.peer.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+
+def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
+    """A driver's shard: --data-seed if given, else derived from the peer id and the run's seed."""
+    if override is not None:
+        return override
+    return int.from_bytes(PeerID.from_base58(peer_id).to_bytes()[-4:], "big") ^ manifest.seed
+
+
+class DrivingLoop:
+    def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
+                 n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
+                 tasks: list[asyncio.Task]):
+        self.m = manifest
+        self.worker = worker
+        self.downstream = downstream
+        self.peer_id = peer_id
+        self.n_stages = n_stages
+        self.swarm = swarm
+        self.clock = clock
+        self.events = events
+        self.seed = seed
+        self.tasks = tasks
+        """The peer's task list: evaluations started here are owned (cancelled, awaited) there."""
+        self.driver: Driver | None = None
+        self.stop_training = asyncio.Event()
+        """Set after the last round: no more training microbatches (evaluation goes on)."""
+        self._val: list[Batch] = []
+        self._evaluating = False
+
+    async def run(self) -> None:
+        d = self.m.data
+        train, val = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None))
+        stream = MicrobatchStream(train, self.m.model.seq_len, self.m.inner.microbatch_size, self.seed)
+        self._val = validation_batches(val, self.m.model.seq_len, self.m.inner.microbatch_size, d.eval_batches,
+                                       seed=self.m.seed)
+        self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
+                             self.events.emit, self.clock)
+        if self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages, self.m.timeouts.state_download):
+            raise RuntimeError("no replica serves some stage; the pipeline is incomplete")
+        await self.evaluate()
+        await self.driver.run(self.stop_training)
+
+    async def after_round(self) -> None:
+        """Called by the round runner after each round: start an evaluation when one is due."""
+        if policy.eval_due(is_driver=True, driving=self.driver is not None and self.driver.running,
+                           evaluating=self._evaluating, eval_every=self.m.data.eval_every,
+                           rounds_done=self.clock.rounds_done, finished=self.clock.finished):
+            self.tasks.append(asyncio.create_task(self.evaluate(), name="eval"))
+
+    async def evaluate(self, final: bool = False) -> None:
+        assert self.driver is not None
+        self._evaluating = True
+        try:
+            val_nats = await self.driver.evaluate(self._val)
+        finally:
+            self._evaluating = False
+        bpb = bits_per_byte(val_nats) if val_nats == val_nats else math.nan
+        stats = self.driver.stats
+        self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
+                         completed=stats.completed, retries=stats.retries, lost=stats.lost)
+        logger.info("stage 0 eval at round %d: validation %.3f bits/byte", self.clock.current, bpb)
+
+    async def finish(self) -> None:
+        """The last round is done: stop training and evaluate a final time."""
+        self.stop_training.set()
+        if self.driver is not None:
+            await self.evaluate(final=True)

@@ -1,0 +1,90 @@
+"""The daemon's small decisions, as pure functions over what it has gathered.
+
+The daemon gathers a snapshot (its clock, its worker's counters, the DHT records it read) and
+calls these; they decide, it acts. Each is tested without a network (tests/test_policy.py).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
+
+
+def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
+                now: float, wall_end: float | None, drivers_min_round: int | None) -> bool:
+    """Has round `round` ended for this replica? Whichever comes first:
+    - a microbatch of a later round arrived (`seen`);
+    - on a driver with H-step rounds, H inner steps were taken;
+    - the shared wall clock passed the round's end;
+    - on a later stage without a wall clock, every online driver is already past it (their
+      records say so: a replica that gets no more work still ends its round).
+    """
+    if seen > round:
+        return True
+    if counts_steps and steps_per_round and inner_steps >= steps_per_round:
+        return True
+    if wall_end is not None and now >= wall_end:
+        return True
+    return drivers_min_round is not None and drivers_min_round > round
+
+
+def drivers_min_round(drivers: Sequence[PeerRecord]) -> int | None:
+    """The lowest round among online drivers (None when there are none)."""
+    rounds = [r.round for r in drivers if r.state == ONLINE and r.driver]
+    return min(rounds) if rounds else None
+
+
+def drivers_gone(stage0: Sequence[PeerRecord]) -> bool:
+    return not any(r.state == ONLINE for r in stage0)
+
+
+def majority_digest(records: Sequence[PeerRecord]) -> str | None:
+    """The θ_global digest most online replicas announce (ties: more applied rounds, then the
+    smaller digest). A peer believes a fact about the swarm only if a majority announces it:
+    nobody wins by claiming a bigger applied_rounds."""
+    online = [r for r in records if r.state == ONLINE and r.digest]
+    if not online:
+        return None
+    votes = Counter(r.digest for r in online)
+    applied = {r.digest: r.applied_rounds for r in online}
+    return max(votes, key=lambda d: (votes[d], applied[d], _neg(d)))
+
+
+def _neg(digest: str) -> tuple[int, ...]:
+    return tuple(-ord(c) for c in digest)
+
+
+def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
+    """Replicas a joiner may take θ_global from: online, not itself, announcing the majority
+    digest (sorted for a deterministic order)."""
+    others = [r for r in records if r.peer_id != self_id]
+    digest = majority_digest(others)
+    return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
+
+
+def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
+                  stale: bool) -> list[str]:
+    """After a failed round: replicas whose state is newer than ours (or, if ours was not the
+    group's reference, any member of the group), restricted to the most announced digest among
+    them, so one replica claiming a large applied_rounds cannot hand us its state."""
+    newer = [r for r in records if r.peer_id != self_id and r.state == ONLINE and (
+        r.applied_rounds > own_applied or (stale and r.peer_id in group))]
+    digest = majority_digest(newer)
+    return sorted(r.peer_id for r in newer if r.digest == digest)
+
+
+def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: int) -> bool:
+    """Every other member of the failed round has announced a later round: if none of them
+    applied it, nobody did, and waiting longer cannot produce a donor."""
+    finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
+    return finished == set(others)
+
+
+def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: int, rounds_done: int,
+             finished: bool) -> bool:
+    """A driver evaluates every `eval_every` counted rounds while it trains; not after the last
+    round (it evaluates at the end anyway) and never twice at once."""
+    if not (is_driver and driving and eval_every) or evaluating or finished:
+        return False
+    return rounds_done > 0 and rounds_done % eval_every == 0

@@ -1,0 +1,62 @@
+"""Presence in the DHT: what this replica announces about itself, refreshed every heartbeat.
+
+The record (stage, JOINING/ONLINE/LEAVING, measured rate, round, θ digest, ...) is what other
+peers route, match and pick donors by; it expires after `timeouts.announce_ttl`, so a replica
+that dies disappears by itself. The heartbeat also keeps the run's epoch (the origin of
+wall-clock rounds) alive for as long as anyone runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.state import StageState
+from swarmgrad.peer.swarm import JOINING, PeerRecord, SwarmView
+from swarmgrad.peer.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+
+class Presence:
+    def __init__(self, swarm: SwarmView, *, peer_id: str, stage: int, manifest_hash: str, maddrs: tuple[str, ...],
+                 worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float):
+        self.swarm = swarm
+        self.peer_id = peer_id
+        self.stage = stage
+        self.manifest_hash = manifest_hash
+        self.maddrs = maddrs
+        self.worker = worker
+        self.state = state
+        self.clock = clock
+        self.heartbeat = heartbeat
+        self.status = JOINING
+        """JOINING until the replica serves, ONLINE while it does, LEAVING on the way out."""
+
+    def record(self) -> PeerRecord:
+        return PeerRecord(peer_id=self.peer_id, stage=self.stage, state=self.status,
+                          throughput=self.worker.rate.rate, round=self.clock.current,
+                          applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                          manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4])
+
+    async def announce(self, status: str | None = None) -> bool:
+        """Store our record now (optionally in a new status). A failed store is logged, not raised:
+        the next heartbeat tries again, and the record's expiry covers a dead DHT."""
+        if status is not None:
+            self.status = status
+        try:
+            return await self.swarm.announce(self.record())
+        except Exception as e:
+            logger.warning("stage %d: announce failed: %s: %s", self.stage, type(e).__name__, e)
+            return False
+
+    async def run(self) -> None:
+        """Heartbeat until cancelled."""
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            await self.announce()
+            if self.clock.epoch is not None:
+                try:
+                    await self.swarm.refresh_epoch(self.clock.epoch)
+                except Exception as e:
+                    logger.debug("epoch refresh failed: %s: %s", type(e).__name__, e)

@@ -1,0 +1,116 @@
+"""The daemon's small decisions and its round clock, tested without a network."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from swarmgrad.peer import policy
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.manifest import RoundsConfig
+from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
+
+
+def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round: int = 0, applied: int = 0, digest: str = "d",
+        driver: bool = False) -> PeerRecord:
+    return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=round, applied_rounds=applied,
+                      digest=digest, manifest_hash="h", driver=driver)
+
+
+def ended(**kw: Any) -> bool:
+    base = dict(round=3, seen=-1, counts_steps=False, inner_steps=0, steps_per_round=0, now=100.0, wall_end=None,
+                drivers_min_round=None)
+    return policy.round_ended(**{**base, **kw})
+
+
+def test_round_ends_on_each_condition_and_not_before() -> None:
+    assert not ended()
+    assert ended(seen=4) and not ended(seen=3)
+    assert ended(counts_steps=True, inner_steps=5, steps_per_round=5)
+    assert not ended(counts_steps=True, inner_steps=4, steps_per_round=5)
+    assert not ended(counts_steps=False, inner_steps=9, steps_per_round=5)  # later stages follow the drivers
+    assert ended(wall_end=100.0) and not ended(wall_end=100.5)
+    assert ended(drivers_min_round=4) and not ended(drivers_min_round=3)
+
+
+def test_drivers_min_round_ignores_non_drivers_and_offline() -> None:
+    recs = [rec("a", stage=0, round=5, driver=True), rec("b", stage=0, round=2, driver=True, state=LEAVING),
+            rec("c", stage=0, round=1, driver=False)]
+    assert policy.drivers_min_round(recs) == 5
+    assert policy.drivers_min_round([]) is None
+    assert policy.drivers_gone([rec("b", state=LEAVING)]) and not policy.drivers_gone(recs)
+
+
+def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
+    recs = [rec("a", applied=5, digest="x"), rec("b", applied=5, digest="x"), rec("liar", applied=10**9, digest="y"),
+            rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
+    assert policy.join_donors(recs, "me") == ["a", "b"]
+    assert policy.join_donors([rec("me")], "me") == []
+    # a tie between digests goes to more applied rounds, deterministically
+    assert policy.join_donors([rec("a", applied=3, digest="x"), rec("b", applied=4, digest="y")], "me") == ["b"]
+
+
+def test_resync_donors_are_newer_and_agree() -> None:
+    recs = [rec("a", applied=6, digest="n"), rec("b", applied=6, digest="n"), rec("c", applied=9, digest="evil"),
+            rec("old", applied=4, digest="o"), rec("me", applied=5, digest="m")]
+    assert policy.resync_donors(recs, "me", 5, group=("a", "b", "c", "me"), stale=False) == ["a", "b"]
+    # a stale member takes any group member's state, still by majority
+    recs2 = [rec("a", applied=5, digest="g"), rec("b", applied=5, digest="g"), rec("me", applied=5, digest="m")]
+    assert policy.resync_donors(recs2, "me", 5, group=("a", "b"), stale=True) == ["a", "b"]
+    assert policy.resync_donors(recs2, "me", 5, group=("a", "b"), stale=False) == []
+
+
+def test_resync_settles_when_every_other_member_moved_on() -> None:
+    recs = [rec("a", round=4), rec("b", round=3)]
+    assert not policy.resync_settled(recs, ["a", "b"], 3)
+    assert policy.resync_settled([rec("a", round=4), rec("b", round=5)], ["a", "b"], 3)
+    assert policy.resync_settled([], [], 3)
+
+
+def test_eval_due() -> None:
+    kw = dict(is_driver=True, driving=True, evaluating=False, eval_every=3, finished=False)
+    assert [policy.eval_due(rounds_done=r, **kw) for r in range(7)] == [False, False, False, True, False, False, True]
+    assert not policy.eval_due(rounds_done=3, **{**kw, "evaluating": True})
+    assert not policy.eval_due(rounds_done=3, **{**kw, "finished": True})
+    assert not policy.eval_due(rounds_done=3, **{**kw, "eval_every": 0})
+    assert not policy.eval_due(rounds_done=3, **{**kw, "driving": False})
+
+
+# --------------------------------------------------------------------------- the round clock
+
+def test_clock_observe_wakes_and_never_goes_back() -> None:
+    async def main() -> None:
+        clock = RoundClock(RoundsConfig(round_seconds=0.0, inner_steps=5), counts_steps=False, max_rounds=0, epoch=None)
+        assert not clock.observe(0)
+        waiter = asyncio.create_task(clock.wait_change(5.0))
+        await asyncio.sleep(0)
+        assert clock.observe(2) and clock.seen == 2
+        await asyncio.wait_for(waiter, 1.0)  # woken, not timed out
+        assert clock.next_round(0.0) == 2
+        clock.advance(2)
+        clock.adopt(1, 0.0)
+        assert clock.current == 2, "a downloaded state never moves the round backwards"
+        clock.adopt(7, 0.0)
+        assert clock.current == 7
+    asyncio.run(main())
+
+
+def test_clock_wall_rounds() -> None:
+    clock = RoundClock(RoundsConfig(round_seconds=10.0), counts_steps=True, max_rounds=0, epoch=1000.0)
+    assert clock.wall_round(999.0) == 0 and clock.wall_round(1035.0) == 3
+    assert clock.wall_end(3) == 1040.0
+    assert clock.next_round(1035.0) == 3
+    clock.adopt(0, 1052.0)
+    assert clock.current == 5
+    assert not clock.counts_steps  # no H configured: nothing to count
+
+
+def test_clock_counts_from_the_first_trained_round_and_finishes() -> None:
+    clock = RoundClock(RoundsConfig(inner_steps=4, round_seconds=0.0), counts_steps=True, max_rounds=2, epoch=None)
+    assert clock.steps_complete(4) and not clock.steps_complete(3)
+    clock.count(False)
+    clock.count(False)
+    assert clock.rounds_done == 0 and not clock.finished
+    clock.count(True)
+    clock.count(False)  # once counting, every round counts
+    assert clock.rounds_done == 2 and clock.finished
+    assert not clock.steps_complete(4), "after the last round the worker must not pause itself"
