@@ -70,6 +70,21 @@ class OuterOptConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Learning-rate schedule over the samples the whole swarm has trained (not local steps)."""
+    kind: str = "constant"
+    """`constant`, `cosine` or `linear` (both decay from the peak inner.lr to min_lr_ratio of it)."""
+    warmup_samples: int = 0
+    """Linear warmup from 0 to the peak over this many samples (0: none)."""
+    total_samples: int = 0
+    """Where the decay reaches its floor (and stays); required for cosine and linear."""
+    min_lr_ratio: float = 0.1
+    """The floor as a fraction of the peak lr."""
+    outer: bool = False
+    """Also scale outer.lr by the same curve (evaluated at each round boundary)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundsConfig:
     inner_steps: int = 0
     """H: end a round after this many inner steps of a replica (0: not used)."""
@@ -143,6 +158,7 @@ class Manifest:
     stages: StagesConfig = StagesConfig()
     inner: InnerOptConfig = InnerOptConfig()
     outer: OuterOptConfig = OuterOptConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     rounds: RoundsConfig = RoundsConfig()
     averaging: AveragingConfig = AveragingConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -175,7 +191,7 @@ class Manifest:
 
 _SECTIONS = {
     "model": ModelConfig, "stages": StagesConfig, "inner": InnerOptConfig, "outer": OuterOptConfig,
-    "rounds": RoundsConfig, "averaging": AveragingConfig, "pipeline": PipelineConfig,
+    "schedule": ScheduleConfig, "rounds": RoundsConfig, "averaging": AveragingConfig, "pipeline": PipelineConfig,
     "data": DataConfig, "timeouts": TimeoutsConfig,
 }
 
@@ -317,6 +333,16 @@ def validate(m: Manifest) -> None:
     _positive("outer.lr", m.outer.lr)
     if not 0 <= m.outer.momentum < 1:
         raise _fail("outer.momentum", f"must be in [0, 1) (got {m.outer.momentum})")
+    sc = m.schedule
+    if sc.kind not in ("constant", "cosine", "linear"):
+        raise _fail("schedule.kind", f"must be \"constant\", \"cosine\" or \"linear\" (got {sc.kind!r})")
+    if sc.warmup_samples < 0 or sc.total_samples < 0:
+        raise _fail("schedule", "warmup_samples and total_samples must be >= 0")
+    if sc.kind != "constant" and sc.total_samples <= sc.warmup_samples:
+        raise _fail("schedule.total_samples", f"({sc.total_samples}) must exceed schedule.warmup_samples "
+                                              f"({sc.warmup_samples}) for a {sc.kind} decay")
+    if not 0 <= sc.min_lr_ratio <= 1:
+        raise _fail("schedule.min_lr_ratio", f"must be in [0, 1] (got {sc.min_lr_ratio})")
     r = m.rounds
     if r.inner_steps < 0 or r.round_seconds < 0 or r.max_rounds < 0:
         raise _fail("rounds", "inner_steps, round_seconds and max_rounds must be >= 0")

@@ -32,7 +32,8 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-PINNED_HASH = "d0663e9d9dabe5115d72228c566b3d3a"
+# changed deliberately when the [schedule] section was added
+PINNED_HASH = "f5214b3504ce4564424173f422e5813e"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -251,6 +252,8 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.codec": [{"codec": "fp16"}],
         "pipeline.activation_codec": [{"activation_codec": "bf16"}],
         "pipeline.gradient_codec": [{"gradient_codec": "bf16"}],
+        "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
+        "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
     }
     if key in special:
         return [{section: c} for c in special[key]]
@@ -267,7 +270,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
 
 def _all_field_edits(base: Manifest) -> list[tuple[str, dict[str, Any]]]:
     edits = [("run_id", {"run_id": "other"}), ("seed", {"seed": base.seed + 1})]
-    for section in ("model", "stages", "inner", "outer", "rounds", "averaging", "pipeline", "data", "timeouts"):
+    for section in ("model", "stages", "inner", "outer", "schedule", "rounds", "averaging", "pipeline", "data", "timeouts"):
         cfg = getattr(base, section)
         for f in dataclasses.fields(cfg):
             for change in _changes(section, f, getattr(cfg, f.name)):
@@ -286,7 +289,7 @@ def test_every_field_changes_the_hash() -> None:
     base = load(EXAMPLE)
     edits = _all_field_edits(base)
     n_fields = 2 + sum(len(dataclasses.fields(getattr(base, s))) for s in
-                       ("model", "stages", "inner", "outer", "rounds", "averaging", "pipeline", "data", "timeouts"))
+                       ("model", "stages", "inner", "outer", "schedule", "rounds", "averaging", "pipeline", "data", "timeouts"))
     assert len(edits) == n_fields
     hashes = {base.hash}
     for name, change in edits:
