@@ -80,7 +80,8 @@ def frames_size(frames: list[pb.Frame]) -> int:
     return sum(len(f.data) for f in frames)
 
 
-def _parse(data: bytes, message_type: type[M]) -> M:
+def parse_bytes(data: bytes, message_type: type[M]) -> M:
+    """Parse `data` as `message_type`; any parser failure is ProtocolError(BAD_REQUEST)."""
     message = message_type()
     try:
         message.ParseFromString(data)
@@ -92,8 +93,8 @@ def _parse(data: bytes, message_type: type[M]) -> M:
 async def parse_message(data: bytes, message_type: type[M]) -> M:
     """Parse `data`; large messages in a worker thread. Raises ProtocolError(BAD_REQUEST)."""
     if len(data) >= PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_parse, data, message_type)
-    return _parse(data, message_type)
+        return await asyncio.to_thread(parse_bytes, data, message_type)
+    return parse_bytes(data, message_type)
 
 
 async def read_message(frames: AsyncIterator[pb.Frame], message_type: type[M], max_bytes: int,
@@ -169,7 +170,7 @@ async def read_stream_message(reader: asyncio.StreamReader, message_type: type[M
             length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
             if length > max_frame_bytes:
                 raise ProtocolError(pb.TOO_LARGE, f"frame of {length} bytes exceeds {max_frame_bytes}")
-            frame = _parse(await reader.readexactly(length), pb.Frame) if length else pb.Frame()
+            frame = parse_bytes(await reader.readexactly(length), pb.Frame) if length else pb.Frame()
             total += len(frame.data)
             if total > max_bytes:
                 raise ProtocolError(pb.TOO_LARGE, f"message exceeds {max_bytes} bytes")

@@ -156,13 +156,16 @@ class StateResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     """Empty when the replica has no momentum yet."""
+    trained_samples: int = 0
 
     @property
     def ok(self) -> bool:
         return self.status == pb.OK
 
 
-Digest = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], str]
+Digest = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], int], str]
+"""(params, momentum, trained_samples) -> digest: peer.state.state_digest."""
+MAX_SAMPLES = 2**50
 
 
 def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[int, ...]], max_numel: int, *,
@@ -172,12 +175,13 @@ def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[i
     Args:
         shapes: the stage's parameter names and shapes; params must be exactly these, momentum
             exactly these or empty.
-        digest_fn: (params, momentum) -> digest, as the receiver computes it (peer/state.py).
+        digest_fn: (params, momentum, trained_samples) -> digest, as the receiver computes it
+            (peer.state.state_digest).
         allowed_codecs: default any; state sync sends fp32 (protocol.codecs.FP32_ONLY).
 
     Raises:
         ProtocolError(BAD_REQUEST): unknown status, round or applied_rounds over MAX_ROUND,
-            tensors that do not match, a digest that differs from the recomputed one.
+            trained_samples over MAX_SAMPLES, tensors that do not match, a digest that differs from the recomputed one.
     """
     _check_status(resp.status, "state response")
     if resp.status != pb.OK:
@@ -185,12 +189,15 @@ def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[i
     for name, value in (("round", resp.round), ("applied_rounds", resp.applied_rounds)):
         if value > MAX_ROUND:
             raise ProtocolError(pb.BAD_REQUEST, f"state response {name} {value} exceeds {MAX_ROUND}")
+    if resp.trained_samples > MAX_SAMPLES:
+        raise ProtocolError(pb.BAD_REQUEST, f"state response trained_samples {resp.trained_samples} exceeds {MAX_SAMPLES}")
     if not resp.state_digest or len(resp.state_digest) > MAX_ID_CHARS:
         raise ProtocolError(pb.BAD_REQUEST, f"state response digest must have 1..{MAX_ID_CHARS} characters")
     params = decode_named(resp.params, dict(shapes), max_numel, "state params", allowed_codecs=allowed_codecs)
     momentum = (decode_named(resp.momentum, dict(shapes), max_numel, "state momentum", allowed_codecs=allowed_codecs)
                 if len(resp.momentum) else {})
-    digest = digest_fn(params, momentum)
+    digest = digest_fn(params, momentum, int(resp.trained_samples))
     if digest != resp.state_digest:
         raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
-    return StateResult(pb.OK, "", int(resp.round), int(resp.applied_rounds), digest, params, momentum)
+    return StateResult(pb.OK, "", int(resp.round), int(resp.applied_rounds), digest, params, momentum,
+                       int(resp.trained_samples))
