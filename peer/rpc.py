@@ -1,22 +1,29 @@
-"""Framed protobuf RPCs over hivemind's P2P layer, with byte counting and deadlines.
+"""Framed protobuf RPCs over hivemind's P2P layer, with byte counting, deadlines and limits.
 
-Each RPC is one libp2p stream: the request is cut into frames (protocol/framing.py), the
-handler's response comes back the same way. Handlers never raise across the wire: a
-ProtocolError becomes a refusal with its status and reason, anything else becomes INTERNAL
-and is logged here, so a bad request costs the server one log line and nothing else.
+Each RPC is one raw libp2p stream: the request is cut into length-prefixed frames
+(protocol/framing.py), the handler's response comes back the same way. We do not use
+hivemind's protobuf streams: they read a message's 8-byte length prefix and then that many
+bytes before any check of ours runs. Here every frame's length is checked before it is read,
+frames are counted, a request must arrive within `read_timeout`, and a remote peer may hold at
+most `max_streams_per_peer` streams at once, so what a stranger can make us hold is bounded.
+
+Handlers never raise across the wire: a ProtocolError becomes a refusal with its status and
+reason, anything else becomes INTERNAL and is logged here, so a bad request costs the server
+one log line and nothing else. A caller gets a response or RPCFailed, never another exception.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from google.protobuf.message import Message
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, PeerID
 
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import ProtocolError, read_message, to_frames
+from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, ProtocolError, discard, encode_stream, read_stream_message,
+                                        write_chunks)
 
 logger = logging.getLogger(__name__)
 
@@ -32,75 +39,174 @@ class Traffic:
 
 
 class RPCFailed(Exception):
-    """A call that got no usable response: timeout, unreachable peer, broken stream."""
+    """A call that got no usable response: timeout, unreachable peer, broken stream, bad bytes."""
 
 
 class FramedRPC:
-    def __init__(self, p2p: P2P, namespace: str, traffic: Traffic, max_message_bytes: int):
+    """Serve and call framed RPCs under one namespace.
+
+    Args:
+        p2p: the hivemind P2P instance (its daemon carries the streams).
+        namespace: prefix of the protocol names, e.g. "swarmgrad/<run_id>".
+        traffic: counters this object adds to.
+        max_message_bytes: the largest request or response accepted (pipeline.max_message_mb).
+        read_timeout: seconds a remote has to deliver a whole request once its stream is open;
+            after that the request is refused with DEADLINE_EXCEEDED.
+        max_streams_per_peer: streams one remote peer may have open to us at once (all methods
+            together); one more is refused with BUSY before any of it is read.
+        max_streams: streams open to us from all peers together; one more is refused with BUSY.
+        max_frames: frames accepted for one message (default: protocol.framing.max_frames_for).
+        drain_timeout: after refusing a request early, seconds spent reading and discarding what
+            the caller still sends (at most max_message_bytes), so that it can read the refusal.
+    """
+
+    def __init__(self, p2p: P2P, namespace: str, traffic: Traffic, max_message_bytes: int, *,
+                 read_timeout: float = 60.0, max_streams_per_peer: int = 8, max_streams: int = 256,
+                 max_frames: int | None = None, drain_timeout: float = 2.0):
         self.p2p = p2p
         self.namespace = namespace
         self.traffic = traffic
         self.max_message_bytes = max_message_bytes
+        self.read_timeout = read_timeout
+        self.max_streams_per_peer = max_streams_per_peer
+        self.max_streams = max_streams
+        self.max_frames = max_frames
+        self.drain_timeout = drain_timeout
         self._registered: list[str] = []
+        self._open: dict[PeerID, int] = {}
 
     def _name(self, method: str) -> str:
         return f"{self.namespace}::{method}"
 
+    @property
+    def open_streams(self) -> int:
+        return sum(self._open.values())
+
+    async def _read(self, reader: asyncio.StreamReader, message_type: type[Req]) -> tuple[Req, int]:
+        return await read_stream_message(reader, message_type, self.max_message_bytes, max_frames=self.max_frames,
+                                         max_frame_bytes=MAX_FRAME_BYTES)
+
+    async def _write(self, writer: asyncio.StreamWriter, message: Message) -> None:
+        chunks, size = encode_stream(message)
+        await write_chunks(writer, chunks)
+        self.traffic.sent += size
+
+    # ------------------------------------------------------------------ serving
+
     async def add_handler(self, method: str, request_type: type[Req],
                           handler: Callable[[Req, PeerID], Awaitable[Message]],
                           refusal: Callable[[int, str], Message]) -> None:
-        async def serve(frames: AsyncIterator[pb.Frame], context: P2PContext) -> AsyncIterator[pb.Frame]:
+        async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                request, size = await read_message(frames, request_type, self.max_message_bytes)
-                self.traffic.recv += size
-                response = await handler(request, context.remote_id)
-            except ProtocolError as e:
-                logger.info("refused %s from %s: %s", method, str(context.remote_id)[-8:], e)
-                response = refusal(e.status, e.reason)
+                await self._serve(method, request_type, handler, refusal, info.peer_id, reader, writer)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a bug must not take the server down; the caller learns it failed
-                logger.exception("%s handler failed", method)
-                response = refusal(pb.INTERNAL, f"{type(e).__name__}: {e}")
-            for frame in to_frames(response):
-                self.traffic.sent += len(frame.data)
-                yield frame
+            except Exception as e:  # a broken stream while answering: the caller sees a failed call
+                logger.debug("%s stream from %s ended: %s: %s", method, str(info.peer_id)[-8:], type(e).__name__, e)
+            finally:
+                writer.close()
 
-        await self.p2p.add_protobuf_handler(self._name(method), serve, pb.Frame, stream_input=True, stream_output=True)
+        await self.p2p.add_binary_stream_handler(self._name(method), serve)
         self._registered.append(method)
+
+    async def _serve(self, method: str, request_type: type[Req], handler: Callable[[Req, PeerID], Awaitable[Message]],
+                     refusal: Callable[[int, str], Message], peer: PeerID,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        who = str(peer)[-8:]
+        if self._open.get(peer, 0) >= self.max_streams_per_peer or self.open_streams >= self.max_streams:
+            logger.info("refused %s from %s: too many open streams", method, who)
+            await self._write(writer, refusal(pb.BUSY, f"too many open streams (at most {self.max_streams_per_peer} "
+                                                      f"per peer, {self.max_streams} in all)"))
+            return
+        self._open[peer] = self._open.get(peer, 0) + 1
+        try:
+            try:
+                request, size = await asyncio.wait_for(self._read(reader, request_type), self.read_timeout)
+            except asyncio.TimeoutError:
+                error = ProtocolError(pb.DEADLINE_EXCEEDED, f"request not received within {self.read_timeout:g}s")
+            except ProtocolError as e:
+                error = e
+            else:
+                self.traffic.recv += size
+                await self._write(writer, await self._answer(method, handler, refusal, request, peer))
+                return
+            logger.info("refused %s from %s: %s", method, who, error)
+            await self._write(writer, refusal(error.status, error.reason))
+            # let the caller finish writing so it reads the refusal instead of a reset stream
+            try:
+                await asyncio.wait_for(discard(reader, self.max_message_bytes), self.drain_timeout)
+            except asyncio.TimeoutError:
+                pass
+        finally:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+
+    async def _answer(self, method: str, handler: Callable[[Req, PeerID], Awaitable[Message]],
+                      refusal: Callable[[int, str], Message], request: Req, peer: PeerID) -> Message:
+        try:
+            return await handler(request, peer)
+        except ProtocolError as e:
+            logger.info("refused %s from %s: %s", method, str(peer)[-8:], e)
+            return refusal(e.status, e.reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug must not take the server down; the caller learns it failed
+            logger.exception("%s handler failed", method)
+            return refusal(pb.INTERNAL, f"{type(e).__name__}: {e}")
 
     async def remove_handlers(self) -> None:
         for method in self._registered:
             try:
-                await self.p2p.remove_protobuf_handler(self._name(method), stream_input=True, stream_output=True)
+                await self.p2p.remove_binary_stream_handler(self._name(method))
             except Exception as e:  # the daemon may already be gone at shutdown
                 logger.debug("could not remove handler %s: %s", method, e)
         self._registered.clear()
 
+    # ------------------------------------------------------------------ calling
+
     async def call(self, peer: PeerID | str, method: str, request: Message, response_type: type[Resp],
                    timeout: float) -> Resp:
-        """Send `request` and wait at most `timeout` seconds for the whole response."""
-        peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
-        frames = list(to_frames(request))
+        """Send `request` and wait at most `timeout` seconds for the whole response.
 
-        async def outgoing() -> AsyncIterator[pb.Frame]:
-            for frame in frames:
-                self.traffic.sent += len(frame.data)
-                yield frame
+        The response is read under the same limits as a request (frame size, frame count,
+        max_message_bytes). Raises RPCFailed for anything but a parsed response, including a
+        response over the limits; the response's fields are the caller's to validate
+        (protocol/responses.py)."""
+        try:
+            peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
+        except Exception as e:
+            raise RPCFailed(f"{method} to {str(peer)[:16]!r}: not a peer id ({type(e).__name__})") from None
+        chunks, size = encode_stream(request)
+        who = str(peer_id)[-8:]
+
+        async def send(writer: asyncio.StreamWriter) -> None:
+            await write_chunks(writer, chunks)
+            self.traffic.sent += size
 
         async def exchange() -> Resp:
-            stream = await self.p2p.iterate_protobuf_handler(peer_id, self._name(method), outgoing(), pb.Frame)
-            response, size = await read_message(stream, response_type, self.max_message_bytes)
-            self.traffic.recv += size
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self._name(method))
+            sending = asyncio.create_task(send(writer))
+            try:
+                # read while we write: a server that refuses early answers before it has read it all
+                response, received = await self._read(reader, response_type)
+            finally:
+                sending.cancel()
+                try:
+                    await sending
+                except (asyncio.CancelledError, Exception) as e:  # a broken pipe once the server answered
+                    logger.debug("%s to %s: request not sent whole (%s)", method, who, type(e).__name__)
+                writer.close()
+            self.traffic.recv += received
             return response
 
         try:
             return await asyncio.wait_for(exchange(), timeout=timeout)
         except asyncio.TimeoutError:
-            raise RPCFailed(f"{method} to {str(peer_id)[-8:]} timed out after {timeout:.1f}s") from None
+            raise RPCFailed(f"{method} to {who} timed out after {timeout:.1f}s") from None
         except ProtocolError as e:
-            raise RPCFailed(f"{method} to {str(peer_id)[-8:]}: bad response: {e}") from None
-        except (ConnectionError, OSError, EOFError) as e:
-            raise RPCFailed(f"{method} to {str(peer_id)[-8:]}: {type(e).__name__}: {e}") from None
-        except Exception as e:  # P2PDaemonError, P2PHandlerError and friends
-            raise RPCFailed(f"{method} to {str(peer_id)[-8:]}: {type(e).__name__}: {e}") from None
+            raise RPCFailed(f"{method} to {who}: bad response: {e}") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # ConnectionError, P2PDaemonError, IncompleteReadError and friends
+            raise RPCFailed(f"{method} to {who}: {type(e).__name__}: {e}") from None

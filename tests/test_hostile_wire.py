@@ -512,3 +512,211 @@ def test_stream_reader_bounds_frames_and_bytes() -> None:
     chunks, size = encode_stream(msg)
     (back, got), _ = read_now(b"".join(chunks))
     assert back == msg and got == size
+
+
+# --------------------------------------------------------------------------- live: two P2P instances
+
+NS = "hostile-test"
+MAX_MSG = 1 << 20
+READ_TIMEOUT = 1.0
+Body = Callable[[Any, Any, Any, Any], Awaitable[Any]]
+
+
+def echo_refusal(status: int, reason: str) -> pb.StateResponse:
+    return pb.StateResponse(status=status, reason=reason)
+
+
+async def echo(req: pb.StateRequest, peer: Any) -> pb.StateResponse:
+    return pb.StateResponse(status=pb.OK, state_digest=f"echo:{req.envelope.run_id}")
+
+
+def with_pair(body: Body, **server_kw: Any) -> Any:
+    """Run `body(server_p2p, client_p2p, server_rpc, client_rpc)` on two fresh P2P daemons."""
+    from hivemind.p2p import P2P
+
+    from swarmgrad.peer.rpc import FramedRPC, Traffic
+
+    async def main() -> Any:
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = None
+        try:
+            b = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await a.get_visible_maddrs())
+            server = FramedRPC(a, NS, Traffic(), MAX_MSG, read_timeout=READ_TIMEOUT, **server_kw)
+            await server.add_handler("echo", pb.StateRequest, echo, echo_refusal)
+            client = FramedRPC(b, NS, Traffic(), MAX_MSG)
+            return await asyncio.wait_for(body(a, b, server, client), 60)
+        finally:
+            if b is not None:
+                await b.shutdown()
+            await a.shutdown()
+
+    return asyncio.run(main())
+
+
+async def valid_call(client: Any, a: Any, tag: str) -> None:
+    resp = await client.call(a.peer_id, "echo", pb.StateRequest(envelope=pb.Envelope(run_id=tag)),
+                             pb.StateResponse, timeout=10)
+    assert resp.status == pb.OK and resp.state_digest == f"echo:{tag}", resp
+
+
+async def raw_stream(b: Any, a: Any, method: str = "echo") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    _, reader, writer = await b.call_binary_stream_handler(a.peer_id, f"{NS}::{method}")
+    return reader, writer
+
+
+async def flood(writer: asyncio.StreamWriter, total: int, chunk: bytes = b"\0" * (1 << 16)) -> int:
+    """Write up to `total` bytes until the other side stops taking them; returns bytes written."""
+    sent = 0
+    try:
+        while sent < total:
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+    except (ConnectionError, OSError):
+        pass
+    return sent
+
+
+async def refusal_of(reader: asyncio.StreamReader, timeout: float = 10.0) -> pb.StateResponse:
+    resp, _ = await asyncio.wait_for(read_stream_message(reader, pb.StateResponse, MAX_MSG), timeout)
+    return resp
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.timeout(120)
+def test_server_survives_stream_attacks() -> None:
+    """Each attack is refused with its status; memory stays flat; a valid call works after each."""
+    outcomes: dict[str, tuple[int, str, float]] = {}
+
+    async def body(a: Any, b: Any, server: Any, client: Any) -> None:
+        await valid_call(client, a, "before")
+        before = rss()
+
+        # 1. a frame whose length prefix claims 2**40 bytes, followed by a flood of up to 512 MiB
+        # (hivemind's own reader would buffer all of it); the server stops reading at once
+        reader, writer = await raw_stream(b, a)
+        start = time.perf_counter()
+        writer.write((2**40).to_bytes(HEADER_BYTES, "big"))
+        flooding = asyncio.create_task(flood(writer, 512 << 20))
+        resp = await refusal_of(reader)
+        outcomes["2**40 prefix"] = (resp.status, resp.reason, time.perf_counter() - start)
+        outcomes["flood MB taken"] = (0, "", await asyncio.wait_for(flooding, 20) / 2**20)
+        writer.close()
+        await valid_call(client, a, "after huge prefix")
+
+        # 2. 10**5 empty frames
+        reader, writer = await raw_stream(b, a)
+        start = time.perf_counter()
+        flooding = asyncio.create_task(flood(writer, 10**5 * HEADER_BYTES, b"\0" * HEADER_BYTES * 1000))
+        resp = await refusal_of(reader)
+        outcomes["1e5 empty frames"] = (resp.status, resp.reason, time.perf_counter() - start)
+        await flooding
+        writer.close()
+        await valid_call(client, a, "after empty frames")
+
+        # 3. a request that never finishes: one frame without `last`, then silence
+        reader, writer = await raw_stream(b, a)
+        start = time.perf_counter()
+        body_ = pb.Frame(data=b"\x0a\x02", last=False).SerializeToString()
+        writer.write(len(body_).to_bytes(HEADER_BYTES, "big") + body_)
+        resp = await refusal_of(reader)
+        outcomes["never finishes"] = (resp.status, resp.reason, time.perf_counter() - start)
+        writer.close()
+        await valid_call(client, a, "after slow stream")
+
+        # 4. more concurrent streams than allowed: 3 held open (silent), a 4th and a real call refused
+        held = [await raw_stream(b, a) for _ in range(3)]
+        await asyncio.sleep(0.2)  # let the server admit them
+        reader, writer = await raw_stream(b, a)
+        start = time.perf_counter()
+        resp = await refusal_of(reader)
+        outcomes["4th concurrent stream"] = (resp.status, resp.reason, time.perf_counter() - start)
+        writer.close()
+        busy = await client.call(a.peer_id, "echo", pb.StateRequest(), pb.StateResponse, timeout=10)
+        outcomes["call while 3 held"] = (busy.status, busy.reason, 0.0)
+        for r, _ in held:  # the held streams are refused once the read deadline passes
+            assert (await refusal_of(r)).status == pb.DEADLINE_EXCEEDED
+        for _, w in held:
+            w.close()
+        await valid_call(client, a, "after concurrent streams")
+        await asyncio.sleep(0.1)
+        assert server.open_streams == 0
+        outcomes["rss growth MB"] = (0, "", (rss() - before) / 2**20)
+
+    with_pair(body, max_streams_per_peer=3)
+    print({k: (status_name(s), r[:60], round(t, 2)) for k, (s, r, t) in outcomes.items()})
+    assert outcomes["2**40 prefix"][:2] == (pb.TOO_LARGE, f"frame of {2**40} bytes exceeds {MAX_FRAME_BYTES}")
+    assert outcomes["1e5 empty frames"][0] == pb.TOO_LARGE and "frames" in outcomes["1e5 empty frames"][1]
+    status, reason, took = outcomes["never finishes"]
+    assert status == pb.DEADLINE_EXCEEDED and READ_TIMEOUT * 0.9 <= took < READ_TIMEOUT + 3, (reason, took)
+    assert outcomes["4th concurrent stream"][0] == pb.BUSY
+    assert outcomes["call while 3 held"][0] == pb.BUSY
+    assert outcomes["rss growth MB"][2] < 100
+    assert outcomes["flood MB taken"][2] < 256  # the stream was cut long before the flood's end
+
+
+@pytest.mark.timeout(120)
+def test_client_survives_hostile_servers() -> None:
+    """A server that answers with a huge prefix, endless frames, silence, garbage or an unknown
+    status: every call ends in RPCFailed (or a response the validators refuse), quickly."""
+    from swarmgrad.peer.rpc import RPCFailed
+
+    async def huge(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write((2**40).to_bytes(HEADER_BYTES, "big"))
+        await flood(writer, 8 << 20)
+        writer.close()
+
+    async def empty_frames(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await flood(writer, 10**5 * HEADER_BYTES, b"\0" * HEADER_BYTES * 1000)
+        writer.close()
+
+    async def silent(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+        writer.close()
+
+    async def garbage(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frame = pb.Frame(data=b"\xff\xff\xff\xff", last=True).SerializeToString()
+        writer.write(len(frame).to_bytes(HEADER_BYTES, "big") + frame)
+        await writer.drain()
+        writer.close()
+
+    async def unknown_status(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        chunks, _ = encode_stream(pb.StateResponse(status=99, reason="?"))
+        writer.write(b"".join(chunks))
+        await writer.drain()
+        writer.close()
+
+    handlers = {"huge": huge, "empty": empty_frames, "silent": silent, "garbage": garbage, "status99": unknown_status}
+    outcomes: dict[str, tuple[str, float]] = {}
+
+    async def body(a: Any, b: Any, server: Any, client: Any) -> None:
+        for name, handler in handlers.items():
+            await a.add_binary_stream_handler(f"{NS}::{name}", handler)
+        before = rss()
+        for name in handlers:
+            start = time.perf_counter()
+            try:
+                resp = await client.call(a.peer_id, name, pb.StateRequest(), pb.StateResponse, timeout=1.5)
+                validate_state_response(resp, PART, MAX_NUMEL, digest_fn=digest)
+                outcome = "accepted"
+            except RPCFailed as e:
+                outcome = f"RPCFailed: {e}"
+            except ProtocolError as e:
+                outcome = f"ProtocolError: {e}"
+            outcomes[name] = (outcome, time.perf_counter() - start)
+        await valid_call(client, a, "after hostile servers")
+        outcomes["rss growth MB"] = ("", (rss() - before) / 2**20)
+
+    with_pair(body)
+    print({k: (o[:80], round(t, 2)) for k, (o, t) in outcomes.items()})
+    assert outcomes["huge"][0].startswith("RPCFailed") and "TOO_LARGE" in outcomes["huge"][0]
+    assert outcomes["empty"][0].startswith("RPCFailed") and "frames" in outcomes["empty"][0]
+    assert outcomes["silent"][0].startswith("RPCFailed") and "timed out" in outcomes["silent"][0]
+    assert outcomes["garbage"][0].startswith("RPCFailed") and "unparsable" in outcomes["garbage"][0]
+    assert outcomes["status99"][0].startswith("ProtocolError") and "unknown status 99" in outcomes["status99"][0]
+    for name in ("huge", "empty", "garbage", "status99"):
+        assert outcomes[name][1] < 1.5, (name, outcomes[name])
+    assert outcomes["rss growth MB"][1] < 100
