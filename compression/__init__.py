@@ -8,7 +8,8 @@ Quick use::
 
 Codecs (wire names in ``CODEC_NAMES``): fp32, fp16, bf16 (dense); int8, int4 (blockwise
 absmax); topk (sparse, values through a dense/blockwise codec); powersgd (low rank, warm
-start). ``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
+start); hadamard (rotated 2/4/8-bit) and lowrank (activation subspace) for pipeline
+boundaries. ``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
 Every failure is a :class:`CodecError` (a ``ValueError``).
 """
 
@@ -17,6 +18,8 @@ from .base import DEFAULT_MAX_NUMEL, Codec, CodecError, Encoded, decode
 from .blockwise import Int4Codec, Int8Codec
 from .dense import BFloat16Codec, Float16Codec, Float32Codec
 from .error_feedback import ErrorFeedback
+from .hadamard import HadamardCodec
+from .lowrank import LowRankCodec
 from .powersgd import PowerSGDCodec
 from .registry import CODEC_NAMES, get_codec, parse_codec_spec
 from .topk import TopKCodec
@@ -32,7 +35,9 @@ __all__ = [
     "Float16Codec",
     "Float32Codec",
     "Int4Codec",
+    "HadamardCodec",
     "Int8Codec",
+    "LowRankCodec",
     "PowerSGDCodec",
     "SizeAdaptive",
     "TopKCodec",

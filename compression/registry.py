@@ -9,6 +9,8 @@ from .adaptive import SizeAdaptive
 from .base import Codec, CodecError, ParamValue, codec_class
 from .blockwise import Int4Codec, Int8Codec
 from .dense import BFloat16Codec, Float16Codec, Float32Codec
+from .hadamard import HadamardCodec
+from .lowrank import LowRankCodec
 from .powersgd import PowerSGDCodec
 from .topk import TopKCodec
 
@@ -17,7 +19,7 @@ __all__ = ["CODEC_NAMES", "get_codec", "parse_codec_spec"]
 #: wire names of all codecs, in the order of increasing compression (roughly)
 CODEC_NAMES: tuple[str, ...] = tuple(
     c.name for c in (Float32Codec, Float16Codec, BFloat16Codec, Int8Codec, Int4Codec, TopKCodec, PowerSGDCodec)
-)
+) + (HadamardCodec.name, LowRankCodec.name)  # the pipeline-boundary codecs
 
 
 def get_codec(name: str, **kwargs: Any) -> Codec:
