@@ -207,3 +207,24 @@ def test_powersgd_bad_factors_and_shapes() -> None:
     refused(replace(enc, shape=(1200,)))  # 1-D cannot be low rank
     refused(replace(enc, params={"rank": 3}))
     refused(replace(enc, params={"rank": 0}))
+
+
+def test_powersgd_rank_must_be_below_both_dims() -> None:
+    # factors of rank >= min(m, n) are no low-rank code (an encoder sends the fallback then);
+    # refusing them bounds decode's m*n*r product by the bytes of the factors
+    for (m, n), r in [((40, 30), 30), ((40, 30), 31), ((5, 200), 5), ((10, 10), 5)]:
+        forged = Encoded("powersgd", (m, n), "float32", {"rank": r}, (b"\0" * (4 * m * r), b"\0" * (4 * n * r)))
+        refused(forged, match="low rank")
+    ok = Encoded("powersgd", (40, 30), "float32", {"rank": 2}, (b"\0" * 320, b"\0" * 240))
+    assert torch.equal(decode(ok), torch.zeros(40, 30))
+
+
+def test_topk_index_unpacking_matches_packing_across_chunks() -> None:
+    import numpy as np
+
+    from swarmgrad.compression.topk import _UNPACK_CHUNK, _pack_bits, _unpack_bits
+
+    rng = np.random.default_rng(1)
+    for count, bits in [(1, 1), (7, 3), (_UNPACK_CHUNK + 5, 13), (2 * _UNPACK_CHUNK, 1), (3 * _UNPACK_CHUNK - 1, 33)]:
+        values = rng.integers(0, 1 << bits, size=count, dtype=np.int64)
+        assert np.array_equal(_unpack_bits(_pack_bits(values, bits), count, bits), values), (count, bits)

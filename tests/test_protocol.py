@@ -17,7 +17,8 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import FRAME_BYTES, ProtocolError, read_message, to_frames
+from swarmgrad.protocol.framing import (FRAME_BYTES, PARSE_OFF_LOOP_BYTES, ProtocolError, max_frames_for,
+                                        read_message, to_frames)
 from swarmgrad.protocol.validation import (
     MAX_PARAMS_JSON,
     RunIdentity,
@@ -483,6 +484,43 @@ def test_protocol_error_carries_status_and_reason() -> None:
     err = ProtocolError(pb.TOO_LARGE, "too big")
     assert err.status == pb.TOO_LARGE and err.reason == "too big"
     assert str(err) == "TOO_LARGE: too big"
+    # a status number from the network that this build does not know must not raise
+    err = ProtocolError(99, "from a newer peer")
+    assert err.status == 99 and str(err) == "UNKNOWN_STATUS_99: from a newer peer"
+
+
+def test_endless_empty_frames_are_refused_after_a_bound() -> None:
+    pulled: list[int] = []
+    with pytest.raises(ProtocolError) as info:
+        read((pb.Frame(data=b"", last=False) for _ in range(10**5)), max_bytes=1 << 20, pulled=pulled)
+    assert info.value.status == pb.TOO_LARGE and "frames" in info.value.reason
+    assert len(pulled) == max_frames_for(1 << 20) + 1 < 10
+    with pytest.raises(ProtocolError) as info:
+        asyncio.run(read_message(stream([pb.Frame(data=b"", last=False)] * 4), pb.StateRequest, 1 << 20,
+                                 max_frames=3))
+    assert "more than 3 frames" in info.value.reason
+
+
+def test_large_messages_parse_off_the_event_loop() -> None:
+    msg = big_request()
+    assert msg.ByteSize() >= PARSE_OFF_LOOP_BYTES
+    back, _ = read(to_frames(msg))
+    assert back == msg
+
+
+@pytest.mark.parametrize("params_json", ['{"block_size": null}', "[" * 2000 + "]" * 2000, '{"block_size": 0}'])
+def test_codec_params_that_break_decoding_are_bad_requests(params_json: str) -> None:
+    proto = encoded_to_proto(get_codec("int8").encode(activations(2)))
+    proto.params_json = params_json
+    err = refused(validate_forward, forward_request(activations=proto), IDENTITY, CONTRACT, MAX_NUMEL)
+    assert err.status == pb.BAD_REQUEST and err.reason.startswith("activations")
+
+
+def test_codec_outside_the_allowed_set_is_refused() -> None:
+    err = refused(validate_forward, forward_request(), IDENTITY, CONTRACT, MAX_NUMEL, allowed_codecs=frozenset({"int8"}))
+    assert err.status == pb.BAD_REQUEST and "codec 'fp16' is not accepted" in err.reason
+    assert validate_forward(forward_request(), IDENTITY, CONTRACT, MAX_NUMEL,
+                            allowed_codecs=frozenset({"fp16"})).activations.shape == (2, SEQ, D)
 
 
 # --------------------------------------------------------------------------- generated code
@@ -497,7 +535,8 @@ def test_generated_code_is_current() -> None:
 
 def test_status_codes_are_stable() -> None:
     # the numbers travel on the wire; renumbering breaks mixed-version swarms
-    assert [(pb.Status.Name(i), i) for i in range(13)] == [
+    assert [(pb.Status.Name(i), i) for i in range(14)] == [
         ("OK", 0), ("BAD_REQUEST", 1), ("WRONG_RUN", 2), ("WRONG_STAGE", 3), ("TOO_LARGE", 4),
         ("DEADLINE_EXCEEDED", 5), ("DOWNSTREAM_FAILED", 6), ("NOT_READY", 7), ("STALE_STATE", 8),
-        ("GROUP_MISMATCH", 9), ("WRONG_ROUND", 10), ("INTERNAL", 11), ("UNAUTHORIZED", 12)]
+        ("GROUP_MISMATCH", 9), ("WRONG_ROUND", 10), ("INTERNAL", 11), ("UNAUTHORIZED", 12), ("BUSY", 13)]
+    assert len(pb.Status.values()) == 14
