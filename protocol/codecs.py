@@ -5,7 +5,7 @@ before a codec runs, so a stranger cannot pick the codec whose decode is costlie
 """
 from __future__ import annotations
 
-from swarmgrad.compression import Codec, PowerSGDCodec, SizeAdaptive, parse_codec_spec
+from swarmgrad.compression import Codec, SizeAdaptive, parse_codec_spec
 
 FP32_ONLY = frozenset({"fp32"})
 """State sync sends θ_global and momentum whole, in fp32 (peer/state_sync.py)."""
@@ -16,15 +16,18 @@ def wire_codec_names(codec: str | Codec) -> frozenset[str]:
 
     A spec string or a Codec: "int8" -> {"int8"}; "topk:values=int8" -> {"topk"} (its values
     travel inside the topk message); "powersgd:rank=4,fallback=fp16" -> {"powersgd", "fp16"}
-    (small or 1-D tensors go out in the fallback); "adaptive:threshold=N|fp32|int8" ->
+    (small or 1-D tensors go out in the fallback; likewise "lowrank"); "adaptive:threshold=N|fp32|int8" ->
     {"fp32", "int8"}. Raises CodecError for a spec that does not parse.
     """
     if isinstance(codec, str):
         codec = parse_codec_spec(codec)
     if isinstance(codec, SizeAdaptive):
         return wire_codec_names(codec.small) | wire_codec_names(codec.large)
-    if isinstance(codec, PowerSGDCodec):
-        return frozenset({codec.name, codec.fallback})
+    # low-rank codecs (powersgd, lowrank) send tensors where factors do not pay in their dense
+    # `fallback` codec, named as such on the wire
+    fallback = getattr(codec, "fallback", None)
+    if isinstance(fallback, str):
+        return frozenset({codec.name, fallback})
     return frozenset({codec.name})
 
 

@@ -184,6 +184,8 @@ def test_wire_codec_names_from_specs() -> None:
     assert wire_codec_names("int8:block_size=64") == {"int8"}
     assert wire_codec_names("topk:fraction=0.01,values=int8") == {"topk"}
     assert wire_codec_names("powersgd:rank=4,fallback=bf16") == {"powersgd", "bf16"}
+    if "lowrank" in CODEC_NAMES:
+        assert wire_codec_names("lowrank") == {"lowrank", "int8"}
     assert wire_codec_names("adaptive:threshold=100|fp16|topk:values=int8") == {"fp16", "topk"}
     assert averaging_codecs("int8", 65536) == {"fp32", "int8"}
     assert averaging_codecs("powersgd:rank=2", 0) == {"powersgd", "fp16"}
