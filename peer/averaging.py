@@ -2,7 +2,8 @@
 
 A round r of stage s, on every replica:
 1. matchmaking: register (digest, applied rounds, weight) under {run}/round/{s}/{r}; wait until
-   every ONLINE replica of the stage has registered (or timeouts.matchmaking); the group is the
+   every ONLINE replica of the stage has registered (or `patience`: timeouts.matchmaking, longer in
+   H-step rounds where replicas reach the boundary at different times); the group is the
    registrants whose θ_global digest is the reference one (newest, then most common);
 2. reduce-scatter: the stage's tensors are split into one part per member (`partition`); member
    j reduces part j. Each member encodes its pseudo-gradient Δ once (codec, optional error
@@ -15,7 +16,7 @@ A round r of stage s, on every replica:
 A round is complete only if every part came back with the full group as contributors. Anything
 less is a failed round, logged as such: nobody applies a partial mean. A member that failed
 while others completed re-syncs θ_global from one of them (the daemon does this); a member
-that vanished delays the others by at most timeouts.matchmaking + timeouts.allreduce.
+that vanished delays the others by at most `patience` + timeouts.allreduce.
 
 hivemind's DecentralizedAverager is not used: it returns partial results with only a warning,
 lets each peer apply local + Q(avg − local), and its codec set is a closed enum (see the primer).
@@ -154,6 +155,9 @@ class Averager:
         self._slots: dict[int, _Slot] = {}
         self.clock = clock
         """Requests for rounds far from the clock's are refused."""
+        self.patience = manifest.timeouts.matchmaking
+        """How long matchmaking waits for every online replica to register (the round runner
+        raises it in H-step rounds, see policy.matchmaking_patience)."""
 
     def reset_feedback(self) -> None:
         """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
@@ -178,7 +182,7 @@ class Averager:
         slot = self._slot(request.round)
         timeouts = self.m.timeouts
         try:
-            await asyncio.wait_for(slot.ready.wait(), timeouts.matchmaking + timeouts.allreduce)
+            await asyncio.wait_for(slot.ready.wait(), self.patience + timeouts.allreduce)
         except asyncio.TimeoutError:
             raise ProtocolError(pb.WRONG_ROUND, f"this peer is not in round {request.round}") from None
         group = slot.group
@@ -219,9 +223,8 @@ class Averager:
 
     # the member's side ------------------------------------------------------------------------
     async def matchmake(self, round: int, registration: dict[str, Any]) -> Group | None:
-        t = self.m.timeouts
         await self.swarm.register_round(self.stage, round, self.peer_id, registration)
-        deadline = time.monotonic() + t.matchmaking
+        deadline = time.monotonic() + self.patience
         # The group is settled when every replica the stage records call ONLINE has registered:
         # each member waits for the same condition, so all read the same set. Past the deadline
         # (a replica died, or its records lag) members may read different sets; then group hashes
@@ -274,7 +277,7 @@ class Averager:
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
         # the slowest member may still be in matchmaking when we are done with it
-        wait_s = self.m.timeouts.matchmaking + self.m.timeouts.allreduce
+        wait_s = self.patience + self.m.timeouts.allreduce
         calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return self._combine(group, parts, results)

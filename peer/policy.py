@@ -88,3 +88,19 @@ def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: in
     if not (is_driver and driving and eval_every) or evaluating or finished:
         return False
     return rounds_done > 0 and rounds_done % eval_every == 0
+
+
+def matchmaking_patience(matchmaking: float, round_s: float | None, step_rounds: bool,
+                         fraction: float = 0.5, cap: float = 600.0) -> float:
+    """How long matchmaking waits for the other online replicas to register.
+
+    With wall-clock rounds every replica reaches the boundary at the same moment, so
+    `timeouts.matchmaking` is enough. With H-step rounds a slower (or later-started) replica
+    arrives up to a fraction of a round later; giving up after a fixed few seconds splits the
+    stage into replicas that average alone and drift apart. So wait a fraction of the last
+    round's duration as this replica measured it (a dead replica costs at most that; its record
+    expires anyway).
+    """
+    if not step_rounds or not round_s or round_s <= 0:
+        return matchmaking
+    return min(cap, max(matchmaking, fraction * round_s))

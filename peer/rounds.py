@@ -101,6 +101,8 @@ class RoundRunner:
         lr = worker.lr
         lr_start = worker.cfg.lr * self.progress.multiplier(0)  # agreed position: equal on every replica
         sent0, recv0 = self.traffic.sent, self.traffic.recv
+        self.averager.patience = policy.matchmaking_patience(
+            self.averager.m.timeouts.matchmaking, time.monotonic() - self._round_started, self.clock.cfg.inner_steps > 0)
         try:
             delta = await worker.run(state.pseudo_gradient, worker.module)
             result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)

@@ -114,3 +114,11 @@ def test_clock_counts_from_the_first_trained_round_and_finishes() -> None:
     clock.count(False)  # once counting, every round counts
     assert clock.rounds_done == 2 and clock.finished
     assert not clock.steps_complete(4), "after the last round the worker must not pause itself"
+
+
+def test_matchmaking_patience_grows_with_step_rounds_only() -> None:
+    assert policy.matchmaking_patience(5.0, 100.0, step_rounds=False) == 5.0
+    assert policy.matchmaking_patience(5.0, None, step_rounds=True) == 5.0
+    assert policy.matchmaking_patience(5.0, 100.0, step_rounds=True) == 50.0
+    assert policy.matchmaking_patience(5.0, 4.0, step_rounds=True) == 5.0
+    assert policy.matchmaking_patience(5.0, 1e9, step_rounds=True) == 600.0
