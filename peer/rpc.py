@@ -56,13 +56,17 @@ class FramedRPC:
             together); one more is refused with BUSY before any of it is read.
         max_streams: streams open to us from all peers together; one more is refused with BUSY.
         max_frames: frames accepted for one message (default: protocol.framing.max_frames_for).
+        max_buffered_bytes: bytes of requests being read, from all streams together (default
+            4 * max_message_bytes); a frame that would pass it is refused with BUSY, so many
+            peers with one slow stream each cannot make us hold max_streams whole messages.
         drain_timeout: after refusing a request early, seconds spent reading and discarding what
             the caller still sends (at most max_message_bytes), so that it can read the refusal.
     """
 
     def __init__(self, p2p: P2P, namespace: str, traffic: Traffic, max_message_bytes: int, *,
                  read_timeout: float = 60.0, max_streams_per_peer: int = 8, max_streams: int = 256,
-                 max_frames: int | None = None, drain_timeout: float = 2.0):
+                 max_frames: int | None = None, drain_timeout: float = 2.0,
+                 max_buffered_bytes: int | None = None):
         self.p2p = p2p
         self.namespace = namespace
         self.traffic = traffic
@@ -72,6 +76,9 @@ class FramedRPC:
         self.max_streams = max_streams
         self.max_frames = max_frames
         self.drain_timeout = drain_timeout
+        self.max_buffered_bytes = 4 * max_message_bytes if max_buffered_bytes is None else max_buffered_bytes
+        self.buffered_bytes = 0
+        """Bytes of requests read so far by streams whose request is not yet parsed."""
         self._registered: list[str] = []
         self._open: dict[PeerID, int] = {}
 
@@ -82,9 +89,10 @@ class FramedRPC:
     def open_streams(self) -> int:
         return sum(self._open.values())
 
-    async def _read(self, reader: asyncio.StreamReader, message_type: type[Req]) -> tuple[Req, int]:
+    async def _read(self, reader: asyncio.StreamReader, message_type: type[Req],
+                    reserve: Callable[[int], None] | None = None) -> tuple[Req, int]:
         return await read_stream_message(reader, message_type, self.max_message_bytes, max_frames=self.max_frames,
-                                         max_frame_bytes=MAX_FRAME_BYTES)
+                                         max_frame_bytes=MAX_FRAME_BYTES, reserve=reserve)
 
     async def _write(self, writer: asyncio.StreamWriter, message: Message) -> None:
         chunks, size = encode_stream(message)
@@ -119,14 +127,25 @@ class FramedRPC:
                                                       f"per peer, {self.max_streams} in all)"))
             return
         self._open[peer] = self._open.get(peer, 0) + 1
+        held = 0
+
+        def reserve(n: int) -> None:
+            nonlocal held
+            if self.buffered_bytes + n > self.max_buffered_bytes:
+                raise ProtocolError(pb.BUSY, f"too many request bytes in flight (at most {self.max_buffered_bytes})")
+            self.buffered_bytes += n
+            held += n
+
         try:
             try:
-                request, size = await asyncio.wait_for(self._read(reader, request_type), self.read_timeout)
+                request, size = await asyncio.wait_for(self._read(reader, request_type, reserve), self.read_timeout)
             except asyncio.TimeoutError:
                 error = ProtocolError(pb.DEADLINE_EXCEEDED, f"request not received within {self.read_timeout:g}s")
             except ProtocolError as e:
                 error = e
             else:
+                self.buffered_bytes -= held
+                held = 0
                 self.traffic.recv += size
                 await self._write(writer, await self._answer(method, handler, refusal, request, peer))
                 return
@@ -138,6 +157,7 @@ class FramedRPC:
             except asyncio.TimeoutError:
                 pass
         finally:
+            self.buffered_bytes -= held
             self._open[peer] -= 1
             if not self._open[peer]:
                 del self._open[peer]

@@ -11,7 +11,7 @@ so what a remote makes us hold is bounded by limits we chose, whatever it sends.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterator, TypeVar
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from google.protobuf.message import Message
 
@@ -148,14 +148,15 @@ async def write_chunks(writer: asyncio.StreamWriter, chunks: list[bytes]) -> Non
 
 
 async def read_stream_message(reader: asyncio.StreamReader, message_type: type[M], max_bytes: int, *,
-                              max_frames: int | None = None,
-                              max_frame_bytes: int = MAX_FRAME_BYTES) -> tuple[M, int]:
+                              max_frames: int | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
+                              reserve: Callable[[int], None] | None = None) -> tuple[M, int]:
     """Read one framed message from a raw stream; returns it and its size in bytes.
 
     Every frame's length prefix is checked against `max_frame_bytes` before a byte of the frame
     is read, the frame count against `max_frames` (default `max_frames_for(max_bytes)`) and the
     running total against `max_bytes`, so memory held is at most max_bytes + max_frame_bytes.
-    The stream is left unread after the last frame. Raises ProtocolError: TOO_LARGE for a limit
+    `reserve(n)` is called before n more bytes are read and may raise ProtocolError (a budget
+    shared by several streams). The stream is left unread after the last frame. Raises ProtocolError: TOO_LARGE for a limit
     passed, BAD_REQUEST for an unparsable frame or message or a stream that ends early. The
     caller bounds the time (a remote may send nothing at all).
     """
@@ -170,6 +171,8 @@ async def read_stream_message(reader: asyncio.StreamReader, message_type: type[M
             length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
             if length > max_frame_bytes:
                 raise ProtocolError(pb.TOO_LARGE, f"frame of {length} bytes exceeds {max_frame_bytes}")
+            if reserve is not None:
+                reserve(length)
             frame = parse_bytes(await reader.readexactly(length), pb.Frame) if length else pb.Frame()
             total += len(frame.data)
             if total > max_bytes:

@@ -644,11 +644,24 @@ def test_server_survives_stream_attacks() -> None:
         for _, w in held:
             w.close()
         await valid_call(client, a, "after concurrent streams")
+
+        # 5. request bytes held across streams: a 100 kB frame held open uses most of the budget
+        reader, writer = await raw_stream(b, a)
+        frame = pb.Frame(data=b"\1" * 100_000, last=False).SerializeToString()
+        writer.write(len(frame).to_bytes(HEADER_BYTES, "big") + frame)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        big = pb.StateRequest(envelope=pb.Envelope(run_id="x" * 100_000))
+        over = await client.call(a.peer_id, "echo", big, pb.StateResponse, timeout=10)
+        outcomes["bytes over budget"] = (over.status, over.reason, 0.0)
+        assert (await refusal_of(reader)).status == pb.DEADLINE_EXCEEDED
+        writer.close()
+        await valid_call(client, a, "x" * 100_000)
         await asyncio.sleep(0.1)
-        assert server.open_streams == 0
+        assert server.open_streams == 0 and server.buffered_bytes == 0
         outcomes["rss growth MB"] = (0, "", (rss() - before) / 2**20)
 
-    with_pair(body, max_streams_per_peer=3)
+    with_pair(body, max_streams_per_peer=3, max_buffered_bytes=150_000)
     print({k: (status_name(s), r[:60], round(t, 2)) for k, (s, r, t) in outcomes.items()})
     assert outcomes["2**40 prefix"][:2] == (pb.TOO_LARGE, f"frame of {2**40} bytes exceeds {MAX_FRAME_BYTES}")
     assert outcomes["1e5 empty frames"][0] == pb.TOO_LARGE and "frames" in outcomes["1e5 empty frames"][1]
@@ -656,6 +669,7 @@ def test_server_survives_stream_attacks() -> None:
     assert status == pb.DEADLINE_EXCEEDED and READ_TIMEOUT * 0.9 <= took < READ_TIMEOUT + 3, (reason, took)
     assert outcomes["4th concurrent stream"][0] == pb.BUSY
     assert outcomes["call while 3 held"][0] == pb.BUSY
+    assert outcomes["bytes over budget"][0] == pb.BUSY and "bytes in flight" in outcomes["bytes over budget"][1]
     assert outcomes["rss growth MB"][2] < 100
     assert outcomes["flood MB taken"][2] < 256  # the stream was cut long before the flood's end
 
