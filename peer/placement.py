@@ -58,6 +58,8 @@ JOINING, ONLINE, LEAVING = "joining", "online", "leaving"
 LIVE = (JOINING, ONLINE)
 EXACT_LIMIT = 12
 """Swarms of at most this many peers get the exact optimum; larger ones the fluid bound."""
+NEAR_TIE = 0.2
+"""Movers whose improvement is within this fraction of the best one's tie (see Snapshot._best)."""
 
 
 @dataclass(frozen=True)
@@ -238,11 +240,16 @@ class Snapshot:
         return sorted((r for r in self.stages[stage] if r.state == ONLINE and not r.moving and _fits(r.memory, need)),
                       key=lambda r: r.peer_id)
 
-    def _best(self, scored: list[tuple[float, Replica]], salt: int) -> Replica | None:
+    def _best(self, scored: list[tuple[float, Replica]], base: float, salt: int) -> Replica | None:
+        """The replica with the best score; scores whose improvement over ``base`` is within
+        NEAR_TIE of the best count as tied (rates are measured with noise: without this the
+        winner would change from one snapshot to the next and no move would be confirmed),
+        and the tie goes to the highest hash of (salt, peer id)."""
         if not scored:
             return None
         top = max(score for score, _ in scored)
-        tied = [r for score, r in scored if score >= top * (1 - 1e-12)]
+        bar = base + (1 - NEAR_TIE) * (top - base) if top > base else top * (1 - 1e-12)
+        tied = [r for score, r in scored if score >= bar]
         return max(tied, key=lambda r: (tie_hash(r.peer_id, salt), r.peer_id))
 
     def fill_plan(self, salt: int) -> dict[str, int]:
@@ -270,7 +277,7 @@ class Snapshot:
                     if r.peer_id not in plan:
                         scored.append((min(caps[a] - r.rate, r.rate * self.costs[a] / self.costs[e]), r))
                         donor[r.peer_id] = a
-            best = self._best(scored, salt)
+            best = self._best(scored, caps[e], salt)
             if best is None:
                 continue
             a = donor[best.peer_id]
@@ -308,7 +315,7 @@ class Snapshot:
             return None
         caps, ratio = self.capacities, self.costs[a] / self.costs[b]
         scored = [(min(caps[a] - r.rate, caps[b] + r.rate * ratio), r) for r in self.candidates(a, b)]
-        best = self._best(scored, salt)
+        best = self._best(scored, caps[b], salt)
         return None if best is None else best.peer_id
 
 
@@ -368,7 +375,7 @@ def should_move(snapshot: Snapshot, me: PeerFigures, stage: int, *, salt: int = 
     if not T < policy.q * reach:
         return None
     gain = min(gain, reach - T)
-    if policy.repay and not gain * me.tenure > T * switch_time(snapshot.state(b), me.bandwidth, me.warmup):
+    if policy.repay and not gain * me.tenure > mine.rate * switch_time(snapshot.state(b), me.bandwidth, me.warmup):
         return None
     after = list(caps)
     after[a] -= mine.rate
@@ -400,6 +407,12 @@ class Confirmation:
             self.reset()
             return decision
         return None
+
+    @property
+    def pending(self) -> bool:
+        """A decision awaits confirmation: check again soon (after the next snapshot), not at
+        the usual interval, or the swarm will have changed by then."""
+        return self._count > 0
 
     def reset(self) -> None:
         self._last, self._count = None, 0

@@ -1,0 +1,270 @@
+"""Placement policy and stage cost model: pure functions over snapshots, no network."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swarmgrad.peer import placement as P
+from swarmgrad.peer.manifest import from_dict, load
+from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, MoveDecision, PeerFigures,
+                                      Policy, Replica, Snapshot, brute_force_optimum, check_interval,
+                                      choose_stage_for_newcomer, estimate_rates, fluid_bound, optimum, should_move)
+from swarmgrad.peer.stage_cost import stage_costs
+
+DEFAULT = "peer/defaults/tiny-gpt.toml"
+GB = 10 ** 9
+
+
+def snap(stages: list[list[tuple[str, float]]], costs: tuple[float, ...] | None = None, **kw) -> Snapshot:
+    costs = costs or (1.0,) * len(stages)
+    return Snapshot(tuple(tuple(Replica(pid, ONLINE, rate) for pid, rate in s) for s in stages), costs, **kw)
+
+
+def figures(s: Snapshot, pid: str, stage: int, *, memory: int = 0, bandwidth: float = 1e9,
+            tenure: float = 3600.0) -> PeerFigures:
+    rate = next(r.rate for r in s.stages[stage] if r.peer_id == pid)
+    return PeerFigures(pid, estimate_rates(rate, stage, s.costs), memory, bandwidth, tenure, warmup=0.0)
+
+
+def decisions(s: Snapshot, policy: Policy = Policy(), salt: int = 0, **kw) -> list[MoveDecision]:
+    out = []
+    for stage, reps in enumerate(s.stages):
+        for r in reps:
+            d = should_move(s, figures(s, r.peer_id, stage, **kw), stage, salt=salt, policy=policy)
+            if d is not None:
+                out.append(d)
+    return out
+
+
+def random_snapshot(rng: random.Random, n_peers: int, n_stages: int) -> Snapshot:
+    stages: list[list[Replica]] = [[] for _ in range(n_stages)]
+    for i in range(n_peers):
+        state = rng.choice([ONLINE] * 8 + [JOINING, LEAVING])
+        stages[rng.randrange(n_stages)].append(Replica(f"p{i:03d}", state, rng.choice([0.5, 1, 1, 2, 3, 8]) * rng.uniform(0.9, 1.1)))
+    costs = tuple(rng.uniform(0.6, 1.4) for _ in range(n_stages))
+    return Snapshot(tuple(tuple(s) for s in stages), costs)
+
+
+def test_states_match_swarm_records() -> None:
+    from swarmgrad.peer import swarm
+    assert (P.JOINING, P.ONLINE, P.LEAVING) == (swarm.JOINING, swarm.ONLINE, swarm.LEAVING)
+
+
+# --------------------------------------------------------------------------- stage cost
+
+def test_gpt_stage_costs_match_the_built_model() -> None:
+    from swarmgrad.peer.model import from_manifest
+    m = load(DEFAULT)
+    costs = stage_costs(m)
+    model = from_manifest(m)
+    for c in costs:
+        assert c.params == sum(p.numel() for p in model.build_stage(c.stage).parameters())
+        assert c.state_bytes == 8 * c.params  # θ_global + momentum, fp32
+        mem = c.memory
+        assert mem.adam == 2 * mem.weights and mem.theta_global == mem.momentum == mem.grads == mem.weights
+        assert c.memory_bytes == mem.total > 7 * mem.weights
+    assert sum(c.cost for c in costs) == pytest.approx(len(costs))
+
+
+def test_more_blocks_cost_more_and_in_flight_costs_memory() -> None:
+    raw = {"run_id": "x", "model": {"d_model": 64, "n_layers": 5, "n_heads": 4, "seq_len": 64}, "stages": {"count": 3}}
+    m = from_dict(raw)
+    c = stage_costs(m)  # split 2, 2, 1
+    assert c[0].cost > c[2].cost and c[1].cost > c[2].cost
+    more = stage_costs(from_dict({**raw, "pipeline": {"max_in_flight": 8}}))
+    assert more[1].memory.activations == 2 * c[1].memory.activations
+    assert more[1].memory.weights == c[1].memory.weights
+
+
+def test_entry_point_costs_fall_back_to_parameter_counts() -> None:
+    from swarmgrad.peer.model import from_manifest
+    m = from_dict({"run_id": "x", "model": {"kind": "entry_point", "entry_point": "swarmgrad.peer.model.examples:tiny_mlp"},
+                   "stages": {"count": 2}})
+    with pytest.raises(ValueError, match="StagedModel"):
+        stage_costs(m)
+    costs = stage_costs(m, from_manifest(m))
+    assert all(c.method == "params" and c.params > 0 for c in costs)
+    assert costs[0].cost / costs[1].cost == pytest.approx(costs[0].params / costs[1].params)
+
+
+# --------------------------------------------------------------------------- optimum
+
+def test_known_optimum() -> None:
+    # Speeds [1,1,1,1,3,3] over three equal stages: {3}, {3}, {1,1,1,1} gives 3, nothing better.
+    best = optimum([1, 1, 1, 1, 3, 3], [1, 1, 1])
+    assert best.method == "exact" and best.throughput == pytest.approx(3.0)
+    assert sorted(best.assignment).count(0) + sorted(best.assignment).count(1) + sorted(best.assignment).count(2) == 6
+    assert fluid_bound([1, 1, 1, 1, 3, 3], [1, 1, 1]) == pytest.approx(10 / 3)
+    assert optimum([1.0] * 20, [1.0, 1.0]).method == "bound"
+
+
+def test_exact_matches_brute_force() -> None:
+    rng = random.Random(5)
+    for _ in range(40):
+        n, s = rng.randint(2, 7), rng.randint(2, 3)
+        work = [rng.choice([1, 2, 3, 5]) * rng.uniform(0.9, 1.1) for _ in range(n)]
+        costs = [rng.uniform(0.7, 1.3) for _ in range(s)]
+        exact = optimum(work, costs).throughput
+        assert exact == pytest.approx(brute_force_optimum(work, costs), rel=1e-9)
+        assert exact <= fluid_bound(work, costs) * (1 + 1e-9)
+
+
+def test_optimum_respects_memory() -> None:
+    # Stage 1 needs 20 GB; only the slow peer has it, so it must serve there.
+    work, mem, need = [10.0, 1.0], [8 * GB, 24 * GB], [4 * GB, 20 * GB]
+    best = optimum(work, [1.0, 1.0], mem, need)
+    assert best.throughput == pytest.approx(1.0) and best.assignment == (0, 1)
+    assert fluid_bound(work, [1.0, 1.0], mem, need) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- newcomers
+
+def test_newcomer_takes_an_empty_stage_first_then_the_bottleneck() -> None:
+    s = snap([[("a", 5.0)], [], [("b", 1.0)]])
+    me = PeerFigures("new", (1.0, 1.0, 1.0), 0, 1e9, 600.0)
+    assert choose_stage_for_newcomer(s, me) == 1
+    s = snap([[("a", 5.0)], [("c", 2.0)], [("b", 1.0)]])
+    assert choose_stage_for_newcomer(s, me) == 2
+    # Equal stages: deterministic (lowest index).
+    s = snap([[("a", 1.0)], [("b", 1.0)]])
+    assert choose_stage_for_newcomer(s, me) == 0
+
+
+def test_newcomer_respects_memory() -> None:
+    s = snap([[("a", 5.0)], [("b", 1.0)]], memory_need=(4 * GB, 20 * GB))
+    small = PeerFigures("new", (1.0, 1.0), 8 * GB, 1e9, 600.0)
+    assert choose_stage_for_newcomer(s, small) == 0  # the bottleneck does not fit
+    assert choose_stage_for_newcomer(s, PeerFigures("new", (1.0, 1.0), 2 * GB, 1e9, 600.0)) is None
+
+
+# --------------------------------------------------------------------------- moves
+
+def test_never_empties_a_stage() -> None:
+    # Stage 0 has one huge replica, stage 1 is starving: the lone replica still stays.
+    s = snap([[("big", 100.0)], [("x", 1.0), ("y", 1.0)]])
+    assert decisions(s, NO_MARGIN) == []
+    rng = random.Random(1)
+    for _ in range(60):
+        s = random_snapshot(rng, rng.randint(13, 30), rng.randint(2, 5))
+        for d in decisions(s, NO_MARGIN, salt=rng.randrange(9)):
+            assert s.live_counts[d.source] > 1
+
+
+def test_one_mover_per_stage_and_none_from_a_stage_with_a_mover() -> None:
+    rng = random.Random(2)
+    for _ in range(60):
+        s = random_snapshot(rng, rng.randint(13, 40), rng.randint(2, 5))
+        ds = decisions(s, NO_MARGIN, salt=rng.randrange(9))
+        sources = [d.source for d in ds]
+        assert len(sources) == len(set(sources))
+        assert not any(s.has_mover[src] for src in sources)
+
+
+def test_moves_to_the_bottleneck_and_the_best_mover_goes() -> None:
+    s = snap([[("a1", 1.0), ("a2", 1.0), ("a3", 1.0), ("a4", 3.0)], [("b1", 1.0)], [("c1", 2.0), ("c2", 2.0)]])
+    ds = decisions(s)
+    # T = 1 on stage 1. From stage 0 (C=6) the 3.0 replica makes the best pair: min(3, 4) = 3.
+    # From stage 2 (C=4) a 2.0 replica: min(2, 3) = 2, also improving (both stages may send one).
+    assert {(d.peer_id, d.source, d.target) for d in ds} == {("a4", 0, 1), ("c1", 2, 1)} or \
+        {(d.peer_id, d.source, d.target) for d in ds} == {("a4", 0, 1), ("c2", 2, 1)}
+    assert all(d.reason == "bottleneck" and d.gain > 0 and d.throughput == 1.0 for d in ds)
+
+
+def test_no_move_within_the_margin() -> None:
+    # Reachable optimum 3 ({1,1,1} | {3}... ) ; current 2.6: the swarm is within q = 0.8.
+    s = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.6)], [("e", 2.6)]])
+    reach = s.reachable.throughput
+    assert s.throughput / reach >= 0.8
+    assert decisions(s, Policy(q=0.8)) == []
+    assert decisions(s, NO_MARGIN) != []  # the same move without margin
+
+
+def test_a_move_must_repay_its_switch_time() -> None:
+    s = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0)], [("d", 1.0)]], state_bytes=(10 ** 9, 10 ** 9))
+    assert decisions(s, bandwidth=1e8, tenure=3600.0)  # 10 s to switch, an hour to repay
+    assert decisions(s, bandwidth=1e5, tenure=3600.0) == []  # 10^4 s to switch
+    assert decisions(s, NO_MARGIN, bandwidth=1e5, tenure=3600.0)
+
+
+def test_moves_respect_memory() -> None:
+    stages = [[("a", 1.0), ("b", 1.0), ("c", 1.0)], [("d", 1.0)]]
+    s = Snapshot(tuple(tuple(Replica(p, ONLINE, r, memory=8 * GB) for p, r in st) for st in stages), (1.0, 1.0),
+                 memory_need=(4 * GB, 20 * GB))
+    assert decisions(s, NO_MARGIN, memory=8 * GB) == []
+    s = Snapshot(s.stages, s.costs, memory_need=(4 * GB, 6 * GB))
+    assert decisions(s, NO_MARGIN, memory=8 * GB)
+
+
+def test_an_empty_stage_is_filled_at_once_by_one_peer() -> None:
+    s = snap([[("a", 1.0), ("b", 3.0), ("c", 1.0)], [("d", 1.0), ("e", 1.0)], []])
+    ds = decisions(s)
+    assert len(ds) == 1 and ds[0].reason == "fill-empty" and ds[0].immediate and ds[0].target == 2
+    assert ds[0].peer_id == "b"  # leaves min(5-3, 3) = 2 behind; a 1.0 replica would leave 1
+    assert Confirmation().observe(ds[0]) is ds[0]
+
+
+def test_confirmation_needs_two_consecutive_checks() -> None:
+    d = MoveDecision("p", 0, 1, "bottleneck", 1.0, 1.0, 2.0, 3.0)
+    other = MoveDecision("p", 0, 2, "bottleneck", 1.0, 1.0, 2.0, 3.0)
+    c = Confirmation()
+    assert c.observe(d) is None and c.pending
+    assert c.observe(d) is d and not c.pending
+    assert c.observe(d) is None  # counting starts again after acting
+    c.reset()
+    assert c.observe(d) is None
+    assert c.observe(None) is None and not c.pending
+    assert c.observe(d) is None
+    assert c.observe(other) is None  # a different target starts over
+    assert c.observe(other) is other
+
+
+def test_check_interval_is_jittered() -> None:
+    rng = random.Random(0)
+    draws = [check_interval(60.0, rng) for _ in range(200)]
+    assert all(30.0 <= x <= 90.0 for x in draws) and len(set(draws)) == 200
+
+
+def settle(rates: list[float], costs: tuple[float, ...], start: list[int], policy: Policy = Policy(),
+           checks: int = 40) -> tuple[list[int], list[int]]:
+    """Play the policy in rounds: every peer checks on the same snapshot; confirmed moves apply
+    before the next round. Returns the final placement and the number of moves per round."""
+    ids = [f"p{i}" for i in range(len(rates))]
+    stage = list(start)
+    conf = {pid: Confirmation(policy.confirmations) for pid in ids}
+    moves_per_round = []
+    for round_ in range(checks):
+        s = Snapshot(tuple(tuple(Replica(ids[i], ONLINE, rates[i] / costs[stage[i]]) for i in range(len(ids))
+                                 if stage[i] == st) for st in range(len(costs))), costs)
+        moved = []
+        for i, pid in enumerate(ids):
+            me = PeerFigures(pid, tuple(rates[i] / c for c in costs), 0, 1e9, 3600.0, warmup=0.0)
+            d = conf[pid].observe(should_move(s, me, stage[i], salt=round_ // 10, policy=policy))
+            if d is not None:
+                moved.append((i, d.target))
+        for i, target in moved:
+            stage[i] = target
+        moves_per_round.append(len(moved))
+    return stage, moves_per_round
+
+
+def throughput_of(rates: list[float], costs: tuple[float, ...], stage: list[int]) -> float:
+    return min(sum(r / costs[s] for r, st in zip(rates, stage) if st == s) for s in range(len(costs)))
+
+
+def test_converges_from_one_stage_then_stops() -> None:
+    rates, costs = [1.0, 1.0, 1.0, 1.0, 3.0, 3.0], (1.0, 1.0, 1.0)
+    stage, moves = settle(rates, costs, [0] * 6)
+    assert throughput_of(rates, costs, stage) >= 0.85 * optimum(rates, list(costs)).throughput
+    assert sum(moves[-20:]) == 0
+
+
+@pytest.mark.parametrize("policy", [Policy(), NO_MARGIN])
+def test_converges_on_unequal_costs(policy: Policy) -> None:
+    rng = random.Random(3)
+    rates = [rng.choice([1.0, 1.0, 2.0, 4.0]) for _ in range(10)]
+    costs = (1.5, 1.0, 0.5)
+    stage, moves = settle(rates, costs, [0] * 7 + [1, 1, 2], policy)
+    work = list(rates)  # rate·cost is the peer's speed here
+    assert throughput_of(rates, costs, stage) >= 0.85 * optimum(work, list(costs)).throughput
+    assert sum(moves[-15:]) == 0
