@@ -1,0 +1,413 @@
+"""A discrete-event simulator of placement: the policy of ``placement.py``, unchanged, played over
+hundreds to thousands of peers with churn (``swarmgrad simulate``).
+
+What is modelled. Peers draw a GPU from ``DEVICES`` (speed and memory), an efficiency, a link
+bandwidth and an online time (log-normal, heavy-tailed); they arrive as a Poisson process whose
+rate keeps the swarm at ``peers`` on average, and at mid-run ``mass_fraction`` of them leave at
+once. Every ``snapshot_s`` the DHT view is rebuilt (rates measured with noise; a peer moving
+shows LEAVING on its stage and JOINING on its target); peers act on that possibly stale view.
+A newcomer picks its stage with ``choose_stage_for_newcomer`` and serves after downloading the
+stage state and warming up. Every peer checks ``should_move`` at jittered intervals through its
+own ``Confirmation``; a mover keeps serving its old stage while it downloads (make-before-break),
+serves nothing during warm-up, then serves the target.
+
+What is measured (every ``sample_s``): throughput = min over stages of the true rates of the
+peers serving it; optimum = the fluid bound (``placement.fluid_bound``, memory-aware) over the
+peers that could serve (everyone but newcomers still fetching their first state). The ratio of
+the two is averaged over time; the bound is an upper bound, so the ratio is conservative.
+Stage costs, memory needs and state sizes come from ``stage_cost.stage_costs`` of
+``sim_manifest()``: a 1.3B-parameter byte-level GPT in 8 stages of 3 or 2 blocks, whose 3-block
+stages do not fit a 12 GB card, so memory shapes placement.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from swarmgrad.peer.manifest import Manifest, from_dict
+from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, PeerFigures, Policy,
+                                      Replica, Snapshot, check_interval, choose_stage_for_newcomer,
+                                      expected_tenure, fluid_bound, should_move, switch_time)
+from swarmgrad.peer.stage_cost import StageCost, stage_costs
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    tflops: float
+    """Peak dense FP16 tensor-core TFLOPS (FP32 accumulate on GeForce cards)."""
+    memory_gb: float
+    share: float
+    """Fraction of the simulated swarm (an assumed mix of volunteer and rented GPUs)."""
+
+
+# Figures from NVIDIA's datasheets and architecture whitepapers: Ampere GA10x whitepaper
+# (RTX 3060, 3090: FP16 tensor with FP32 accumulate), Ada whitepaper (RTX 4090), T4, V100 SXM2,
+# A10, A100 SXM and H100 SXM datasheets. Peak ratios overstate the gaps real training shows
+# (memory bandwidth, kernels); the per-peer efficiency draw below blurs them a little.
+DEVICES = (
+    Device("RTX 3060", 25.6, 12, 0.22),
+    Device("RTX 3090", 71.0, 24, 0.20),
+    Device("RTX 4090", 165.2, 24, 0.15),
+    Device("T4", 65.0, 16, 0.10),
+    Device("V100", 125.0, 16, 0.08),
+    Device("A10", 125.0, 24, 0.10),
+    Device("A100", 312.0, 80, 0.10),
+    Device("H100", 989.0, 80, 0.05),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    peers: int = 1000
+    """Mean swarm size (the arrival rate is peers / mean online time)."""
+    hours: float = 3.0
+    seed: int = 0
+    policy: str = "full"
+    """"full" (``Policy()``) or "no-margin" (``NO_MARGIN``)."""
+    q: float | None = None
+    """Override the full policy's margin (None: ``Policy().q``)."""
+    check_s: float = 120.0
+    """Mean seconds between a peer's placement checks (jittered by ``check_interval``)."""
+    confirm_s: float = 30.0
+    """Mean seconds to the confirming check after a first decision (two snapshot refreshes)."""
+    snapshot_s: float = 15.0
+    """How often the DHT view peers decide on is refreshed."""
+    sample_s: float = 30.0
+    tenure_median_h: float = 3.0
+    tenure_sigma: float = 1.2
+    """Log-normal online time: median 3 h, mean ~6 h, a tail of day-long peers (an assumption
+    for rented and volunteer GPUs; Petals and BOINC report hours-to-days sessions)."""
+    min_tenure_s: float = 300.0
+    mass_fraction: float = 0.3
+    """Peers that leave at once at mid-run (0: none)."""
+    bandwidth_median_mbit: float = 100.0
+    bandwidth_sigma: float = 0.8
+    warmup_s: float = 30.0
+    mfu: float = 0.35
+    efficiency_sigma: float = 0.15
+    noise: float = 0.03
+    """Relative noise of a measured rate, redrawn per snapshot."""
+    memory_usable: float = 0.9
+    """Share of a card's memory a stage may use (CUDA context, fragmentation)."""
+    recover_ratio: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("full", "no-margin"):
+            raise ValueError(f"SimConfig.policy must be 'full' or 'no-margin' (got {self.policy!r})")
+        if self.peers < 1 or not self.hours > 0:
+            raise ValueError("SimConfig.peers must be >= 1 and hours > 0")
+
+
+@dataclass
+class SimResult:
+    throughput_ratio: float
+    moves_per_peer_hour: float
+    recovery_s: float | None
+    """Seconds from the mass departure until the ratio is back at recover_ratio (None: never)."""
+    moves: int
+    joins: int
+    leaves: int
+    refused: int
+    """Arrivals whose memory fits no stage."""
+    peer_hours: float
+    min_ratio_after_departure: float
+    policy: str
+    optimum_method: str = "bound"
+    series: list[tuple[float, float, float]] = field(default_factory=list)
+    """(seconds, throughput, optimum) samples, in samples/s."""
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out.pop("series")
+        return out
+
+
+def sim_manifest() -> Manifest:
+    """A larger GPT than the demo's, in 8 stages, so that placement matters."""
+    return from_dict({
+        "run_id": "sim-gpt-1b", "model": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "seq_len": 1024},
+        "stages": {"count": 8}, "inner": {"microbatch_size": 6}, "pipeline": {"max_in_flight": 4},
+    })
+
+
+class _Peer:
+    __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf")
+
+    def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
+                 confirmations: int) -> None:
+        self.id, self.speed, self.bench, self.memory, self.bandwidth = pid, speed, bench, memory, bandwidth
+        self.joined = joined
+        self.stage = self.target = -1
+        self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
+        self.token = 0
+        self.conf = Confirmation(confirmations)
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, costs: Sequence[StageCost]) -> None:
+        self.cfg, self.costs = cfg, tuple(costs)
+        self.policy: Policy = NO_MARGIN if cfg.policy == "no-margin" else (
+            Policy() if cfg.q is None else Policy(q=cfg.q))
+        self.rng = random.Random(cfg.seed)
+        self.c = tuple(sc.cost for sc in costs)
+        self.flops = tuple(sc.flops_per_sample for sc in costs)
+        self.need = tuple(sc.memory_bytes for sc in costs)
+        self.state_bytes = tuple(sc.state_bytes for sc in costs)
+        self.mean_flops = sum(self.flops) / len(self.flops)
+        self.peers: dict[str, _Peer] = {}
+        self.events: list[tuple[float, int, str, str, int]] = []
+        self.seq = 0
+        self.counter = 0
+        self.now = 0.0
+        self.snap = Snapshot(tuple(() for _ in costs), self.c, self.need, self.state_bytes)
+        self.measured: dict[str, float] = {}
+        self.moves = self.joins = self.leaves = self.refused = 0
+        self.peer_seconds = 0.0
+        self.series: list[tuple[float, float, float]] = []
+        mean_tenure = cfg.tenure_median_h * 3600 * math.exp(cfg.tenure_sigma ** 2 / 2)
+        self.arrival_rate = cfg.peers / mean_tenure
+
+    # ----------------------------------------------------------------- peers
+    def _new_peer(self) -> _Peer:
+        cfg, rng = self.cfg, self.rng
+        dev = rng.choices(DEVICES, weights=[d.share for d in DEVICES])[0]
+        speed = dev.tflops * 1e12 * cfg.mfu * math.exp(rng.gauss(0.0, cfg.efficiency_sigma))
+        bench = speed * math.exp(rng.gauss(0.0, 0.1))  # a newcomer's own benchmark estimate
+        bw = min(max(cfg.bandwidth_median_mbit * math.exp(rng.gauss(0.0, cfg.bandwidth_sigma)), 10.0), 1000.0)
+        self.counter += 1
+        return _Peer(f"p{self.counter:05d}", speed, bench, int(dev.memory_gb * 1e9 * cfg.memory_usable),
+                     bw * 1e6 / 8, self.now, self.policy.confirmations)
+
+    def _tenure(self) -> float:
+        cfg = self.cfg
+        return max(cfg.tenure_median_h * 3600 * math.exp(self.rng.gauss(0.0, cfg.tenure_sigma)), cfg.min_tenure_s)
+
+    def _push(self, t: float, kind: str, pid: str = "", token: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, pid, token))
+
+    def _rates(self, speed: float) -> tuple[float, ...]:
+        return tuple(speed / f for f in self.flops)
+
+    def _admit(self, p: _Peer, snapshot: Snapshot, online: bool) -> bool:
+        me = PeerFigures(p.id, self._rates(p.bench), p.memory, p.bandwidth, expected_tenure(0.0), self.cfg.warmup_s)
+        stage = choose_stage_for_newcomer(snapshot, me)
+        if stage is None:
+            self.refused += 1
+            return False
+        p.stage = stage
+        self.peers[p.id] = p
+        self._push(self.now + self._tenure(), "leave", p.id)
+        self._push(self.now + check_interval(self.cfg.check_s, self.rng), "check", p.id)
+        if online:
+            p.phase = "online"
+        else:
+            self.joins += 1
+            ready = switch_time(self.state_bytes[stage], p.bandwidth, self.cfg.warmup_s)
+            self._push(self.now + ready, "ready", p.id, p.token)
+        return True
+
+    # ----------------------------------------------------------------- views
+    def _snapshot(self) -> Snapshot:
+        stages: list[list[Replica]] = [[] for _ in self.c]
+        gauss, noise = self.rng.gauss, self.cfg.noise
+        self.measured = {}
+        for p in self.peers.values():
+            if p.phase == "join":
+                stages[p.stage].append(Replica(p.id, JOINING, p.bench / self.flops[p.stage], p.memory))
+                continue
+            if p.phase == "warm":
+                stages[p.target].append(Replica(p.id, JOINING, p.bench / self.flops[p.target], p.memory))
+                continue
+            rate = p.speed / self.flops[p.stage] * math.exp(gauss(0.0, noise))
+            self.measured[p.id] = rate
+            if p.phase == "online":
+                stages[p.stage].append(Replica(p.id, ONLINE, rate, p.memory))
+            else:  # fetch: still serving its stage, announced as moving, JOINING on the target
+                stages[p.stage].append(Replica(p.id, LEAVING, rate, p.memory, moving=True))
+                stages[p.target].append(Replica(p.id, JOINING, rate * self.c[p.stage] / self.c[p.target], p.memory))
+        return Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
+
+    def _sample(self) -> None:
+        caps = [0.0] * len(self.c)
+        work, mem = [], []
+        for p in self.peers.values():
+            if p.phase in ("online", "fetch"):
+                caps[p.stage] += p.speed / self.flops[p.stage]
+            if p.phase != "join":
+                work.append(p.speed / self.mean_flops)
+                mem.append(p.memory)
+        best = fluid_bound(work, self.c, mem, self.need) if work else 0.0
+        self.series.append((self.now, min(caps), best))
+
+    # ----------------------------------------------------------------- events
+    def _check(self, p: _Peer) -> None:
+        if p.phase != "online" or p.id not in self.measured:
+            self._push(self.now + check_interval(self.cfg.check_s, self.rng), "check", p.id)
+            return
+        rates = tuple(self.measured[p.id] * self.c[p.stage] / c for c in self.c)
+        me = PeerFigures(p.id, rates, p.memory, p.bandwidth, expected_tenure(self.now - p.joined), self.cfg.warmup_s)
+        salt = int(self.now // 600)
+        decision = p.conf.observe(should_move(self.snap, me, p.stage, salt=salt, policy=self.policy))
+        base = self.cfg.confirm_s if p.conf.pending else self.cfg.check_s
+        self._push(self.now + check_interval(base, self.rng), "check", p.id)
+        if decision is None:
+            return
+        self.moves += 1
+        p.phase, p.target = "fetch", decision.target
+        p.token += 1
+        self._push(self.now + self.state_bytes[p.target] / p.bandwidth, "ready", p.id, p.token)
+
+    def _ready(self, p: _Peer) -> None:
+        if p.phase == "join":
+            p.phase = "online"
+        elif p.phase == "fetch":
+            p.phase = "warm"
+            p.token += 1
+            self._push(self.now + self.cfg.warmup_s, "ready", p.id, p.token)
+        elif p.phase == "warm":
+            p.phase, p.stage, p.target = "online", p.target, -1
+            p.conf.reset()
+
+    def _leave(self, pid: str) -> None:
+        p = self.peers.pop(pid, None)
+        if p is not None:
+            self.leaves += 1
+            self.peer_seconds += self.now - p.joined
+
+    def _mass_departure(self) -> None:
+        ids = list(self.peers)
+        for pid in self.rng.sample(ids, round(self.cfg.mass_fraction * len(ids))):
+            self._leave(pid)
+        self.snap = self._snapshot()  # everyone sees the loss at the next refresh; be prompt
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        end = cfg.hours * 3600
+        # Bootstrap: the initial swarm forms one peer at a time, each seeing the ones before.
+        stages: list[list[Replica]] = [[] for _ in self.c]
+        for _ in range(cfg.peers):
+            p = self._new_peer()
+            snap = Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
+            if self._admit(p, snap, online=True):
+                stages[p.stage].append(Replica(p.id, ONLINE, p.speed / self.flops[p.stage], p.memory))
+        self.snap = self._snapshot()
+        self._push(0.0, "sample")
+        self._push(cfg.snapshot_s, "snapshot")
+        self._push(self.rng.expovariate(self.arrival_rate), "arrive")
+        if cfg.mass_fraction > 0:
+            self._push(end / 2, "mass")
+        while self.events and self.events[0][0] <= end:
+            self.now, _, kind, pid, token = heapq.heappop(self.events)
+            if kind == "sample":
+                self._sample()
+                self._push(self.now + cfg.sample_s, "sample")
+            elif kind == "snapshot":
+                self.snap = self._snapshot()
+                self._push(self.now + cfg.snapshot_s, "snapshot")
+            elif kind == "arrive":
+                self._admit(self._new_peer(), self.snap, online=False)
+                self._push(self.now + self.rng.expovariate(self.arrival_rate), "arrive")
+            elif kind == "mass":
+                self._mass_departure()
+            elif kind == "leave":
+                self._leave(pid)
+            elif pid in self.peers:
+                p = self.peers[pid]
+                if kind == "check":
+                    self._check(p)
+                elif kind == "ready" and token == p.token:
+                    self._ready(p)
+        self.now = end
+        self.peer_seconds += sum(end - p.joined for p in self.peers.values())
+        return self._result(end)
+
+    def _result(self, end: float) -> SimResult:
+        ratios = [(t, tp / best if best > 0 else 1.0) for t, tp, best in self.series]
+        mean = sum(r for _, r in ratios) / max(len(ratios), 1)
+        recovery, worst = None, 1.0
+        if self.cfg.mass_fraction > 0:
+            after = [(t, r) for t, r in ratios if t >= end / 2]
+            worst = min((r for _, r in after), default=1.0)
+            recovery = next((t - end / 2 for t, r in after if r >= self.cfg.recover_ratio), None)
+        hours = self.peer_seconds / 3600
+        return SimResult(throughput_ratio=mean, moves_per_peer_hour=self.moves / hours if hours else 0.0,
+                         recovery_s=recovery, moves=self.moves, joins=self.joins, leaves=self.leaves,
+                         refused=self.refused, peer_hours=hours, min_ratio_after_departure=worst,
+                         policy=self.cfg.policy, series=self.series)
+
+
+def simulate(cfg: SimConfig, manifest: Manifest | None = None) -> SimResult:
+    """Run one simulation; the same config (seed included) gives the same result."""
+    return Simulation(cfg, stage_costs(manifest or sim_manifest())).run()
+
+
+# --------------------------------------------------------------------------- plot
+
+def write_png(path: str, series: Sequence[tuple[float, float, float]], width: int = 900, height: int = 320) -> None:
+    """Throughput (blue) and optimum (grey) over time as a PNG; stdlib only (zlib), no axes text."""
+    pad = 10
+    img = bytearray(b"\xff" * (width * height * 3))
+
+    def dot(x: int, y: int, rgb: tuple[int, int, int]) -> None:
+        if 0 <= x < width and 0 <= y < height:
+            i = (y * width + x) * 3
+            img[i:i + 3] = bytes(rgb)
+
+    def line(x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
+        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for k in range(steps + 1):
+            dot(round(x0 + (x1 - x0) * k / steps), round(y0 + (y1 - y0) * k / steps), rgb)
+
+    t_end = max((t for t, _, _ in series), default=1.0) or 1.0
+    top = max((max(a, b) for _, a, b in series), default=1.0) * 1.05 or 1.0
+
+    def xy(t: float, v: float) -> tuple[int, int]:
+        return (pad + round((width - 2 * pad) * t / t_end), height - pad - round((height - 2 * pad) * v / top))
+
+    line(pad, height - pad, width - pad, height - pad, (0, 0, 0))
+    line(pad, pad, pad, height - pad, (0, 0, 0))
+    for frac in (0.25, 0.5, 0.75, 1.0):  # light grid at quarters of the top value
+        _, y = xy(0, top / 1.05 * frac)
+        line(pad + 1, y, width - pad, y, (225, 225, 225))
+    for col, rgb in ((2, (150, 150, 150)), (1, (30, 90, 200))):
+        pts = [xy(s[0], s[col]) for s in series]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            line(x0, y0, x1, y1, rgb)
+    raw = b"".join(b"\x00" + bytes(img[y * width * 3:(y + 1) * width * 3]) for y in range(height))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def format_line(r: SimResult) -> str:
+    rec = "never" if r.recovery_s is None else f"{r.recovery_s:.0f}"
+    return (f"policy={r.policy} throughput_ratio={r.throughput_ratio:.4f} "
+            f"moves_per_peer_hour={r.moves_per_peer_hour:.4f} recovery_s={rec} moves={r.moves} "
+            f"joins={r.joins} leaves={r.leaves} refused={r.refused} "
+            f"min_ratio_after_departure={r.min_ratio_after_departure:.3f}")
+
+
+def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None) -> int:
+    """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
+    moves_per_peer_hour."""
+    result = simulate(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy))
+    if plot:
+        write_png(plot, result.series)
+    if as_json:
+        print(json.dumps(result.summary(), sort_keys=True))
+    else:
+        print(format_line(result))
+    return 0

@@ -1,0 +1,53 @@
+"""The placement simulator: deterministic for a seed, sane figures, a valid PNG, the CLI line."""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+from swarmgrad.peer.simulator import SimConfig, simulate, write_png
+
+
+def small(**kw) -> SimConfig:
+    return SimConfig(**{"peers": 80, "hours": 0.5, "seed": 3, **kw})
+
+
+def test_same_seed_same_run_and_another_seed_differs() -> None:
+    a, b = simulate(small()), simulate(small())
+    assert a.summary() == b.summary() and a.series == b.series
+    assert simulate(small(seed=4)).series != a.series
+
+
+def test_figures_are_sane() -> None:
+    for policy in ("full", "no-margin"):
+        r = simulate(small(policy=policy))
+        assert 0.5 < r.throughput_ratio <= 1.0 + 1e-9
+        assert all(tp <= best * (1 + 1e-9) for _, tp, best in r.series)  # the bound bounds
+        assert r.moves_per_peer_hour >= 0 and r.joins > 0 and r.leaves > 0
+        assert r.min_ratio_after_departure < 1.0  # the mass departure is felt
+
+
+def test_png_is_valid(tmp_path) -> None:
+    path = tmp_path / "plot.png"
+    write_png(str(path), [(0.0, 1.0, 2.0), (10.0, 1.5, 2.0), (20.0, 2.0, 2.0)], width=64, height=32)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, tag = struct.unpack(">I4s", data[8:16])
+    assert tag == b"IHDR" and struct.unpack(">II", data[16:24]) == (64, 32)
+    idat_at = data.index(b"IDAT")
+    (n,) = struct.unpack(">I", data[idat_at - 4:idat_at])
+    raw = zlib.decompress(data[idat_at + 4:idat_at + 4 + n])
+    assert len(raw) == 32 * (1 + 64 * 3)
+    assert set(raw) - {0, 255}  # something was drawn
+
+
+def test_cli_prints_the_figures(capsys, tmp_path) -> None:
+    from swarmgrad.peer.cli import main
+    assert main(["simulate", "--peers", "40", "--hours", "0.3", "--seed", "1", "--json",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"throughput_ratio", "moves_per_peer_hour", "recovery_s"} <= set(out)
+    assert (tmp_path / "p.png").stat().st_size > 100
+    assert main(["simulate", "--peers", "40", "--hours", "0.3", "--policy", "no-margin"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "throughput_ratio=" in last and "moves_per_peer_hour=" in last
