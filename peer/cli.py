@@ -89,6 +89,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     workdir=Path(args.workdir) if args.workdir else None, round_seconds=args.round_seconds)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.simulator import run_cli
+    return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
+                   plot=args.plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmgrad", description="Decentralized low-bandwidth pipeline training.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -129,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--round-seconds", type=float, default=None, help="override rounds.round_seconds")
     d.add_argument("--workdir", default=None, help="keep logs and events here (default: a temp dir)")
     d.set_defaults(fn=cmd_demo)
+
+    m = sub.add_parser("simulate", help="play the placement policy over a simulated swarm with churn")
+    m.add_argument("--peers", type=int, default=1000, help="mean number of peers")
+    m.add_argument("--hours", type=float, default=3.0, help="simulated hours")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--policy", choices=["full", "no-margin"], default="full",
+                   help="no-margin: move on any improvement, at once (the ablation)")
+    m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
+    m.set_defaults(fn=cmd_simulate)
     return parser
 
 
