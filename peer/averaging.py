@@ -35,14 +35,17 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
+from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
-from swarmgrad.protocol.validation import (RunIdentity, check_envelope, decode_named, encoded_to_proto,
-                                           envelope, validate_average)
+from swarmgrad.protocol.codecs import averaging_codecs
+from swarmgrad.protocol.framing import status_name
+from swarmgrad.protocol.responses import validate_average_response
+from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope, validate_average
 
 logger = logging.getLogger(__name__)
 
@@ -98,24 +101,14 @@ def choose_group(registrations: dict[str, dict[str, Any]]) -> Group | None:
     return Group(members, digest, newest)
 
 
-def weighted_mean(contributions: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
-    """Σ wᵢ·Δᵢ / Σ wᵢ in the given order; all-zero weights give zeros (the outer step then only
-    carries momentum, identically everywhere)."""
-    total = sum(w for w, _ in contributions)
-    out = torch.zeros_like(contributions[0][1])
-    if total <= 0:
-        return out
-    for w, t in contributions:
-        out.add_(t, alpha=w / total)
-    return out
-
-
 # the reducer's side ---------------------------------------------------------------------------
 @dataclass
 class _Slot:
     """One round as seen by this reducer: filled by the local member and by remote requests."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     group: Group | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    """What each member registered as its weight: a contribution may not claim more."""
     part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     my_part: int = -1
     contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
@@ -152,6 +145,8 @@ class Averager:
         large = parse_codec_spec(avg.codec)
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
+        self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
+        """Only the manifest's codecs are decoded on the averaging path."""
         self._slots: dict[int, _Slot] = {}
         self.clock = clock
         """Requests for rounds far from the clock's are refused."""
@@ -195,7 +190,8 @@ class Averager:
         if sender not in group.members:
             raise ProtocolError(pb.GROUP_MISMATCH, "the caller is not a member of this round's group")
         inp = validate_average(request, self.identity, self.stage,
-                               lambda part: slot.part_names if part == slot.my_part else None, self.max_numel)
+                               lambda part: slot.part_names if part == slot.my_part else None, self.max_numel,
+                               allowed_codecs=self.allowed_codecs, max_weight=slot.weights.get(sender, 0.0))
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
         slot.contributions[sender] = (inp.weight, inp.tensors)
@@ -215,14 +211,15 @@ class Averager:
             return
         order = sorted(slot.contributions)
         total = sum(slot.contributions[p][0] for p in order)
-        tensors = []
-        for name in sorted(slot.part_names):
-            mean = weighted_mean([(slot.contributions[p][0], slot.contributions[p][1][name]) for p in order])
-            tensors.append(pb.NamedTensor(name=name, tensor=encoded_to_proto(self.codec.encode(mean))))
+        avg = self.m.averaging
+        reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
+        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self.codec.encode(reduced[name])))
+                   for name in sorted(slot.part_names)]
         slot.result.set_result((tensors, order, total))
 
     # the member's side ------------------------------------------------------------------------
-    async def matchmake(self, round: int, registration: dict[str, Any]) -> Group | None:
+    async def matchmake(self, round: int, registration: dict[str, Any]) -> tuple[Group | None, dict[str, float]]:
+        """(the group, every registrant's declared weight)."""
         await self.swarm.register_round(self.stage, round, self.peer_id, registration)
         deadline = time.monotonic() + self.patience
         # The group is settled when every replica the stage records call ONLINE has registered:
@@ -238,7 +235,7 @@ class Averager:
                 break
             await asyncio.sleep(MATCHMAKING_POLL_SECONDS)
         regs.setdefault(self.peer_id, registration)
-        return choose_group(regs)
+        return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> dict[str, Encoded]:
         if self.feedback is not None:
@@ -249,15 +246,27 @@ class Averager:
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
-        group = await self.matchmake(round, registration)
+        group, weights = await self.matchmake(round, registration)
         if group is None or self.peer_id not in group.members:
             return RoundResult(False, "our θ_global is not the group's reference", group.members if group else (),
                                None, stale=True)
+        # a round that does not complete must leave the residuals as they were: otherwise this
+        # round's Δ stays in them and is sent again later, on top of the next round's
+        residuals = self.feedback.state_dict() if self.feedback is not None else None
+        result = await self._average(round, group, weights, delta, weight, digest)
+        if not result.complete and residuals is not None:
+            assert self.feedback is not None
+            self.feedback.load_state_dict(residuals)
+        return result
+
+    async def _average(self, round: int, group: Group, weights: dict[str, float], delta: dict[str, torch.Tensor],
+                       weight: float, digest: str) -> RoundResult:
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
         encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
         slot = self._slot(round)
         slot.group = group
+        slot.weights = weights
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
         slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
@@ -280,7 +289,10 @@ class Averager:
         wait_s = self.patience + self.m.timeouts.allreduce
         calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        return self._combine(group, parts, results)
+        result = self._combine(group, parts, results)
+        if result.complete and len(group.members) > 2:
+            result = await self._cross_check(round, group, result)
+        return result
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
         mean: dict[str, torch.Tensor] = {}
@@ -293,18 +305,50 @@ class Averager:
                 return RoundResult(False, f"part {part} (reducer {reducer}): {res}", group.members, None)
             if isinstance(res, BaseException):
                 return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None)
-            if res.status != pb.OK:
-                return RoundResult(False, f"part {part} refused by {reducer}: {pb.Status.Name(res.status)} "
-                                          f"{res.reason}", group.members, None)
-            if tuple(res.contributors) != group.members:
-                return RoundResult(False, f"part {part} averaged over {len(res.contributors)} of "
-                                          f"{len(group.members)} members", group.members, None)
-            totals.add(res.total_weight)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
-                mean.update(decode_named(res.tensors, expected, self.max_numel, f"mean of part {part}"))
+                checked = validate_average_response(res, expected, group.members, self.max_numel, self.allowed_codecs,
+                                                    what=f"mean of part {part}")
             except ProtocolError as e:
                 return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None)
+            if not checked.ok:
+                return RoundResult(False, f"part {part} refused by {reducer}: {status_name(checked.status)} "
+                                          f"{checked.reason}", group.members, None)
+            totals.add(checked.total_weight)
+            mean.update(checked.tensors)
         if len(totals) != 1:
             return RoundResult(False, f"reducers report different total weights {sorted(totals)}", group.members, None)
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
+
+    async def _cross_check(self, round: int, group: Group, result: RoundResult) -> RoundResult:
+        """A second, tiny exchange: every member posts a digest of the mean it decoded, and the
+        round counts only if all posted the same one. A reducer that sends different bytes to
+        different members would otherwise split θ_global unnoticed until the next round."""
+        assert result.mean_delta is not None
+        mine = mean_digest(result.mean_delta)
+        try:
+            await self.swarm.post_check(self.stage, round, self.peer_id, mine)
+            deadline = time.monotonic() + self.m.timeouts.allreduce
+            while True:
+                posted = await self.swarm.round_checks(self.stage, round)
+                if set(group.members) <= set(posted) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(MATCHMAKING_POLL_SECONDS)
+        except Exception as e:
+            return RoundResult(False, f"cross-check failed: {type(e).__name__}: {e}", group.members, None)
+        missing = [p for p in group.members if p not in posted]
+        if missing:
+            return RoundResult(False, f"cross-check: {len(missing)} member(s) posted no digest", group.members, None)
+        differing = sorted(p[-8:] for p in group.members if posted[p] != mine)
+        if differing:
+            return RoundResult(False, f"cross-check: members {differing} decoded a different mean (a reducer sent "
+                                      f"different bytes)", group.members, None)
+        return result
+
+
+def mean_digest(mean: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(mean):
+        h.update(name.encode())
+        h.update(mean[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()

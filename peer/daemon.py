@@ -38,6 +38,7 @@ from swarmgrad.peer.state_sync import StateSync
 from swarmgrad.peer.swarm import LEAVING, ONLINE, SwarmView
 from swarmgrad.peer.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.codecs import wire_codec_names
 from swarmgrad.protocol.validation import RunIdentity, StageContract
 
 logger = logging.getLogger(__name__)
@@ -118,10 +119,15 @@ class Peer:
         self._worker = worker = StageWorker(module, m.inner, torch.device(self.opt.device),
                                             self.model.loss_fn if is_last else None, clock, progress)
         state = StageState(module, m.outer)
-        self._handlers = rpc = FramedRPC(p2p, f"swarmgrad/{m.run_id}", self.traffic, self.max_message_bytes)
+        # a request must arrive whole within a microbatch's deadline; each remote peer may hold a
+        # driver's in-flight window plus its averaging and state streams open at once
+        self._handlers = rpc = FramedRPC(p2p, f"swarmgrad/{m.run_id}", self.traffic, self.max_message_bytes,
+                                         read_timeout=t.microbatch,
+                                         max_streams_per_peer=max(8, 2 * m.pipeline.max_in_flight + 4))
         bans = BanList(t.ban_base, t.ban_max)
         downstream = None if is_last else Downstream(self.identity, rpc, self.swarm, bans,
-                                                     parse_codec_spec(m.pipeline.activation_codec), self.max_numel)
+                                                     parse_codec_spec(m.pipeline.activation_codec), self.max_numel,
+                                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec))
         averager = Averager(m, stage, self.peer_id, state.shapes, rpc, self.swarm, self.max_numel, clock)
         self._presence = presence = Presence(self.swarm, peer_id=self.peer_id, stage=stage, manifest_hash=m.hash,
                                              maddrs=maddrs, worker=worker, state=state, clock=clock,
@@ -148,7 +154,9 @@ class Peer:
                                  vocab_size=m.model.vocab_size if m.model.kind == "gpt" else None)
         if stage > 0:
             server = StageServer(self.identity, contract, worker, downstream,
-                                 parse_codec_spec(m.pipeline.gradient_codec), self.max_numel, clock)
+                                 parse_codec_spec(m.pipeline.gradient_codec), self.max_numel, clock,
+                                 activation_codecs=wire_codec_names(m.pipeline.activation_codec),
+                                 max_deadline_s=t.microbatch)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))
         await rpc.add_handler("state", pb.StateRequest, sync.handle, refusal(pb.StateResponse))

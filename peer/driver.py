@@ -23,7 +23,7 @@ from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline import Downstream
 from swarmgrad.peer.routing import DeadlineEstimator
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.worker import NonFiniteLoss, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ class Driver:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
         async with self.worker.admitted(wait=True, train=not eval_only):
             if self.n_stages == 1:
-                loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
+                try:
+                    loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
+                except NonFiniteLoss as e:
+                    return pb.INTERNAL, math.nan, str(e), ""
                 return pb.OK, loss, "", ""
             assert self.downstream is not None
             x, h = await self.worker.forward(inputs, train=not eval_only)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -103,6 +104,11 @@ class AveragingConfig:
     biased codecs: int4, topk, powersgd; harmless with int8)."""
     small_tensor_threshold: int = 4096
     """Tensors with fewer elements travel as fp32 (they are cheap, and biases matter)."""
+    robust_min_members: int = 3
+    """From this many members on, reducers aggregate by centered clipping around the median
+    (one bad member moves the mean by a bounded amount; peer/aggregate.py); 0 disables it."""
+    max_weight_ratio: float = 8.0
+    """With the robust aggregate, a member's weight (samples) is capped at this × the median."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +359,11 @@ def validate(m: Manifest) -> None:
     _check_codec("pipeline.gradient_codec", m.pipeline.gradient_codec)
     if m.averaging.small_tensor_threshold < 0:
         raise _fail("averaging.small_tensor_threshold", "must be >= 0")
+    if m.averaging.robust_min_members < 0 or m.averaging.robust_min_members in (1, 2):
+        raise _fail("averaging.robust_min_members", f"must be 0 (off) or >= 3: with fewer members no member can be "
+                                                    f"told from the others (got {m.averaging.robust_min_members})")
+    if not 1 <= m.averaging.max_weight_ratio < math.inf:
+        raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
     _positive("pipeline.max_retries", m.pipeline.max_retries)
     _positive("pipeline.max_message_mb", m.pipeline.max_message_mb)

@@ -13,6 +13,7 @@ driver re-sends the microbatch along another route. A stage does not retry itsel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -29,11 +30,12 @@ from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
-from swarmgrad.peer.worker import NotReady, StageWorker
+from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import ProtocolError
-from swarmgrad.protocol.validation import (RunIdentity, StageContract, decode_tensor, encoded_to_proto, envelope,
-                                           raw_from_tensor, validate_forward)
+from swarmgrad.protocol.framing import ProtocolError, status_name
+from swarmgrad.protocol.responses import validate_forward_response
+from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_to_proto, envelope, raw_from_tensor,
+                                           validate_forward)
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,11 @@ class Downstream:
     """Sends microbatches to the next stage: replica choice, bans, queue counts, validation of answers."""
 
     def __init__(self, identity: RunIdentity, rpc: FramedRPC, swarm: SwarmView, bans: BanList,
-                 activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None):
+                 activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
+                 gradient_codecs: frozenset[str] | None = None):
         self.identity = identity
+        self.gradient_codecs = gradient_codecs
+        """Codecs the next stage may answer gradients in (the manifest's gradient codec); None: any."""
         self.rpc = rpc
         self.swarm = swarm
         self.bans = bans
@@ -105,36 +110,38 @@ class Downstream:
         return self._check(peer, response, tuple(output.shape), eval_only)
 
     def _check(self, peer: str, response: pb.ForwardResponse, shape: tuple[int, ...], eval_only: bool) -> Hop:
-        route = f"{peer},{response.route}" if response.route else peer
-        if response.status == pb.NOT_READY:
-            busy = response.failed_peer or peer
-            if busy == peer:  # this replica itself is between rounds: try its siblings first
-                self.bans.defer(peer, time.monotonic(), NOT_READY_DEFER_SECONDS)
-            return Hop(pb.NOT_READY, response.reason, failed_peer=busy)
-        if response.status != pb.OK:
-            failed = response.failed_peer if response.status == pb.DOWNSTREAM_FAILED and response.failed_peer else peer
-            self.bans.ban(failed, time.monotonic())
-            return Hop(pb.DOWNSTREAM_FAILED, f"{pb.Status.Name(response.status)}: {response.reason}", failed_peer=failed)
-        if not math.isfinite(response.loss):
-            self.bans.ban(peer, time.monotonic())
-            return Hop(pb.DOWNSTREAM_FAILED, "non-finite loss", failed_peer=peer)
-        grad = None
-        if not eval_only:
-            try:
-                grad = decode_tensor(response.grad_input, self.max_numel, "grad_input", shape)
-            except ProtocolError as e:
-                self.bans.ban(peer, time.monotonic())
-                return Hop(pb.DOWNSTREAM_FAILED, f"bad gradient from {peer[-8:]}: {e.reason}", failed_peer=peer)
+        now = time.monotonic()
+        try:
+            res = validate_forward_response(response, shape, eval_only, self.max_numel, self.gradient_codecs)
+        except ProtocolError as e:  # a reply that fails a check is a failed call, like a dead peer
+            self.bans.ban(peer, now)
+            return Hop(pb.DOWNSTREAM_FAILED, f"bad answer from {peer[-8:]}: {e.reason}", failed_peer=peer)
+        route = ",".join((peer, *res.route))
+        if res.status in (pb.NOT_READY, pb.BUSY):
+            busy = res.failed_peer or peer
+            if busy == peer:  # this replica itself is between rounds (or full): try its siblings first
+                self.bans.defer(peer, now, NOT_READY_DEFER_SECONDS)
+            return Hop(pb.NOT_READY, res.reason, failed_peer=busy)
+        if not res.ok:
+            failed = res.failed_peer if res.status == pb.DOWNSTREAM_FAILED and res.failed_peer else peer
+            self.bans.ban(failed, now)
+            return Hop(pb.DOWNSTREAM_FAILED, f"{status_name(res.status)}: {res.reason}", failed_peer=failed)
         self.bans.succeeded(peer)
-        return Hop(pb.OK, loss=response.loss, n_targets=response.n_targets, grad=grad, route=route)
+        return Hop(pb.OK, loss=res.loss, n_targets=res.n_targets, grad=res.grad, route=route)
 
 
 class StageServer:
     """Serves forward requests for one stage ≥ 1 replica."""
 
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
-                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock):
+                 downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
+                 activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0):
         self.identity = identity
+        self.activation_codecs = activation_codecs
+        """Codecs the previous stage may send activations in (the manifest's); None: any."""
+        self.max_deadline_s = max_deadline_s
+        """A request's deadline is capped at now + this (timeouts.microbatch): nobody makes us hold
+        a microbatch's graph for longer than a microbatch may take."""
         self.contract = contract
         self.worker = worker
         self.downstream = downstream
@@ -150,10 +157,19 @@ class StageServer:
         return self.contract.stage == self.contract.n_stages - 1
 
     async def handle(self, request: pb.ForwardRequest, caller: PeerID) -> pb.ForwardResponse:
-        inp = validate_forward(request, self.identity, self.contract, self.max_numel)
-        if get_dht_time() > inp.deadline:
+        inp = validate_forward(request, self.identity, self.contract, self.max_numel,
+                               allowed_codecs=self.activation_codecs)
+        now = get_dht_time()
+        if now > inp.deadline:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "the microbatch's deadline has passed")
+        if inp.deadline > now + self.max_deadline_s:
+            inp = dataclasses.replace(inp, deadline=now + self.max_deadline_s)
         train = not inp.eval_only
+        if inp.round > self.clock.current + 1:
+            # a request may move a replica at most one round ahead: a made-up round number must
+            # not make us skip rounds (and everyone who follows us)
+            raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is more than one round ahead of ours "
+                                                f"({self.clock.current})")
         if self.clock.observe(inp.round):
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
@@ -163,6 +179,9 @@ class StageServer:
         except NotReady as e:
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=str(e))
+        except NonFiniteLoss as e:  # our model diverged on this input: not trained, the driver retries elsewhere
+            self.refused += 1
+            return pb.ForwardResponse(status=pb.INTERNAL, reason=str(e))
         if train and response.status == pb.OK:
             self.served += 1
             await self.worker.maybe_step()

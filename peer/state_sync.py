@@ -27,13 +27,11 @@ from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.peer.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
-from swarmgrad.protocol.validation import RunIdentity, check_envelope, decode_named, encoded_to_proto, envelope
+from swarmgrad.protocol.codecs import FP32_ONLY
+from swarmgrad.protocol.responses import validate_state_response
+from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope
 
 logger = logging.getLogger(__name__)
-
-MAX_COUNTER = 2**40
-"""Rounds and sample counts beyond this come from a broken or hostile donor."""
-
 
 def state_response(snapshot: StateSnapshot) -> pb.StateResponse:
     """The snapshot in full precision (fp32): state sync is the one place parameters travel whole."""
@@ -49,20 +47,14 @@ def state_response(snapshot: StateSnapshot) -> pb.StateResponse:
 
 async def fetch_state(rpc: FramedRPC, peer: str, identity: RunIdentity, stage: int,
                       shapes: dict[str, tuple[int, ...]], max_numel: int, timeout: float) -> StateSnapshot:
-    """Download and check a replica's state. Raises RPCFailed or ProtocolError (with the reason)."""
+    """Download and check a replica's state (protocol.responses.validate_state_response: names,
+    shapes, fp32 only, bounded counters, recomputed digest). Raises RPCFailed or ProtocolError."""
     resp = await rpc.call(peer, "state", pb.StateRequest(envelope=envelope(identity, stage)), pb.StateResponse,
                           timeout=timeout)
-    if resp.status != pb.OK:
-        raise ProtocolError(resp.status if resp.status in pb.Status.values() else pb.INTERNAL, resp.reason)
-    for name in ("round", "applied_rounds", "trained_samples"):
-        if getattr(resp, name) > MAX_COUNTER:
-            raise ProtocolError(pb.BAD_REQUEST, f"state {name} {getattr(resp, name)} is beyond any real run")
-    params = decode_named(resp.params, shapes, max_numel, "state params")
-    momentum = decode_named(resp.momentum, shapes, max_numel, "state momentum") if len(resp.momentum) else {}
-    digest = state_digest(params, momentum, resp.trained_samples)
-    if digest != resp.state_digest:
-        raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
-    return StateSnapshot(params, momentum, resp.round, resp.applied_rounds, digest, resp.trained_samples)
+    res = validate_state_response(resp, shapes, max_numel, digest_fn=state_digest, allowed_codecs=FP32_ONLY)
+    if not res.ok:
+        raise ProtocolError(res.status, res.reason)
+    return StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest, res.trained_samples)
 
 
 class StateSync:

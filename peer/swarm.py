@@ -18,6 +18,9 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.records import bounded_record_fields, validate_registration
+
 logger = logging.getLogger(__name__)
 
 JOINING, ONLINE, LEAVING = "joining", "online", "leaving"
@@ -47,17 +50,17 @@ class PeerRecord:
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> "PeerRecord | None":
+        """A record read from the DHT, or None if any field is missing, mistyped or out of bounds
+        (protocol.records.bounded_record_fields: e.g. a throughput of 1e308 or a round of 2^64)."""
         try:
-            record = cls(peer_id=peer_id, stage=int(value["stage"]), state=str(value["state"]),
-                         throughput=float(value["throughput"]), round=int(value["round"]),
-                         applied_rounds=int(value["applied_rounds"]), digest=str(value["digest"]),
-                         manifest_hash=str(value["manifest_hash"]), driver=bool(value["driver"]),
-                         maddrs=tuple(str(m) for m in value.get("maddrs", ()))[:8])
-        except (KeyError, TypeError, ValueError, OverflowError):
+            f = bounded_record_fields(value)
+        except ProtocolError:
             return None
-        if record.state not in STATES or not math.isfinite(record.throughput) or record.throughput < 0:
+        if f["state"] not in STATES:
             return None
-        return record
+        return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
+                   applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
+                   driver=f["driver"], maddrs=tuple(f["maddrs"]))
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -131,12 +134,28 @@ class SwarmView:
         return await self._store(round_key(self.run_id, stage, round), peer_id, value, self.ttl * 4)
 
     async def round_registrations(self, stage: int, round: int) -> dict[str, dict[str, Any]]:
+        """Registrations for a round, each checked (protocol.records.validate_registration); bad
+        ones are dropped, so a malformed value cannot make matchmaking raise."""
         raw = await self._get(round_key(self.run_id, stage, round))
         out = {}
         if isinstance(raw, dict):
             for subkey, item in raw.items():
+                try:
+                    out[str(subkey)] = validate_registration(getattr(item, "value", None)).to_value()
+                except ProtocolError as e:
+                    logger.debug("dropped a registration for stage %d round %d from %s: %s", stage, round, subkey, e)
+        return out
+
+    async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
+        """Post the digest of the mean this replica decoded in a round (the reducers' cross-check)."""
+        return await self._store(f"{round_key(self.run_id, stage, round)}/check", peer_id, digest, self.ttl * 4)
+
+    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+        raw = await self._get(f"{round_key(self.run_id, stage, round)}/check")
+        out = {}
+        if isinstance(raw, dict):
+            for subkey, item in raw.items():
                 value = getattr(item, "value", None)
-                if isinstance(value, dict) and isinstance(value.get("digest"), str) \
-                        and isinstance(value.get("applied_rounds"), int):
+                if isinstance(value, str) and len(value) <= 64:
                     out[str(subkey)] = value
         return out

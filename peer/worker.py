@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
@@ -26,9 +27,15 @@ from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
 
+logger = logging.getLogger(__name__)
+
 
 class NotReady(Exception):
     """The replica is between rounds (or leaving) and takes no new microbatches now."""
+
+
+class NonFiniteLoss(Exception):
+    """The last stage computed a non-finite loss; the microbatch was not trained on."""
 
 
 class StageWorker:
@@ -59,6 +66,8 @@ class StageWorker:
         self.losses: list[float] = []
         """Losses of microbatches since the last round boundary (known at the last stage and at drivers)."""
         self.rate = RateMeter()
+        self.skipped_steps = 0
+        """Inner steps skipped because a gradient was not finite (reported in round events)."""
         self._busy_since: float | None = None
         self._done_since_rate = 0
 
@@ -90,10 +99,15 @@ class StageWorker:
         try:
             yield
         finally:
-            async with self._cond:
-                self._in_flight -= 1
-                self._in_flight_train -= int(train)
-                self._cond.notify_all()
+            # The counts change synchronously: a handler cancelled here (its caller went away)
+            # must not leave a phantom microbatch in flight that blocks every later step.
+            self._in_flight -= 1
+            self._in_flight_train -= int(train)
+            await asyncio.shield(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
 
     # compute -----------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +126,14 @@ class StageWorker:
         return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
 
     async def backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """Accumulate parameter gradients; return the gradient w.r.t. the stage input (None at stage 0)."""
+        """Accumulate parameter gradients; return the gradient w.r.t. the stage input (None at stage 0).
+
+        Shielded: once the backward is submitted its gradients land in .grad, so it is counted
+        even if the caller is cancelled meanwhile."""
+        return await asyncio.shield(self._backward_counted(x, y, grad_y, batch))
+
+    async def _backward_counted(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int
+                                ) -> torch.Tensor | None:
         grad_x = await self.run(self._backward, x, y, grad_y)
         self._finished(batch)
         return grad_x
@@ -123,12 +144,18 @@ class StageWorker:
         loss = self.loss_fn(y, targets.to(self.device))
         if not train:
             return loss.item(), None
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
         loss.backward()
         return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
 
     async def forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool = True
                            ) -> tuple[float, torch.Tensor | None]:
         """Last stage: forward, loss and (with train) backward in one go."""
+        return await asyncio.shield(self._forward_loss_counted(x, targets, train))
+
+    async def _forward_loss_counted(self, x: torch.Tensor, targets: torch.Tensor, train: bool
+                                    ) -> tuple[float, torch.Tensor | None]:
         loss, grad_x = await self.run(self._forward_loss, x, targets, train)
         if train:
             self.losses.append(loss)
@@ -144,11 +171,16 @@ class StageWorker:
         self.losses.append(loss)
 
     # inner steps and round boundaries ------------------------------------------------------
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One AdamW step on the mean gradient; False (and no step) if a gradient is not finite:
+        one bad microbatch must not poison the stage's parameters and optimiser state."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if any(not bool(torch.isfinite(g).all()) for g in grads):
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
         scale = 1.0 / self.accumulated
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)  # the mean over microbatches, as the whole model would see it
+        for g in grads:
+            g.mul_(scale)  # the mean over microbatches, as the whole model would see it
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
         self.lr = self.cfg.lr * self.progress.multiplier(self.samples)
@@ -156,6 +188,7 @@ class StageWorker:
             group["lr"] = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return True
 
     async def maybe_step(self, force: bool = False) -> bool:
         """Take an inner step once enough microbatches accumulated (or any, with force).
@@ -168,7 +201,10 @@ class StageWorker:
             self._stepping = True
             try:
                 await self._cond.wait_for(lambda: self._in_flight == 0)
-                await self.run(self._step)
+                if not await self.run(self._step):
+                    self.skipped_steps += 1
+                    logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
+                                   self.skipped_steps)
                 self.accumulated = 0
                 self.inner_steps += 1
                 self._update_rate()

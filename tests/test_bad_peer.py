@@ -31,19 +31,20 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
     batch, seq, d = 2, m.model.seq_len, m.model.d_model
     good_x = torch.randn(batch, seq, d)
     good_y = torch.randint(0, 256, (batch, seq))
-    fp32 = get_codec("fp32")
+    fp16, fp32 = get_codec("fp16"), get_codec("fp32")  # the manifest's activation codec, and one it does not allow
 
-    def request(x=good_x, y=good_y, run_id=m.run_id, manifest_hash=m.hash, stage=1, deadline_in=30.0, **overrides):
+    def request(x=good_x, y=good_y, run_id=m.run_id, manifest_hash=m.hash, stage=1, deadline_in=30.0, codec=fp16,
+                **overrides):
         req = pb.ForwardRequest(envelope=pb.Envelope(run_id=run_id, manifest_hash=manifest_hash, stage=stage),
-                                microbatch_id=7, driver="intruder", activations=encoded_to_proto(fp32.encode(x)),
+                                microbatch_id=7, driver="intruder", activations=encoded_to_proto(codec.encode(x)),
                                 targets=raw_from_tensor(y), deadline=get_dht_time() + deadline_in,
                                 eval_only=True)
         for key, value in overrides.items():
             getattr(req, key).CopyFrom(value) if hasattr(value, "SerializeToString") else setattr(req, key, value)
         return req
 
-    nan_payload = pb.EncodedTensor(codec="fp32", shape=[batch, seq, d], dtype="float32",
-                                   buffers=[struct.pack("<f", float("nan")) * (batch * seq * d)])
+    nan_payload = pb.EncodedTensor(codec="fp16", shape=[batch, seq, d], dtype="float32",
+                                   buffers=[struct.pack("<e", float("nan")) * (batch * seq * d)])
     cases = {
         "wrong run": (request(run_id="other-run"), pb.WRONG_RUN, "run_id"),
         "wrong manifest": (request(manifest_hash="0" * 32), pb.WRONG_RUN, "manifest"),
@@ -54,6 +55,9 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
         "non-finite": (request(activations=nan_payload), pb.BAD_REQUEST, "NaN"),
         "targets out of vocab": (request(y=torch.full((batch, seq), 300)), pb.BAD_REQUEST, "targets"),
         "expired": (request(deadline_in=-5.0), pb.DEADLINE_EXCEEDED, "deadline"),
+        "codec not in the manifest": (request(codec=fp32), pb.BAD_REQUEST, "codec"),
+        "round 2^40 ahead": (request(round=2**40), pb.WRONG_ROUND, "ahead"),
+        "round beyond any run": (request(round=2**64 - 1), pb.BAD_REQUEST, "round"),
     }
 
     async def probe() -> dict[str, pb.ForwardResponse]:
@@ -68,6 +72,9 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
             huge.activations.buffers.append(b"\0" * (int(m.pipeline.max_message_mb * 2**20) + 1))
             out["oversize"] = await rpc.call(target, "forward", huge, pb.ForwardResponse, timeout=60)
             out["valid eval"] = await rpc.call(target, "forward", request(), pb.ForwardResponse, timeout=20)
+            # a deadline of now + 1e9 s is accepted but capped at timeouts.microbatch: no graph held for ever
+            out["far deadline"] = await rpc.call(target, "forward", request(deadline_in=1e9), pb.ForwardResponse,
+                                                 timeout=20)
             return out
         finally:
             dht.shutdown()
@@ -79,6 +86,7 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
         assert word.lower() in resp.reason.lower(), (name, resp.reason)
     assert responses["oversize"].status == pb.TOO_LARGE
     assert responses["valid eval"].status in (pb.OK, pb.NOT_READY), responses["valid eval"].reason
+    assert responses["far deadline"].status in (pb.OK, pb.NOT_READY), responses["far deadline"].reason
     # the replica kept serving: training rounds go on and it still agrees with itself
     seen = len(stage1.events("round"))
     swarm.wait_for(stage1, lambda e: e["event"] == "round" and e["samples"] > 0 and e["complete"]

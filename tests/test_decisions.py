@@ -12,7 +12,8 @@ import msgpack
 import pytest
 import torch
 
-from swarmgrad.peer.averaging import Group, choose_group, partition, weighted_mean
+from swarmgrad.peer.aggregate import weighted_mean
+from swarmgrad.peer.averaging import Group, choose_group, partition
 from swarmgrad.peer.balance import choose_stage
 from swarmgrad.peer.routing import BanList, Candidate, DeadlineEstimator, RateMeter, choose_replica
 from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
@@ -427,8 +428,11 @@ def test_peer_record_defaults_and_limits() -> None:
     value = full_record().to_value()
     del value["maddrs"]
     assert PeerRecord.from_value("p", value).maddrs == ()
-    value["maddrs"] = [f"/ip4/10.0.0.{i}/tcp/1" for i in range(20)]
+    value["maddrs"] = [f"/ip4/10.0.0.{i}/tcp/1" for i in range(8)]
     assert len(PeerRecord.from_value("p", value).maddrs) == 8
+    value["maddrs"] = [f"/ip4/10.0.0.{i}/tcp/1" for i in range(20)]
+    assert PeerRecord.from_value("p", value) is None, "an oversized record is refused, not trimmed"
+    value["maddrs"] = []
     value["throughput"] = 0
     assert PeerRecord.from_value("p", value).throughput == 0.0
 
@@ -448,6 +452,7 @@ def test_peer_record_missing_key(key: str) -> None:
     {"throughput": -0.5}, {"throughput": math.nan}, {"throughput": math.inf}, {"throughput": "fast"},
     {"throughput": None}, {"stage": "two"}, {"stage": None}, {"stage": [2]}, {"round": "x"},
     {"applied_rounds": None}, {"round": math.nan}, {"maddrs": 5}, {"maddrs": None},
+    {"throughput": 1e308}, {"round": 2**64 - 1}, {"stage": -1}, {"driver": "yes"}, {"digest": "x" * 10_000},
 ], ids=repr)
 def test_peer_record_malformed_values(change: dict[str, Any]) -> None:
     value = {**full_record().to_value(), **change}

@@ -32,8 +32,8 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when the [schedule] section was added
-PINNED_HASH = "f5214b3504ce4564424173f422e5813e"
+# changed deliberately when [schedule] and the robust averaging fields were added
+PINNED_HASH = "37b418f4d4c7c0cafa7bb2163228c2f7"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -254,6 +254,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "pipeline.gradient_codec": [{"gradient_codec": "bf16"}],
         "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
+        "averaging.robust_min_members": [{"robust_min_members": 4}],
     }
     if key in special:
         return [{section: c} for c in special[key]]

@@ -1,0 +1,88 @@
+"""How a reducer combines the members' pseudo-gradients for its part: pure tensor code.
+
+With one or two members the plain weighted mean is all there is (with two, neither can be told
+from the other). With three or more, one bad member (a bug, a diverged replica, an attacker)
+must only be able to move the result by a bounded amount, so the reducer uses **centered
+clipping** (Karimireddy, He & Jaggi, "Learning from History for Byzantine Robust Optimization",
+ICML 2021) around the coordinate-wise median:
+
+    c   = coordinate-wise median of the contributions            (robust center)
+    τ   = 2 × the median over members of ‖xᵢ − c‖                (robust radius)
+    out = c + Σ wᵢ · clip(xᵢ − c, τ) / Σ wᵢ,   clip(v, τ) = v · min(1, τ / ‖v‖)
+
+Why this one: a coordinate-wise trimmed mean throws away most of every honest member's values
+with few members (with 3, it keeps one per coordinate), and Krum-style selection keeps one
+member; centered clipping leaves honest contributions (whose distances from the center are
+alike, so all within twice the median distance) untouched, so a clean round equals the weighted
+mean up to rounding, while a member sending ×100 or random
+values moves the result by at most wᵢ/Σw · τ. Weights are self-declared sample counts, so they
+are capped too: by what the member registered for the round (checked when its part arrives) and
+at `max_weight_ratio` × the median weight.
+
+Every reducer runs the same code on the same inputs in the same (sorted) order, and every
+member decodes the reducer's bytes, so θ_global stays bit-identical whatever this computes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def weighted_mean(contributions: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """Σ wᵢ·Δᵢ / Σ wᵢ in the given order; all-zero weights give zeros (the outer step then only
+    carries momentum, identically everywhere)."""
+    total = sum(w for w, _ in contributions)
+    out = torch.zeros_like(contributions[0][1])
+    if total <= 0:
+        return out
+    for w, t in contributions:
+        out.add_(t, alpha=w / total)
+    return out
+
+
+def cap_weights(weights: list[float], max_ratio: float) -> list[float]:
+    """Cap each weight at `max_ratio` × the median weight (no cap for fewer than 3 members).
+    Unequal peers legitimately train different sample counts, so the ratio is generous."""
+    if len(weights) < 3 or max_ratio <= 0:
+        return list(weights)
+    ordered = sorted(weights)
+    median = ordered[len(ordered) // 2]
+    cap = max_ratio * median
+    return [min(w, cap) for w in weights]
+
+
+RADIUS_FACTOR = 2.0
+"""τ as a multiple of the median distance from the center: honest members' distances are alike,
+so twice the median leaves them unclipped."""
+
+
+def centered_clip(members: list[tuple[float, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Centered clipping of whole-part contributions (each a dict of named tensors) around their
+    coordinate-wise median, radius RADIUS_FACTOR × the median distance; see the module docstring."""
+    names = sorted(members[0][1])
+    center = {n: torch.stack([m[n] for _, m in members]).median(dim=0).values for n in names}
+    distances = []
+    for _, m in members:
+        sq = sum(float((m[n] - center[n]).double().pow(2).sum()) for n in names)
+        distances.append(sq ** 0.5)
+    ordered = sorted(distances)
+    tau = RADIUS_FACTOR * ordered[len(ordered) // 2]
+    total = sum(w for w, _ in members)
+    out = {n: center[n].clone() for n in names}
+    if total <= 0:
+        return out
+    for (w, m), dist in zip(members, distances):
+        scale = 1.0 if dist <= tau or dist == 0 else tau / dist
+        for n in names:
+            out[n].add_(m[n] - center[n], alpha=(w / total) * scale)
+    return out
+
+
+def reduce_part(members: list[tuple[float, dict[str, torch.Tensor]]], robust_min_members: int,
+                max_weight_ratio: float) -> dict[str, torch.Tensor]:
+    """The part's aggregate: weighted mean below `robust_min_members` members (0 disables the
+    robust path), centered clipping with capped weights from there on."""
+    if robust_min_members and len(members) >= robust_min_members:
+        weights = cap_weights([w for w, _ in members], max_weight_ratio)
+        return centered_clip([(w, m) for w, (_, m) in zip(weights, members)])
+    names = sorted(members[0][1])
+    return {n: weighted_mean([(w, m[n]) for w, m in members]) for n in names}

@@ -1,0 +1,121 @@
+"""The stage worker in-process: its gate under concurrency and cancellation, its step quota,
+non-finite steps, and the schedule's lr (no network, no processes)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
+from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_worker(h: int = 0, schedule: ScheduleConfig = ScheduleConfig(), loss: bool = False) -> StageWorker:
+    torch.manual_seed(0)
+    clock = RoundClock(RoundsConfig(inner_steps=h, round_seconds=0.0 if h else 10.0), counts_steps=True,
+                       max_rounds=0, epoch=None)
+    loss_fn = (lambda y, t: nn.functional.mse_loss(y, t)) if loss else None
+    return StageWorker(nn.Linear(4, 4), InnerOptConfig(lr=0.1, microbatches_per_step=2), torch.device("cpu"),
+                       loss_fn, clock, TrainingProgress(schedule))
+
+
+def test_cancelled_handlers_leave_no_phantom_in_flight() -> None:
+    async def main() -> None:
+        w = make_worker()
+        release = asyncio.Event()
+
+        async def handler() -> None:
+            async with w.admitted(wait=True):
+                await release.wait()
+
+        tasks = [asyncio.create_task(handler()) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert w._in_flight == 2
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert w._in_flight == 0 and w._in_flight_train == 0
+        await asyncio.wait_for(w.pause(), 2.0)  # would hang on a phantom in-flight microbatch
+        w.close()
+    asyncio.run(main())
+
+
+def test_quota_and_pause_refuse_with_not_ready() -> None:
+    async def main() -> None:
+        w = make_worker(loss=True)
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        for _ in range(2):
+            async with w.admitted(wait=False):
+                await w.forward_loss(x, t)
+        assert w.accumulated == 2
+        assert await w.maybe_step() and w.inner_steps == 1 and w.accumulated == 0
+        await w.pause()
+        with pytest.raises(NotReady):
+            async with w.admitted(wait=False):
+                pass
+        await w.resume()
+        w.close()
+    asyncio.run(main())
+
+
+def test_h_steps_pause_the_worker_inside_the_step() -> None:
+    async def main() -> None:
+        w = make_worker(h=1, loss=True)
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        for _ in range(2):
+            async with w.admitted(wait=False):
+                await w.forward_loss(x, t)
+        await w.maybe_step()
+        assert w.paused, "the H-th step pauses the worker in the same critical section"
+        w.clock.finished = True
+        await w.resume()
+        for _ in range(2):
+            async with w.admitted(wait=False):
+                await w.forward_loss(x, t)
+        await w.maybe_step()
+        assert not w.paused, "after the last round the worker never pauses itself"
+        w.close()
+    asyncio.run(main())
+
+
+def test_non_finite_gradient_skips_the_step_and_loss_is_refused() -> None:
+    async def main() -> None:
+        w = make_worker(loss=True)
+        before = {n: p.detach().clone() for n, p in w.module.named_parameters()}
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        bad_t = t.clone()
+        bad_t[0, 0] = float("nan")
+        with pytest.raises(NonFiniteLoss):
+            await w.forward_loss(x, bad_t)
+        assert w.accumulated == 0, "a non-finite loss is not trained on"
+        for _ in range(2):
+            await w.forward_loss(x, t)
+        next(iter(w.module.parameters())).grad[0, 0] = float("inf")  # a poisoned gradient
+        await w.maybe_step()
+        assert w.skipped_steps == 1
+        for n, p in w.module.named_parameters():
+            assert torch.equal(p.detach(), before[n]), "a skipped step leaves the parameters alone"
+        w.close()
+    asyncio.run(main())
+
+
+def test_inner_lr_follows_the_swarm_position() -> None:
+    async def main() -> None:
+        sched = ScheduleConfig(kind="linear", warmup_samples=0, total_samples=100, min_lr_ratio=0.0)
+        w = make_worker(schedule=sched, loss=True)
+        w.progress.trained = 50  # what the swarm agreed at the last boundary
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        for _ in range(2):
+            await w.forward_loss(x, t)
+        await w.maybe_step()
+        # position = 50 agreed + 6 local samples (share 1): lr = 0.1 * (1 - 56/100)
+        assert w.lr == pytest.approx(0.1 * (1 - 56 / 100))
+        assert w.optimizer.param_groups[0]["lr"] == pytest.approx(w.lr)
+        w.close()
+    asyncio.run(main())
