@@ -41,6 +41,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except ManifestError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.stage != "auto" and args.stage >= manifest.stages.count:
+        print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
+        return 2
     from swarmgrad.peer.daemon import Peer, PeerOptions
     from swarmgrad.peer.model import from_manifest
     model = from_manifest(manifest)
@@ -49,33 +52,79 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
             return 2
+    options = PeerOptions(stage=None if args.stage == "auto" else args.stage, device=args.device,
+                          events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
+                          max_rounds=args.max_rounds, linger=args.linger)
     # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
     dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                      manifest.timeouts.state_download)
-    print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
-    for addr in dht.get_visible_maddrs():
-        print("  visible at", addr, flush=True)
-    options = PeerOptions(stage=None if args.stage == "auto" else int(args.stage), device=args.device,
-                          events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
-                          max_rounds=args.max_rounds, linger=args.linger)
-    peer = Peer(manifest, model, dht, options)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await peer.run(stop)
-
+    log = logging.getLogger("swarmgrad")
     code = 0
-    try:
-        asyncio.run(main())
+    try:  # from here on, whatever fails, the DHT (a child process and its p2pd) is shut down
+        print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
+        for addr in dht.get_visible_maddrs():
+            print("  visible at", addr, flush=True)
+        peer = Peer(manifest, model, dht, options)
+        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
     except Exception:
-        logging.getLogger("swarmgrad").exception("peer failed")
+        log.exception("peer failed")
         code = 1
     finally:
         dht.shutdown()
     return code
+
+
+async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
+    """Run the peer until it ends or a signal arrives; after a signal it has `timeouts.shutdown`
+    seconds to leave cleanly before its tasks are abandoned."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    run = asyncio.create_task(peer.run(stop), name="peer")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait([run, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not run.done():
+        try:
+            await asyncio.wait_for(asyncio.shield(run), shutdown_s)
+        except asyncio.TimeoutError:
+            log.error("the peer did not stop within timeouts.shutdown (%.0fs); abandoning it", shutdown_s)
+            run.cancel()
+            return
+    run.result()
+
+
+def _stage_arg(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a stage index, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {value})")
+    return value
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -104,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="run manifest (TOML)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of peers already in the swarm; none starts a new swarm")
-    p.add_argument("--stage", default="auto", help="stage to serve: auto (fewest replicas) or an index")
+    p.add_argument("--stage", default="auto", type=_stage_arg,
+                   help="stage to serve: auto (fewest replicas) or an index")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
                    help="where to listen (default: loopback, a free port)")
@@ -114,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
     p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
     p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
-    p.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds (overrides manifest)")
-    p.add_argument("--linger", type=float, default=60.0,
+    p.add_argument("--max-rounds", type=_nonneg_int, default=None,
+                   help="stop after this many rounds (overrides manifest; 0: until stopped)")
+    p.add_argument("--linger", type=_nonneg_float, default=60.0,
                    help="seconds a non-driver keeps serving after its last round while drivers evaluate")
     p.set_defaults(fn=cmd_peer)
 

@@ -227,6 +227,8 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(name, f"must be a number (got {value!r})")
+        if not math.isfinite(float(value)):
+            raise _fail(name, f"must be a finite number (got {value!r})")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):
@@ -239,8 +241,24 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     if isinstance(default, Mapping):
         if not isinstance(value, Mapping):
             raise _fail(name, f"must be a table (got {value!r})")
+        _check_plain(name, value)
         return dict(value)
     return value
+
+
+def _check_plain(name: str, value: Any) -> None:
+    """Free-form values (model.params) must be what JSON and TOML both hold: the manifest's hash
+    is computed over its JSON form, and a TOML date or an infinite float has none."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_plain(f"{name}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(f"{name}[{i}]", v)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise _fail(name, f"must be a finite number (got {value!r})")
+    elif not isinstance(value, (str, int, float, bool)):
+        raise _fail(name, f"must be a string, number, boolean, list or table (got {type(value).__name__} {value!r})")
 
 
 def _build(cls: type, section: str, raw: Mapping[str, Any]) -> Any:
@@ -366,7 +384,9 @@ def validate(m: Manifest) -> None:
         raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
     _positive("pipeline.max_retries", m.pipeline.max_retries)
-    _positive("pipeline.max_message_mb", m.pipeline.max_message_mb)
+    if not 1 <= m.pipeline.max_message_mb <= 4096:
+        raise _fail("pipeline.max_message_mb", f"must be in [1, 4096] MiB (got {m.pipeline.max_message_mb}): "
+                                               "smaller cannot carry a microbatch, larger is a memory hazard")
     d = m.data
     if d.source not in ("stdlib", "files"):
         raise _fail("data.source", f"must be \"stdlib\" or \"files\" (got {d.source!r})")
@@ -376,6 +396,9 @@ def validate(m: Manifest) -> None:
         raise _fail("data.val_fraction", f"must be in (0, 1) (got {d.val_fraction})")
     if d.max_bytes < 0 or d.eval_every < 0:
         raise _fail("data", "max_bytes and eval_every must be >= 0")
+    if md.kind == "gpt" and 0 < d.max_bytes < md.seq_len + 1:
+        raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
+                                      f"({md.seq_len + 1}): one training window needs that many bytes")
     _positive("data.eval_batches", d.eval_batches)
     for f in dataclasses.fields(m.timeouts):
         _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +126,17 @@ class StageState:
         meta = {"round": str(snap.round), "applied_rounds": str(snap.applied_rounds), "digest": snap.digest,
                 "trained_samples": str(snap.trained_samples)}
         meta.update(extra or {})
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"swarmgrad": json.dumps(meta)})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # never half-written: a crash mid-save leaves the previous checkpoint in place
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file(tensors, str(tmp), metadata={"swarmgrad": json.dumps(meta)})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:

@@ -255,6 +255,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
         "averaging.robust_min_members": [{"robust_min_members": 4}],
+        "data.max_bytes": [{"max_bytes": 100_000}],
     }
     if key in special:
         return [{section: c} for c in special[key]]
@@ -363,3 +364,27 @@ def test_replace_validates() -> None:
         m.replace(inner={"bogus": 1})
     with pytest.raises(ManifestError, match=r"^manifest: run_id"):
         m.replace(run_id="has space")
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("pipeline", {"max_message_mb": float("inf")}, "pipeline.max_message_mb"),
+    ("pipeline", {"max_message_mb": 0.001}, "pipeline.max_message_mb"),
+    ("outer", {"lr": float("inf")}, "outer.lr"),
+    ("inner", {"lr": float("nan")}, "inner.lr"),
+    ("data", {"max_bytes": 50}, "data.max_bytes"),
+    ("averaging", {"robust_min_members": 2}, "averaging.robust_min_members"),
+    ("averaging", {"max_weight_ratio": 0.5}, "averaging.max_weight_ratio"),
+])
+def test_absurd_values_are_refused_naming_the_field(section: str, values: dict, field: str) -> None:
+    with pytest.raises(ManifestError, match=re.escape(field)):
+        from_dict({"run_id": "x", section: values})
+
+
+def test_params_must_be_plain_values() -> None:
+    """A TOML date (or any value JSON cannot hold) in model.params is refused before anything starts."""
+    with pytest.raises(ManifestError, match=r"model\.params\.when"):
+        loads('run_id = "x"\n[model]\nkind = "entry_point"\nentry_point = "a.b:c"\n'
+              '[model.params]\nwhen = 1979-05-27T07:32:00Z\n')
+    with pytest.raises(ManifestError, match="finite"):
+        from_dict({"run_id": "x", "model": {"kind": "entry_point", "entry_point": "a.b:c",
+                                            "params": {"scale": [1.0, float("inf")]}}})
