@@ -54,7 +54,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
             return 2
     options = PeerOptions(stage=None if args.stage == "auto" else args.stage, device=args.device,
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
-                          max_rounds=args.max_rounds, linger=args.linger)
+                          max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
+                          max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
+                          rebalance=args.rebalance)
     # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
     dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                      manifest.timeouts.state_download)
@@ -93,6 +95,32 @@ async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
             run.cancel()
             return
     run.result()
+
+
+def _parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-memory: {text!r} is not a size like 8G or 512M") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--max-memory must be > 0 (got {text!r})")
+    return int(value * units[unit])
+
+
+def _memory_arg(text: str) -> str:
+    _parse_bytes(text)
+    return text
+
+
+def _slowdown_arg(text: str) -> float:
+    value = _nonneg_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (1: full speed; got {value})")
+    return value
 
 
 def _stage_arg(text: str) -> str | int:
@@ -166,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
     p.add_argument("--max-rounds", type=_nonneg_int, default=None,
                    help="stop after this many rounds (overrides manifest; 0: until stopped)")
+    p.add_argument("--slowdown", type=_slowdown_arg, default=1.0, metavar="F",
+                   help="TESTING AID: make this peer's compute F times slower (a sleep of (F-1) x each measured "
+                        "forward/backward), to emulate unequal devices on one machine")
+    p.add_argument("--max-memory", type=_memory_arg, default=None, metavar="SIZE",
+                   help="memory this peer offers for a stage, e.g. 8G (default: what the device has)")
+    p.add_argument("--rebalance", choices=("on", "off"), default="on",
+                   help="move to another stage when the placement policy says it pays (default on)")
     p.add_argument("--linger", type=_nonneg_float, default=60.0,
                    help="seconds a non-driver keeps serving after its last round while drivers evaluate")
     p.set_defaults(fn=cmd_peer)

@@ -59,6 +59,12 @@ class PeerOptions:
     linger: float = 60.0
     """After its last round, a non-driver keeps serving (drivers evaluate) until no driver is
     online or this many seconds passed."""
+    slowdown: float = 1.0
+    """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
+    max_memory: int | None = None
+    """Bytes this peer offers for a stage; None: what the device has."""
+    rebalance: str = "on"
+    """"on": move between stages when the placement policy says it pays; "off": stay."""
 
 
 class Peer:
