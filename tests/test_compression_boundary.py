@@ -90,7 +90,7 @@ def test_rotation_is_orthonormal_and_inverted(gen: torch.Generator) -> None:
     assert torch.allclose(_unrotate(r), x, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits,budget", [(8, 0.01), (4, 0.13), (2, 0.85)])
+@pytest.mark.parametrize("bits,budget", [(8, 0.01), (4, 0.12), (2, 0.6)])
 def test_hadamard_round_trip_error_and_nbytes(bits: int, budget: float, gen: torch.Generator) -> None:
     for n in (1, 1000, 128 * 64):
         x = torch.randn(n, generator=gen)
@@ -183,6 +183,5 @@ def test_bad_payload_values_refused(gen: torch.Generator) -> None:
     with pytest.raises(CodecError, match="finite"):
         decode(dataclasses.replace(enc, buffers=(inf_basis, *enc.buffers[1:])))
     had = get_codec("hadamard:bits=2").encode(torch.randn(256, generator=gen))
-    bad_code = b"\xff" + had.buffers[0][1:]  # code 3 > 2L = 2
-    with pytest.raises(CodecError, match="code"):
-        decode(dataclasses.replace(had, buffers=(bad_code, had.buffers[1])))
+    with pytest.raises(CodecError, match="finite"):
+        decode(dataclasses.replace(had, buffers=(had.buffers[0], b"\x00\x00\x80\x7f" + had.buffers[1][4:])))

@@ -1,0 +1,212 @@
+"""Pipeline-boundary codecs, measured by training: one process, no network, one CPU thread.
+
+    python benchmarks/boundary_codecs.py [--quick] [--steps N] [--batch B] [--pairs FWD/BWD ...]
+
+The reference task of the swarm benchmarks (byte-level GPT, d_model 128, 4 layers, 4 heads,
+seq_len 128, two stages of two layers; the Python stdlib's .py files; AdamW lr 2e-3, betas
+(0.9, 0.95), wd 0.1, grad_clip 1.0), trained as one model with a :class:`Boundary` between the
+stages: the activation that stage 0 sends goes through ``fwd.encode`` -> ``decode`` and the
+gradient that stage 1 sends back through ``bwd.encode`` -> ``decode``, exactly the two hops a
+swarm makes, and nothing else differs. Every pair starts from the same weights and sees the
+same batches, so the val bits/byte column differs only by what the codecs did (plus chaotic
+divergence of training; the two fp32 rows with other seeds in the full run give its size).
+
+Columns: codec fwd / codec bwd; val bits/byte at equal samples (evaluated through the forward
+codec, as a swarm evaluates); gap vs the fp32/fp32 row in %; boundary bytes per trained sample
+(payload of both directions, ``Encoded.nbytes``); fp32 bytes / these bytes; mean relative L2
+error and cosine of each hop over training (``bwd cos`` is the cosine of the decoded gradient
+with the exact one).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swarmgrad.compression import Codec, decode, parse_codec_spec
+from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
+from swarmgrad.peer.manifest import from_dict
+from swarmgrad.peer.model import from_manifest
+
+#: the pairs of the full run: the int8 diagnosis, then the codecs made for the boundary
+DEFAULT_PAIRS = [
+    "fp32/fp32", "fp16/fp16", "int8/fp32", "fp32/int8", "int8/int8",
+    "int8:stochastic=true/int8:stochastic=true",
+]
+QUICK_PAIRS = ["fp32/fp32", "fp16/fp16", "int8/int8"]
+REFERENCE = {
+    "run_id": "boundary-bench", "seed": 0,
+    "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
+    "stages": {"count": 2},
+}
+
+
+@dataclass
+class HopStats:
+    """What one direction of the boundary sent and how far its decode was from the exact tensor."""
+    nbytes: int = 0
+    rel_err: list[float] = field(default_factory=list)
+    cosine: list[float] = field(default_factory=list)
+
+    def observe(self, exact: torch.Tensor, sent: torch.Tensor, nbytes: int) -> None:
+        self.nbytes += nbytes
+        e, s = exact.double().flatten(), sent.double().flatten()
+        norm = float(e.norm())
+        if norm > 0:
+            self.rel_err.append(float((s - e).norm()) / norm)
+            self.cosine.append(float(e @ s) / (norm * max(float(s.norm()), 1e-300)))
+
+    def mean(self, values: list[float]) -> float:
+        return sum(values) / len(values) if values else math.nan
+
+
+class Link:
+    """The two codecs of one boundary, with byte and error accounting per direction."""
+
+    def __init__(self, fwd: Codec, bwd: Codec) -> None:
+        self.fwd, self.bwd = fwd, bwd
+        self.fwd_stats, self.bwd_stats = HopStats(), HopStats()
+        self.counting = True
+
+    def send(self, codec: Codec, x: torch.Tensor, stats: HopStats) -> torch.Tensor:
+        enc = codec.encode(x)
+        out = decode(enc).to(x.dtype).view_as(x)
+        if self.counting:
+            stats.observe(x, out, enc.nbytes)
+        return out
+
+
+class Boundary(torch.autograd.Function):
+    """Identity in the graph; codec round trip of the activation (forward) and of its gradient (backward)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, link: Link) -> torch.Tensor:  # type: ignore[override]
+        ctx.link = link
+        return link.send(link.fwd, h.detach(), link.fwd_stats)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return ctx.link.send(ctx.link.bwd, grad.contiguous(), ctx.link.bwd_stats), None
+
+
+@dataclass
+class Result:
+    fwd: str
+    bwd: str
+    seed: int
+    val_bpb: float
+    bytes_per_sample: float
+    fwd_err: float
+    bwd_err: float
+    bwd_cos: float
+    seconds: float
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int, constant: bool = False) -> float:
+    """Linear warmup, then cosine down to 10% of the peak (or the peak throughout, with ``constant``)."""
+    if constant:
+        return peak
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_pair(pair: str, args: argparse.Namespace, data: tuple, seed: int = 0) -> Result:
+    """Train the reference model from scratch with ``pair`` ("FWD/BWD" specs) on the boundary."""
+    fwd_spec, bwd_spec = pair.split("/")
+    torch.manual_seed(seed)  # stochastic rounding draws from the global generator
+    manifest = from_dict({**REFERENCE, "seed": seed})
+    staged = from_manifest(manifest)
+    s0, s1 = staged.build_stage(0), staged.build_stage(1)
+    params = [*s0.parameters(), *s1.parameters()]
+    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    link = Link(parse_codec_spec(fwd_spec), parse_codec_spec(bwd_spec))
+    train, val = data
+    stream = MicrobatchStream(train, 128, args.batch, seed=1000 + seed)
+    started = time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, 2e-3, args.warmup, args.constant_lr)
+        x, y = next(stream)
+        loss = staged.loss_fn(s1(Boundary.apply(s0(x), link)), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    link.counting = False
+    with torch.no_grad():
+        losses = [float(staged.loss_fn(s1(Boundary.apply(s0(x), link)), y)) for x, y in val]
+    samples = args.steps * args.batch
+    f, b = link.fwd_stats, link.bwd_stats
+    return Result(fwd_spec, bwd_spec, seed, bits_per_byte(sum(losses) / len(losses)),
+                  (f.nbytes + b.nbytes) / samples, f.mean(f.rel_err), b.mean(b.rel_err), b.mean(b.cosine),
+                  time.perf_counter() - started)
+
+
+def cached_train_pair(pair: str, args: argparse.Namespace, data: tuple, seed: int = 0) -> Result:
+    """:func:`train_pair`, reusing a result stored under ``--cache-dir`` for the same settings."""
+    if not args.cache_dir:
+        return train_pair(pair, args, data, seed)
+    key = json.dumps([pair, seed, args.steps, args.batch, args.warmup, args.val_batches]
+                     + (["constant"] if args.constant_lr else []))
+    path = Path(args.cache_dir) / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.exists():
+        return Result(**json.loads(path.read_text())["result"])
+    result = train_pair(pair, args, data, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "result": dataclasses.asdict(result)}))
+    return result
+
+
+def print_table(results: list[Result], fp32_bytes: float) -> None:
+    base = next((r.val_bpb for r in results if r.fwd == "fp32" and r.bwd == "fp32" and r.seed == 0), math.nan)
+    print("| codec fwd | codec bwd | seed | val bits/byte | gap vs fp32 | bytes/sample | ratio vs fp32 "
+          "| fwd rel err | bwd rel err | bwd cos | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        gap = 100 * (r.val_bpb - base) / base
+        print(f"| {r.fwd} | {r.bwd} | {r.seed} | {r.val_bpb:.4f} | {gap:+.2f}% | {r.bytes_per_sample:,.0f} "
+              f"| {fp32_bytes / r.bytes_per_sample:.1f}x | {r.fwd_err:.4f} | {r.bwd_err:.4f} | {r.bwd_cos:.5f} "
+              f"| {r.seconds:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 30 steps of 8, 3 pairs (< 60 s)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--constant-lr", action="store_true", help="lr 2e-3 throughout (the tiny-gpt demo's setting)")
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--pairs", nargs="+", default=None, help='"FWD/BWD" codec spec pairs')
+    parser.add_argument("--noise-seeds", type=int, default=2, help="extra fp32/fp32 runs with other seeds")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache-dir", default="", help="reuse results of runs with the same settings from here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.batch, args.warmup, args.val_batches, args.noise_seeds = 30, 8, 5, 4, 0
+    pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
+    train, val = load_corpora("stdlib", max_bytes=20_000_000 if args.quick else 0)
+    data = (train, validation_batches(val, 128, 32, args.val_batches, seed=0))
+    print(f"# {args.steps} steps x batch {args.batch} (seq 128), warmup {args.warmup} + cosine, "
+          f"val {args.val_batches}x32 sequences; train corpus {len(train):,} bytes")
+    results = []
+    for pair in pairs:
+        results.append(cached_train_pair(pair, args, data))
+        print(f"#   {pair}: {results[-1].val_bpb:.4f} bits/byte ({results[-1].seconds:.0f} s)", flush=True)
+    for seed in range(1, args.noise_seeds + 1):
+        results.append(cached_train_pair("fp32/fp32", args, data, seed=seed))
+    print_table(results, fp32_bytes=2 * 4 * 128 * 128)
+
+
+if __name__ == "__main__":
+    main()
