@@ -12,7 +12,7 @@ from typing import Sequence
 class Candidate:
     peer_id: str
     throughput: float
-    """Announced microbatches/s of this replica (forward + backward, moving average)."""
+    """Announced samples/s of this replica's compute (forward + backward, moving average)."""
 
 
 def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], banned: set[str],

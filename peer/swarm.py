@@ -34,13 +34,17 @@ class PeerRecord:
     stage: int
     state: str
     throughput: float
-    """Microbatches per second this replica processes (forward + backward, moving average)."""
+    """Samples per second of this replica's forward+backward compute (waits excluded; an EMA)."""
     round: int
     applied_rounds: int
     digest: str
     manifest_hash: str
     driver: bool
     maddrs: tuple[str, ...] = ()
+    memory: int = 0
+    """Bytes this peer offers for a stage (0: not said)."""
+    moving: bool = False
+    """This replica is moving away from its stage (it serves until its next round boundary)."""
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
@@ -60,7 +64,7 @@ class PeerRecord:
             return None
         return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
                    applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
-                   driver=f["driver"], maddrs=tuple(f["maddrs"]))
+                   driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"])
 
 
 def stage_key(run_id: str, stage: int) -> str:

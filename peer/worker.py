@@ -41,7 +41,7 @@ class NonFiniteLoss(Exception):
 class StageWorker:
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 clock: RoundClock, progress: TrainingProgress):
+                 clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0):
         self.module = module.to(device)
         self.device = device
         self.loss_fn = loss_fn
@@ -66,10 +66,15 @@ class StageWorker:
         self.losses: list[float] = []
         """Losses of microbatches since the last round boundary (known at the last stage and at drivers)."""
         self.rate = RateMeter()
+        """Samples/s of this replica's forward+backward compute alone (waits excluded), an EMA over
+        inner steps: what it announces and what placement reasons with."""
+        self.slowdown = slowdown
+        """Testing aid (--slowdown F): each compute call sleeps (F−1)× its measured time, on the
+        compute thread, so the replica really is F times slower and measures itself so."""
+        self._compute_s = 0.0
+        self._samples_since_rate = 0
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
-        self._busy_since: float | None = None
-        self._done_since_rate = 0
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         c = self.cfg
@@ -77,6 +82,17 @@ class StageWorker:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run compute on this thread, measure it, and stretch it by the slowdown (testing aid)."""
+        started = time.perf_counter()
+        out = fn(*args)
+        spent = time.perf_counter() - started
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * spent)
+            spent *= self.slowdown
+        self._compute_s += spent
+        return out
 
     @contextlib.asynccontextmanager
     async def admitted(self, wait: bool, train: bool = True) -> AsyncIterator[None]:
@@ -94,8 +110,6 @@ class StageWorker:
                 await self._cond.wait()
             self._in_flight += 1
             self._in_flight_train += int(train)
-            if self._busy_since is None:
-                self._busy_since = time.monotonic()
         try:
             yield
         finally:
@@ -119,7 +133,7 @@ class StageWorker:
 
     async def forward(self, x: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(input as used, output). With train, both keep the graph for `backward`."""
-        return await self.run(self._forward, x, train)
+        return await self.run(self._timed, self._forward, x, train)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
         y.backward(grad_y.to(y.device, y.dtype))
@@ -134,7 +148,7 @@ class StageWorker:
 
     async def _backward_counted(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int
                                 ) -> torch.Tensor | None:
-        grad_x = await self.run(self._backward, x, y, grad_y)
+        grad_x = await self.run(self._timed, self._backward, x, y, grad_y)
         self._finished(batch)
         return grad_x
 
@@ -156,7 +170,7 @@ class StageWorker:
 
     async def _forward_loss_counted(self, x: torch.Tensor, targets: torch.Tensor, train: bool
                                     ) -> tuple[float, torch.Tensor | None]:
-        loss, grad_x = await self.run(self._forward_loss, x, targets, train)
+        loss, grad_x = await self.run(self._timed, self._forward_loss, x, targets, train)
         if train:
             self.losses.append(loss)
             self._finished(x.shape[0])
@@ -165,7 +179,7 @@ class StageWorker:
     def _finished(self, batch: int) -> None:
         self.accumulated += 1
         self.samples += batch
-        self._done_since_rate += 1
+        self._samples_since_rate += batch
 
     def record_loss(self, loss: float) -> None:
         self.losses.append(loss)
@@ -217,10 +231,9 @@ class StageWorker:
         return True
 
     def _update_rate(self) -> None:
-        now = time.monotonic()
-        if self._busy_since is not None:
-            self.rate.update(self._done_since_rate, now - self._busy_since)
-        self._busy_since, self._done_since_rate = None, 0
+        # evaluation forwards count as compute but not as samples: only steps that trained update
+        self.rate.update(self._samples_since_rate, self._compute_s)
+        self._compute_s, self._samples_since_rate = 0.0, 0
 
     async def pause(self) -> None:
         """Stop taking microbatches, let the in-flight ones finish, take a last (partial) inner step."""

@@ -23,6 +23,8 @@ MAX_STAGE = 1 << 16
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
 MAX_STATE_CHARS = 32
+MAX_MEMORY = 1 << 50
+"""Bytes a peer may offer: a petabyte is no device's."""
 
 
 def _fail(what: str, reason: str) -> ProtocolError:
@@ -45,6 +47,12 @@ def _float(value: Any, lo: float, hi: float, what: str) -> float:
     if not (math.isfinite(number) and lo <= number <= hi):
         raise _fail(what, f"must be finite and in [{lo}, {hi}], got {number}")
     return number
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(what, f"must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _str(value: Any, max_chars: int, what: str, allow_empty: bool = False) -> str:
@@ -104,4 +112,6 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
         "manifest_hash": _str(value.get("manifest_hash"), MAX_ID_CHARS, "record manifest_hash"),
         "driver": driver,
         "maddrs": [_str(m, MAX_MADDR_CHARS, "record maddr") for m in maddrs],
+        "memory": _int(value.get("memory", 0), 0, MAX_MEMORY, "record memory"),
+        "moving": _bool(value.get("moving", False), "record moving"),
     }
