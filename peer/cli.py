@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward/backward), to emulate unequal devices on one machine")
     p.add_argument("--max-memory", type=_memory_arg, default=None, metavar="SIZE",
                    help="memory this peer offers for a stage, e.g. 8G (default: what the device has)")
-    p.add_argument("--rebalance", choices=("on", "off"), default="on",
-                   help="move to another stage when the placement policy says it pays (default on)")
+    p.add_argument("--rebalance", choices=("auto", "on", "off"), default="auto",
+                   help="move to another stage when the placement policy says it pays (auto: only with --stage auto)")
     p.add_argument("--linger", type=_nonneg_float, default=60.0,
                    help="seconds a non-driver keeps serving after its last round while drivers evaluate")
     p.set_defaults(fn=cmd_peer)

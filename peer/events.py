@@ -27,9 +27,17 @@ class EventLog:
         self.fixed = dict(fixed)
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
+        self._owner = True
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)
+
+    def view(self, **fixed: Any) -> "EventLog":
+        """The same file with more (or other) fixed fields, e.g. the stage of one replica while a
+        peer moves between stages; closing a view does not close the file."""
+        other = EventLog(None, **{**self.fixed, **fixed})
+        other._file, other._lock, other._owner = self._file, self._lock, False
+        return other
 
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
@@ -37,12 +45,14 @@ class EventLog:
         record = {"event": event, "time": round(time.time(), 3), **self.fixed, **fields}
         line = json.dumps(_clean(record), sort_keys=False)
         with self._lock:
-            self._file.write(line + "\n")
+            if not self._file.closed:
+                self._file.write(line + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._file is not None and self._owner:
+            with self._lock:
+                self._file.close()
+        self._file = None
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

@@ -154,6 +154,10 @@ class TimeoutsConfig:
     """First ban of a failed peer; doubles per consecutive failure up to ban_max."""
     ban_max: float = 60.0
     shutdown: float = 10.0
+    rebalance_check: float = 30.0
+    """Mean interval between a replica's rebalancing checks (jittered ±50 %)."""
+    move: float = 300.0
+    """How long a moving peer waits for its old stage's last round before it leaves anyway."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 class Presence:
     def __init__(self, swarm: SwarmView, *, peer_id: str, stage: int, manifest_hash: str, maddrs: tuple[str, ...],
-                 worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float):
+                 worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float, memory: int = 0):
         self.swarm = swarm
         self.peer_id = peer_id
         self.stage = stage
@@ -30,6 +30,10 @@ class Presence:
         self.state = state
         self.clock = clock
         self.heartbeat = heartbeat
+        self.memory = memory
+        """Bytes this peer offers a stage (placement of others reads it)."""
+        self.moving = False
+        """Set when this replica decided to move away: its stage has a mover, nobody else leaves it."""
         self.status = JOINING
         """JOINING until the replica serves, ONLINE while it does, LEAVING on the way out."""
 
@@ -37,7 +41,8 @@ class Presence:
         return PeerRecord(peer_id=self.peer_id, stage=self.stage, state=self.status,
                           throughput=self.worker.rate.rate, round=self.clock.current,
                           applied_rounds=self.state.applied_rounds, digest=self.state.digest,
-                          manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4])
+                          manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4],
+                          memory=self.memory, moving=self.moving)
 
     async def announce(self, status: str | None = None) -> bool:
         """Store our record now (optionally in a new status). A failed store is logged, not raised:

@@ -57,6 +57,8 @@ class RoundRunner:
         """Called after every round's report (the driving loop schedules evaluations there)."""
         self._bytes_mark = (0, 0)
         self._round_started = time.monotonic()
+        self.leave_after_round = False
+        """Set when the peer moves to another stage: the current round is the last one here."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds until the clock has counted max_rounds (or forever, or until `stop`)."""
@@ -67,6 +69,8 @@ class RoundRunner:
             if stop.is_set():
                 return
             await self.run_round(round)
+            if self.leave_after_round:
+                return  # the worker stays paused: no microbatch starts here any more
             if self.clock.finished:
                 # no more rounds: the worker must not stay paused (the clock no longer pauses it
                 # after H steps), or the drivers' final evaluation would wait on a round that never comes
@@ -133,11 +137,12 @@ class RoundRunner:
             await worker.run(state.commit, self.clock.current)
         self.clock.count(result.complete and result.total_weight > 0)
         await self.presence.announce()
-        await worker.resume(carry_over=carry)
+        if not self.leave_after_round:
+            await worker.resume(carry_over=carry)
         self._report(round, result, samples, losses, steps, (lr, lr_start), started, sent0, recv0)
         if self.save_dir:
             await asyncio.get_running_loop().run_in_executor(None, self.save)
-        if self.after_round is not None:
+        if self.after_round is not None and not self.leave_after_round:
             await self.after_round()
         return result
 

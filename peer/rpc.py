@@ -42,6 +42,12 @@ class RPCFailed(Exception):
     """A call that got no usable response: timeout, unreachable peer, broken stream, bad bytes."""
 
 
+def stage_namespace(run_id: str, stage: int) -> str:
+    """Handlers of a stage replica live under their own namespace, so a peer that moves can serve
+    its old and its new stage at once (make-before-break)."""
+    return f"swarmgrad/{run_id}/stage{stage}"
+
+
 class FramedRPC:
     """Serve and call framed RPCs under one namespace.
 

@@ -9,7 +9,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
-from swarmgrad.peer.rpc import FramedRPC, Traffic
+from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import encoded_to_proto, raw_from_tensor
 
@@ -64,7 +64,7 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
         dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True)
         try:
             p2p = await dht.replicate_p2p()
-            rpc = FramedRPC(p2p, f"swarmgrad/{m.run_id}", Traffic(), max_message_bytes=1 << 20)
+            rpc = FramedRPC(p2p, stage_namespace(m.run_id, 1), Traffic(), max_message_bytes=1 << 20)
             out = {name: await rpc.call(target, "forward", req, pb.ForwardResponse, timeout=20)
                    for name, (req, _, _) in cases.items()}
             # over the receiver's size limit: refused before it is parsed

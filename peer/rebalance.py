@@ -1,0 +1,69 @@
+"""Rebalancing, the daemon's side: at jittered intervals gather a snapshot of the swarm, ask the
+placement policy (peer/placement.py, pure) whether this replica should move, and hand a move
+that came up on two checks in a row to the peer, which makes it (make-before-break)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Sequence
+
+from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, Snapshot, check_interval,
+                                      estimate_rates, expected_tenure, should_move)
+from swarmgrad.peer.stage_cost import StageCost
+from swarmgrad.peer.swarm import PeerRecord, SwarmView
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BANDWIDTH = 10e6
+"""Bytes/s assumed for a state download before one was measured (an ordinary volunteer link)."""
+
+
+def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost]) -> Snapshot:
+    return Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
+                                 moving={r.peer_id for rs in view.values() for r in rs if r.moving})
+
+
+class Rebalancer:
+    def __init__(self, *, swarm: SwarmView, peer_id: str, costs: Sequence[StageCost], bench_rates: Sequence[float],
+                 memory: int, interval_s: float, policy: Policy = Policy(), seed: int | None = None):
+        self.swarm = swarm
+        self.peer_id = peer_id
+        self.costs = tuple(costs)
+        self.bench_rates = tuple(bench_rates)
+        """This peer's benchmarked samples/s per stage (used until it has measured itself)."""
+        self.memory = memory
+        self.interval_s = interval_s
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.started = time.monotonic()
+        self.bandwidth = DEFAULT_BANDWIDTH
+
+    def figures(self, stage: int, measured_rate: float) -> PeerFigures:
+        rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
+                 else self.bench_rates)
+        return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth,
+                           tenure=expected_tenure(time.monotonic() - self.started))
+
+    async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:
+        """One check, unconfirmed: what the policy says now."""
+        snap = snapshot_from_view(await self.swarm.swarm(), self.costs)
+        return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
+
+    async def next_move(self, stage: int, rate_fn, salt_fn) -> MoveDecision:
+        """Check until a move is confirmed (same decision twice in a row), then return it.
+        `rate_fn()` gives the replica's measured rate, `salt_fn()` its round (the tie-break salt
+        that all replicas of a stage share)."""
+        confirm = Confirmation(self.policy.confirmations)
+        while True:
+            wait = check_interval(self.interval_s / (3 if confirm.pending else 1), self.rng)
+            await asyncio.sleep(wait)
+            try:
+                _, decision = await self.decide(stage, rate_fn(), salt_fn())
+            except Exception as e:  # a slow DHT: skip this check, never act on a partial view
+                logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
+                continue
+            confirmed = confirm.observe(decision)
+            if confirmed is not None:
+                return confirmed

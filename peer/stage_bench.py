@@ -1,0 +1,95 @@
+"""A newcomer's rate on every stage, measured: a short forward+backward benchmark of each stage's
+module on this device, cached per device, manifest and slowdown (a peer that restarts does not
+pay for it again). Placement needs a rate per stage before the peer has served any."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.model import StagedModel
+
+logger = logging.getLogger(__name__)
+
+WARMUP_ITERS = 1
+TIMED_ITERS = 3
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SWARMGRAD_CACHE", Path.home() / ".cache" / "swarmgrad"))
+
+
+def _synthetic(spec: tuple[tuple[int, ...], torch.dtype], device: torch.device, vocab: int) -> torch.Tensor:
+    shape, dtype = spec
+    if dtype.is_floating_point:
+        return torch.randn(shape, device=device, dtype=dtype)
+    return torch.randint(0, vocab, shape, device=device, dtype=dtype)
+
+
+def bench_stage(model: StagedModel, stage: int, batch: int, device: torch.device, vocab: int) -> float:
+    """Samples/s of one stage's forward+backward on `device` (synthetic inputs)."""
+    module = model.build_stage(stage).to(device)
+    x = _synthetic(model.input_spec(stage, batch), device, vocab)
+    last = stage == model.n_stages - 1
+    targets = _synthetic(model.targets_spec(batch), device, vocab) if last else None
+    if x.is_floating_point():
+        x.requires_grad_(True)
+
+    def once() -> None:
+        y = module(x)
+        loss = model.loss_fn(y, targets) if last else y.float().square().mean()
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP_ITERS):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(TIMED_ITERS):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return TIMED_ITERS * batch / max(1e-9, time.perf_counter() - started)
+
+
+def stage_rates(manifest: Manifest, model: StagedModel, device: str, slowdown: float = 1.0,
+                use_cache: bool = True) -> tuple[float, ...]:
+    """Samples/s on every stage for this device (divided by --slowdown), from the cache if there."""
+    key = f"{manifest.hash}|{device}|{torch.__version__}"
+    path = cache_dir() / "stage-rates.json"
+    cached: dict[str, list[float]] = {}
+    if use_cache:
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+    rates = cached.get(key)
+    if not (isinstance(rates, list) and len(rates) == model.n_stages and all(isinstance(r, float) for r in rates)):
+        vocab = manifest.model.vocab_size
+        rates = [bench_stage(model, s, manifest.inner.microbatch_size, torch.device(device), vocab)
+                 for s in range(model.n_stages)]
+        logger.info("stage benchmark on %s: %s samples/s", device, ", ".join(f"{r:.1f}" for r in rates))
+        if use_cache:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                cached[key] = rates
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(cached))
+                os.replace(tmp, path)
+            except OSError as e:
+                logger.info("could not cache stage rates: %s", e)
+    return tuple(r / slowdown for r in rates)
+
+
+def device_memory(device: str) -> int:
+    """Bytes the device has (CPU: the machine's RAM)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    import psutil
+    return int(psutil.virtual_memory().total)
