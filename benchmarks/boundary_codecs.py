@@ -197,7 +197,8 @@ def main() -> None:
     pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
     train, val = load_corpora("stdlib", max_bytes=20_000_000 if args.quick else 0)
     data = (train, validation_batches(val, 128, 32, args.val_batches, seed=0))
-    print(f"# {args.steps} steps x batch {args.batch} (seq 128), warmup {args.warmup} + cosine, "
+    schedule = "constant lr" if args.constant_lr else f"warmup {args.warmup} + cosine"
+    print(f"# {args.steps} steps x batch {args.batch} (seq 128), {schedule}, "
           f"val {args.val_batches}x32 sequences; train corpus {len(train):,} bytes")
     results = []
     for pair in pairs:

@@ -32,6 +32,9 @@ __all__ = ["BlockwiseCodec", "Int8Codec", "Int4Codec", "MAX_BLOCK_SIZE"]
 
 MAX_BLOCK_SIZE = 2**24
 _CHUNK = 2**18  # values per chunk: 1 MiB of fp32, sized for L2
+#: below this block absmax, L / absmax overflows fp32 (127 / 3.4e38 = 3.7e-37): such blocks
+#: are quantised by division, else they would decode as zeros
+_TINY_ABSMAX = 2.0**-100
 
 
 class BlockwiseCodec(Codec):
@@ -113,9 +116,12 @@ class BlockwiseCodec(Codec):
         torch.amax(xc, 1, out=s)
         torch.amin(xc, 1, out=aux)
         torch.maximum(s, aux.neg_(), out=s)  # absmax; NaN propagates, Inf stays Inf (checked by caller)
-        # inv = L / absmax; all-zero (and subnormal-absmax) blocks get inv = 0, hence codes 0
+        # inv = L / absmax; all-zero blocks get inv = 0, hence codes 0
         torch.reciprocal(s, out=inv).mul_(L).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         torch.mul(xc, inv[:, None], out=t)
+        tiny = (s > 0) & (s < _TINY_ABSMAX)
+        if bool(tiny.any()):  # L / absmax overflowed to inf (zeroed above): divide instead
+            t[tiny] = xc[tiny] / s[tiny, None] * L
         if self.stochastic:
             t.add_(torch.rand(t.shape, generator=self._generator)).floor_().clamp_(-L, L)
         else:

@@ -97,8 +97,8 @@ class HadamardCodec(Codec):
         scales = absmax / top
         # t = (x / scale + M) / 2 in [0, M]: the code whose level 2q - M is nearest (or, with
         # stochastic rounding, one of the two around it with probabilities that make it unbiased)
-        half_inv = torch.where(scales > 0, 0.5 / scales, torch.zeros_like(scales)).nan_to_num_(posinf=0.0)
-        t = blocks.mul_(half_inv[:, None]).add_(top / 2)
+        # (a division, not a multiply by 1 / scale, which overflows for blocks below ~1e-36)
+        t = blocks.div_(torch.where(scales > 0, scales, 1.0)[:, None]).add_(top).mul_(0.5)
         if self.stochastic:
             t.add_(torch.rand(t.shape, generator=self._generator)).floor_()
         else:

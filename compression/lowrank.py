@@ -103,8 +103,8 @@ class LowRankCodec(Codec):
         if not bool(torch.isfinite(absmax).all()):  # |M| ~ 1e38 overflows the projection
             raise CodecError(f"{self.name}: coefficients overflow float32; refusing to encode")
         scales = absmax / _LEVELS
-        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales)).nan_to_num_(posinf=0.0)
-        codes = (coeffs * inv).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+        # a division, not a multiply by 1 / scale, which overflows for columns below ~1e-36
+        codes = (coeffs / torch.where(scales > 0, scales, 1.0)).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
         return Encoded(self.name, shape, dtype_name(tensor.dtype), {"rank": basis.shape[1]},
                        (tensor_bytes(basis.contiguous()), tensor_bytes(scales), tensor_bytes(codes.contiguous())))
 
