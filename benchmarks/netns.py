@@ -1,0 +1,149 @@
+"""Network namespaces for WAN benchmarks: one namespace per process, joined by veth pairs, egress
+optionally limited with `tc qdisc ... tbf` (netem is not available here).
+
+- 2 namespaces: one veth pair, `wan0` in each, 10.77.N.1 and 10.77.N.2, tbf on both ends (each
+  end's egress is that peer's upload);
+- more: a bridge in its own namespace (`...-br`, so the host's network is never touched), one veth
+  pair per peer (`wan0` in the peer's namespace, `pI` on the bridge), tbf on every peer's `wan0`.
+
+Every namespace is named `sgwan-<pid>-<tag>-...`; `WanNet` is a context manager that deletes its
+namespaces (and with them the veths and qdiscs) whatever happens, and `remove_stale()` deletes those
+of dead benchmark processes. Bytes are read from the interface counters (`tx_bytes` of each `wan0`):
+everything a peer sent, headers and DHT traffic included.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Sequence
+
+PREFIX = "sgwan-"
+TBF = ("burst", "32kb", "latency", "50ms")
+
+
+class NetnsUnavailable(RuntimeError):
+    """Not root, no `ip`/`tc`, or the kernel refused a namespace: the benchmark skips."""
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def why_unavailable() -> str | None:
+    """None if namespaces can be made here, else the reason (for a clean skip)."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces need CAP_NET_ADMIN"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    proc = _run("ip", "netns", "add", probe, check=False)
+    if proc.returncode != 0:
+        return f"`ip netns add` failed: {proc.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def remove_stale() -> list[str]:
+    """Delete `sgwan-<pid>-...` namespaces whose benchmark process is gone; returns their names."""
+    removed = []
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    netns: str
+    ifname: str
+    address: str
+
+    def exec_prefix(self) -> list[str]:
+        """Prepend to a command line to run it in this namespace (`ip` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.netns]
+
+
+@dataclass
+class WanNet:
+    """`n` namespaces, each with one interface `wan0` at 10.77.<subnet>.<i+1>/24.
+
+    Args:
+        tag: short label in the namespace names (letters, digits, '-').
+        n: how many peer namespaces (>= 2).
+        rate: tbf rate (e.g. "20mbit") on every peer's egress, or None for an unshaped link.
+        subnet: third octet of the addresses, so concurrent nets never share an address.
+    """
+    tag: str
+    n: int
+    rate: str | None = None
+    subnet: int = 0
+    endpoints: list[Endpoint] = field(default_factory=list)
+    _namespaces: list[str] = field(default_factory=list)
+
+    def __enter__(self) -> "WanNet":
+        if self.n < 2:
+            raise ValueError(f"WanNet.n must be >= 2, got {self.n}")
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ns(self, suffix: str) -> str:
+        name = f"{PREFIX}{os.getpid()}-{self.tag}-{suffix}"
+        _run("ip", "netns", "add", name)
+        self._namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def _build(self) -> None:
+        peers = [self._ns(str(i)) for i in range(self.n)]
+        addrs = [f"10.77.{self.subnet}.{i + 1}" for i in range(self.n)]
+        if self.n == 2:
+            _run("ip", "-n", peers[0], "link", "add", "wan0", "type", "veth", "peer", "name", "wan0",
+                 "netns", peers[1])
+        else:
+            br = self._ns("br")
+            _run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", br, "link", "set", "br0", "up")
+            for i, ns in enumerate(peers):
+                _run("ip", "-n", br, "link", "add", f"p{i}", "type", "veth", "peer", "name", "wan0", "netns", ns)
+                _run("ip", "-n", br, "link", "set", f"p{i}", "master", "br0")
+                _run("ip", "-n", br, "link", "set", f"p{i}", "up")
+        for ns, addr in zip(peers, addrs):
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "wan0")
+            _run("ip", "-n", ns, "link", "set", "wan0", "up")
+            if self.rate:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "wan0", "root", "tbf",
+                     "rate", self.rate, *TBF)
+            self.endpoints.append(Endpoint(ns, "wan0", addr))
+
+    def tx_bytes(self) -> list[int]:
+        """Bytes each peer's `wan0` has sent so far (all traffic)."""
+        return [int(_run("ip", "netns", "exec", e.netns, "cat",
+                         f"/sys/class/net/{e.ifname}/statistics/tx_bytes").stdout) for e in self.endpoints]
+
+    def qdiscs(self) -> Sequence[str]:
+        return [_run("ip", "netns", "exec", e.netns, "tc", "qdisc", "show", "dev", e.ifname).stdout.strip()
+                for e in self.endpoints]
+
+    def close(self) -> None:
+        """Delete every namespace made here (their veths, bridge and qdiscs go with them)."""
+        while self._namespaces:
+            _run("ip", "netns", "del", self._namespaces.pop(), check=False)
+        self.endpoints.clear()

@@ -1,0 +1,537 @@
+"""swarmgrad against DDP and hivemind.Optimizer over emulated WAN links, side by side in one run.
+
+    python benchmarks/wan.py [--quick] [--systems a,b,...] [--links unshaped,20mbit] [--out DIR]
+
+Every process runs in its own network namespace (benchmarks/netns.py): 2 namespaces on one veth
+pair, or 4 on a bridge for swarmgrad 2x2; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms`
+on every peer's egress. The reference task (examples/reference.toml): the built-in byte-level GPT
+(d 128, 4 layers, 4 heads, seq 128), 32,000 sequences = 500 steps of a global batch of 64, AdamW
+2e-3 with 3,200 samples of warmup then cosine to 10 %. Data: the stdlib's .py files; a file is held
+out when int(md5(relative path), 16) % 10 == 0; training draws random 129-byte windows of the rest.
+
+Every system is scored here by the same code, from weights saved while it trained (swarmgrad:
+θ_global after every round via `--save-dir`; baselines: rank 0 every 25 steps): validation bits per
+byte on 512 evenly spaced 128-byte windows of the held-out bytes. Time counts from the launch of a
+run's first process. kB/sample: the `tx_bytes` of every peer's interface (all traffic) over the
+samples trained. Utilisation: CPU seconds of the training processes (each with one thread; DHT
+children and p2pd not counted) over (processes x wall); all processes share this machine's cores.
+Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
+2 microbatches of 32 per step), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync, hm-local.
+Without root or `ip netns` the script says why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import netns  # noqa: E402
+from _common import fmt, markdown_table  # noqa: E402
+from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root  # noqa: E402
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess  # noqa: E402
+from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
+from swarmgrad.peer.model import from_manifest, gpt_loss  # noqa: E402
+from swarmgrad.peer.state import load_checkpoint  # noqa: E402
+
+REFERENCE = HERE.parent / "examples" / "reference.toml"
+SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-2x2")
+BASELINES = ("ddp", "hm-sync", "hm-local")
+SYSTEMS = SWARMGRAD + BASELINES
+LINKS = {"unshaped": None, "20mbit": "20mbit"}
+TARGETS = (3.0, 2.7)
+
+
+@dataclass(frozen=True)
+class Budget:
+    steps: int = 500
+    batch: int = 32
+    """Sequences per peer per step (2 peers: a global batch of 64)."""
+    inner_steps: int = 50
+    """swarmgrad's H and hm-local's steps between averages."""
+    ckpt_every: int = 25
+    timeout_s: float = 1500.0
+
+    @property
+    def global_batch(self) -> int:
+        return 2 * self.batch
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.global_batch
+
+
+QUICK = Budget(steps=10, inner_steps=5, ckpt_every=5, timeout_s=150.0)
+
+
+@dataclass
+class Result:
+    system: str
+    link: str
+    points: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds since launch, samples, val bits/byte)."""
+    bytes_sent: int = 0
+    samples: int = 0
+    wall_s: float = math.nan
+    cpu_s: float = 0.0
+    processes: int = 0
+    error: str | None = None
+
+    def final(self) -> float:
+        return self.points[-1][2] if self.points and self.points[-1][1] >= self.samples else math.nan
+
+    def time_to(self, target: float) -> float:
+        """First crossing of `target`, linear between scored points."""
+        for (t0, _, v0), (t1, _, v1) in zip(self.points, self.points[1:]):
+            if v1 <= target:
+                return t1 if v0 <= target or v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
+        return math.nan
+
+    def kb_per_sample(self) -> float:
+        return self.bytes_sent / self.samples / 1e3 if self.samples else math.nan
+
+    def utilisation(self) -> float:
+        return self.cpu_s / (self.processes * self.wall_s) if self.processes and self.wall_s > 0 else math.nan
+
+
+# --- the task: data and scoring -------------------------------------------------------------------
+class Task:
+    """Training bytes (saved for the baselines, mirrored as symlinks for swarmgrad) and the scorer."""
+
+    def __init__(self, workdir: Path, seq_len: int = 128, windows: int = 512):
+        root = stdlib_root()
+        train, val = [], []
+        for path in stdlib_python_files():
+            rel = path.relative_to(root).as_posix()
+            (val if int(hashlib.md5(rel.encode()).hexdigest(), 16) % 10 == 0 else train).append(path)
+        self.train_bytes = workdir / "train.pt"
+        torch.save(ByteCorpus.from_files(train).data, self.train_bytes)
+        # swarmgrad reads data.paths; a mirror of the training files keeps held-out files out of it
+        self.train_dir = workdir / "train"
+        for path in train:
+            link = self.train_dir / path.relative_to(root)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(path)
+        data = ByteCorpus.from_files(val).data
+        starts = torch.linspace(0, len(data) - seq_len - 1, windows).long()
+        idx = starts[:, None] + torch.arange(seq_len + 1)
+        chunk = data[idx].long()
+        self.val_x, self.val_y = chunk[:, :-1], chunk[:, 1:]
+        self.n_train, self.n_val = len(train), len(val)
+
+    @torch.no_grad()
+    def score(self, stages: list[torch.nn.Module], batch: int = 64) -> float:
+        """Mean next-byte cross entropy on the validation windows, in bits per byte."""
+        total = 0.0
+        for i in range(0, len(self.val_x), batch):
+            h = self.val_x[i:i + batch]
+            for s in stages:
+                h = s(h)
+            total += gpt_loss(h, self.val_y[i:i + batch]).item() * len(h)
+        return total / len(self.val_x) / math.log(2)
+
+
+def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
+    m = load(REFERENCE).replace(
+        rounds={"inner_steps": budget.inner_steps, "max_rounds": budget.steps // budget.inner_steps},
+        schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
+        data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
+    if system == "swarmgrad-pipe":
+        return m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
+    if system == "swarmgrad-2x2":
+        return m.replace(stages={"count": 2})
+    return m
+
+
+def stages_from(manifest: Manifest, params_per_stage: list[dict[str, torch.Tensor]]) -> list[torch.nn.Module]:
+    model = from_manifest(manifest)
+    out = []
+    for s, params in enumerate(params_per_stage):
+        module = model.build_stage(s)
+        module.load_state_dict(params, strict=False)
+        missing = {n for n, _ in module.named_parameters()} - set(params)
+        if missing:
+            raise ValueError(f"checkpoint of stage {s} lacks {sorted(missing)[:3]}")
+        out.append(module.eval())
+    return out
+
+
+# --- swarmgrad ------------------------------------------------------------------------------------
+class NetnsSwarm(LocalSwarm):
+    """LocalSwarm whose i-th peer runs in namespace i, listens on its address and saves θ_global."""
+
+    def __init__(self, manifest: Path, workdir: Path, endpoints: list[netns.Endpoint]):
+        super().__init__(manifest, workdir)
+        self.endpoints = endpoints
+
+    def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
+        i = len(self.peers)
+        ep = self.endpoints[i]
+        name = name or f"peer{i}"
+        events, log = self.workdir / f"{name}.events.jsonl", self.workdir / f"{name}.log"
+        save = self.workdir / f"{name}.ckpt"
+        cmd = [*ep.exec_prefix(), sys.executable, "-m", "swarmgrad.peer.cli", "peer", "--manifest",
+               str(self.manifest), "--events", str(events), "--stage", str(stage),
+               "--host-maddrs", f"/ip4/{ep.address}/tcp/0", "--save-dir", str(save), "--data-seed", str(i)]
+        if self.initial_peers:
+            cmd += ["--initial-peers", *self.initial_peers]
+        cmd += list(extra)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        peer = PeerProcess(name, proc, events, log, stage if isinstance(stage, int) else None)
+        self.peers.append(peer)
+        return peer
+
+
+class CheckpointWatch:
+    """Keeps every θ_global version the peers save (a file per stage per peer, replaced each round)."""
+
+    def __init__(self, dirs: list[Path]):
+        self.dirs = dirs
+        self.seen: dict[Path, int] = {}
+        self.by_round: dict[tuple[int, int], tuple[float, dict[str, torch.Tensor], int]] = {}
+
+    def poll(self) -> None:
+        for d in self.dirs:
+            for path in d.glob("stage*.safetensors") if d.exists() else ():
+                try:
+                    mtime = path.stat().st_mtime_ns
+                    if self.seen.get(path) == mtime:
+                        continue
+                    params, _, meta = load_checkpoint(path)
+                except (OSError, ValueError, RuntimeError):
+                    continue  # replaced under us: the next poll reads the new one
+                self.seen[path] = mtime
+                key = (int(meta.get("stage", path.name[5])), int(meta.get("applied_rounds", 0)))
+                self.by_round.setdefault(key, (mtime / 1e9, params, int(meta.get("trained_samples", 0))))
+
+    def rounds_done(self, n_stages: int) -> int:
+        """The last round for which every stage has a checkpoint."""
+        done = 0
+        while all((s, done + 1) in self.by_round for s in range(n_stages)):
+            done += 1
+        return done
+
+
+def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
+    manifest = manifest_for(system, budget, task)
+    n_stages = manifest.stages.count
+    replicas = 1 if system == "swarmgrad-pipe" else 2
+    rounds = manifest.rounds.max_rounds
+    workdir.mkdir(parents=True)
+    (workdir / "manifest.toml").write_text(dumps(manifest))
+    res = Result(system, link, samples=budget.samples, processes=n_stages * replicas)
+    cpu: dict[int, float] = {}
+    t0 = time.time()
+    with NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
+        swarm.start_first(0, "--max-rounds", str(rounds))
+        for i in range(1, n_stages * replicas):
+            swarm.start(i % n_stages, "--max-rounds", str(rounds))
+        watch = CheckpointWatch([workdir / f"{p.name}.ckpt" for p in swarm.peers])
+        deadline = time.monotonic() + budget.timeout_s
+        reported = 0
+        while watch.rounds_done(n_stages) < rounds:
+            watch.poll()
+            _sample_cpu(swarm.peers, cpu)
+            if watch.rounds_done(n_stages) > reported:
+                reported = watch.rounds_done(n_stages)
+                print(f"  [{system} {link}] round {reported}/{rounds} at {time.time() - t0:.0f}s", flush=True)
+            dead = [p for p in swarm.peers if not p.alive]
+            if dead or time.monotonic() > deadline:
+                why = f"{dead[0].name} exited {dead[0].proc.returncode}" if dead else f"timeout {budget.timeout_s:.0f}s"
+                res.error = f"{why} after round {reported}: " + (dead or swarm.peers)[0].log_tail(8).replace("\n", " | ")
+                break
+            time.sleep(0.25)
+        res.bytes_sent = sum(net.tx_bytes())
+    res.cpu_s = sum(cpu.values())
+
+    def score() -> None:
+        points = [(0.0, 0, task.score([from_manifest(manifest).build_stage(k).eval() for k in range(n_stages)]))]
+        for r in range(1, watch.rounds_done(n_stages) + 1):
+            entries = [watch.by_round[(s, r)] for s in range(n_stages)]
+            samples = entries[0][2] or r * budget.inner_steps * budget.global_batch
+            points.append((max(e[0] for e in entries) - t0, samples, task.score(stages_from(manifest, [e[1] for e in entries]))))
+        res.points = points
+        res.wall_s = points[-1][0] if len(points) > 1 else math.nan
+    return res, score
+
+
+def _sample_cpu(peers: list[PeerProcess], cpu: dict[int, float]) -> None:
+    import psutil
+    for p in peers:
+        try:
+            t = psutil.Process(p.proc.pid).cpu_times()
+            cpu[p.proc.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+
+
+# --- baselines ------------------------------------------------------------------------------------
+def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
+    workdir.mkdir(parents=True)
+    manifest = manifest_for("swarmgrad", budget, task)  # stages.count 1: the whole model, same schedule
+    (workdir / "manifest.toml").write_text(dumps(manifest))
+    res = Result(system, link, samples=budget.samples, processes=2)
+    eps = net.endpoints
+    common = [sys.executable, str(HERE / "wan_baselines.py"), "--system", system, "--manifest",
+              str(workdir / "manifest.toml"), "--train-bytes", str(task.train_bytes), "--batch", str(budget.batch),
+              "--steps", str(budget.steps), "--ckpt-every", str(budget.ckpt_every), "--ckpt-dir", str(workdir / "ckpt"),
+              "--average-every", str(budget.inner_steps), "--master", eps[0].address]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "wan0",
+           "HIVEMIND_LOGLEVEL": "WARNING"}
+    procs: list[tuple[subprocess.Popen, Path, Path]] = []
+
+    def launch(rank: int, *extra: str) -> None:
+        events, log = workdir / f"rank{rank}.events.jsonl", workdir / f"rank{rank}.log"
+        cmd = [*eps[rank].exec_prefix(), *common, "--rank", str(rank), "--addr", eps[rank].address,
+               "--events", str(events), *extra]
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, start_new_session=True), events, log))
+
+    t0 = time.time()
+    deadline = time.monotonic() + budget.timeout_s
+    try:
+        if system == "ddp":
+            launch(0)
+            launch(1)
+        else:
+            maddrs = workdir / "maddrs.json"
+            launch(0, "--maddrs-out", str(maddrs))
+            while not maddrs.exists() and procs[0][0].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if maddrs.exists():
+                launch(1, "--initial-peers", *json.loads(maddrs.read_text()))
+        while time.monotonic() < deadline:
+            done = [_events(ev, "done") for _, ev, _ in procs]
+            if len(procs) == 2 and all(done):
+                res.cpu_s = sum(d[0]["cpu_s"] for d in done)
+                break
+            failed = [(p, log) for p, _, log in procs if p.poll() not in (None, 0)] or \
+                     ([(procs[0][0], procs[0][2])] if len(procs) < 2 and procs[0][0].poll() is not None else [])
+            if failed:
+                res.error = f"exit {failed[0][0].returncode}: " + _tail(failed[0][1])
+                break
+            time.sleep(0.25)
+        else:
+            res.error = f"timeout {budget.timeout_s:.0f}s: " + _tail(procs[-1][2])
+        res.bytes_sent = sum(net.tx_bytes())
+    finally:
+        for p, _, _ in procs:
+            _kill_group(p)
+    ckpts = _events(workdir / "rank0.events.jsonl", "ckpt")
+
+    def score() -> None:
+        init = from_manifest(manifest).build_stage(0)
+        points = [(0.0, 0, task.score([init.eval()]))]
+        for e in ckpts:
+            init.load_state_dict(torch.load(e["path"]))
+            points.append((e["ckpt_time"] - t0, e["samples"], task.score([init.eval()])))
+        res.points = points
+        res.wall_s = points[-1][0] if len(points) > 1 else math.nan
+    return res, score
+
+
+def _events(path: Path, kind: str) -> list[dict[str, Any]]:
+    from swarmgrad.peer.events import read_events
+    return [e for e in read_events(path) if e.get("event") == kind]
+
+
+def _tail(log: Path, n: int = 8) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGTERM then SIGKILL the process group (trainer, hivemind's DHT/averager children, p2pd)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            p.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # children that outlived their parent
+    except ProcessLookupError:
+        pass
+
+
+# --- report ---------------------------------------------------------------------------------------
+def table(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        rows.append([r.system, r.link, fmt(r.final(), 3), fmt(r.time_to(TARGETS[0]), 0), fmt(r.time_to(TARGETS[1]), 0),
+                     fmt(r.kb_per_sample(), 1), fmt(r.utilisation(), 2), fmt(r.wall_s, 0),
+                     "FAILED (below)" if r.error else ""])
+    header = ["system", "link", f"val bits/byte at {results[0].samples if results else 0:,} samples",
+              f"time to {TARGETS[0]} (s)", f"time to {TARGETS[1]} (s)", "kB/sample", "utilisation", "wall (s)", "note"]
+    errors = [f"- {r.system} {r.link}: {r.error}" for r in results if r.error]
+    return markdown_table(header, rows) + ("\n\n" + "\n".join(errors) if errors else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: swarmgrad and ddp, 10 steps, unshaped")
+    p.add_argument("--systems", default=None, help=f"comma-separated, of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--links", default=None, help="comma-separated, of unshaped,20mbit (default: both)")
+    p.add_argument("--out", default=None, help="write table.md, results.json and curves.png here")
+    p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
+    args = p.parse_args(argv)
+    systems = (args.systems or ("swarmgrad,ddp" if args.quick else ",".join(SYSTEMS))).split(",")
+    links = (args.links or ("unshaped" if args.quick else "unshaped,20mbit")).split(",")
+    for name, allowed in (("--systems", SYSTEMS), ("--links", tuple(LINKS))):
+        bad = [x for x in (systems if name == "--systems" else links) if x not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {','.join(allowed)}")
+    why = netns.why_unavailable()
+    if why:
+        print(f"SKIP: benchmarks/wan.py needs network namespaces: {why}")
+        return 0
+    netns.remove_stale()
+    budget = QUICK if args.quick else Budget()
+    out = Path(args.out) if args.out else None
+    torch.set_num_threads(2)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="swarmgrad-wan-") as tmp:
+        if args.workdir:
+            tmp = args.workdir
+            Path(tmp).mkdir(parents=True, exist_ok=False)
+        task = Task(Path(tmp))
+        print(f"data: {task.n_train} training files, {task.n_val} held out; {budget.samples} samples per run", flush=True)
+        for li, link in enumerate(links):
+            for si, system in enumerate(systems):
+                n = 4 if system == "swarmgrad-2x2" else 2
+                print(f"--- {system} over {link}", flush=True)
+                runner = run_swarmgrad if system in SWARMGRAD else run_baseline
+                with netns.WanNet(f"{li}{si}", n, LINKS[link], subnet=10 * li + si) as net:
+                    res, score = runner(system, link, net, budget, task, Path(tmp) / f"{link}-{system}")
+                score()  # after the processes are gone: scoring does not share the cores with training
+                results.append(res)
+                print(f"  -> {res.system} {link}: {fmt(res.final(), 3)} bits/byte, {fmt(res.kb_per_sample(), 1)} kB/sample"
+                      + (f", FAILED: {res.error}" if res.error else ""), flush=True)
+                if out:
+                    _write(out, results, budget)
+    print()
+    print(table(results))
+    if out:
+        _write(out, results, budget)
+        print(f"\nwrote {out}/table.md, results.json, curves.png")
+    return 0
+
+
+def _write(out: Path, results: list[Result], budget: Budget) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table(results) + "\n")
+    (out / "results.json").write_text(json.dumps({"budget": asdict(budget), "results": [asdict(r) for r in results]}, indent=1))
+    plot([(f"{r.system} {r.link}", r.points) for r in results if r.points], out / "curves.png")
+
+
+# --- the plot: a tiny PNG writer (matplotlib is not a dependency) --------------------------------
+_FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
+    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
+    "/": "001001010100100", "(": "010100100100010", ")": "010001001001010", ":": "000010000010000",
+    " ": "000000000000000", "x": "000101010101000", "a": "010101111101101", "b": "110101110101110",
+    "c": "111100100100111", "d": "110101101101110", "e": "111100110100111", "f": "111100110100100",
+    "g": "111100101101111", "h": "101101111101101", "i": "111010010010111", "j": "001001001101111",
+    "k": "101101110101101", "l": "100100100100111", "m": "101111111101101", "n": "110101101101101",
+    "o": "111101101101111", "p": "111101111100100", "q": "111101101111001", "r": "110101110101101",
+    "s": "111100111001111", "t": "111010010010010", "u": "101101101101111", "v": "101101101101010",
+    "w": "101101111111101", "y": "101101010010010", "z": "111001010100111"
+}
+_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 0), (255, 215, 0)]
+
+
+class _Canvas:
+    def __init__(self, w: int, h: int):
+        self.w, self.h = w, h
+        self.px = bytearray(b"\xff" * (w * h * 3))
+
+    def dot(self, x: int, y: int, c: tuple[int, int, int], r: int = 0) -> None:
+        for yy in range(y - r, y + r + 1):
+            for xx in range(x - r, x + r + 1):
+                if 0 <= xx < self.w and 0 <= yy < self.h:
+                    self.px[3 * (yy * self.w + xx):3 * (yy * self.w + xx) + 3] = bytes(c)
+
+    def line(self, x0: float, y0: float, x1: float, y1: float, c: tuple[int, int, int], r: int = 0, dash: int = 0) -> None:
+        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+        for i in range(n + 1):
+            if dash and (i // dash) % 2:
+                continue
+            self.dot(round(x0 + (x1 - x0) * i / n), round(y0 + (y1 - y0) * i / n), c, r)
+
+    def text(self, x: int, y: int, s: str, c: tuple[int, int, int] = (0, 0, 0), k: int = 2) -> None:
+        for ch in s.lower():
+            g = _FONT.get(ch, _FONT[" "])
+            for i, bit in enumerate(g):
+                if bit == "1":
+                    for dy in range(k):
+                        for dx in range(k):
+                            self.dot(x + (i % 3) * k + dx, y + (i // 3) * k + dy, c)
+            x += 4 * k
+
+    def png(self) -> bytes:
+        import struct
+        import zlib
+        raw = b"".join(b"\x00" + bytes(self.px[3 * y * self.w:3 * (y + 1) * self.w]) for y in range(self.h))
+
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def plot(curves: list[tuple[str, list[tuple[float, int, float]]]], path: Path) -> None:
+    """Val bits/byte against seconds (left) and samples (right), one coloured line per run."""
+    cv = _Canvas(1200, 520)
+    lo, hi = 2.2, 4.0
+    for panel, (col, title) in enumerate(((0, "seconds"), (1, "samples"))):
+        left, top, w, h = 70 + panel * 600, 20, 500, 300
+        xmax = max((pt[col] for _, pts in curves for pt in pts), default=1) or 1
+        X = lambda v: left + w * v / xmax  # noqa: E731
+        Y = lambda v: top + h * (hi - min(hi, max(lo, v))) / (hi - lo)  # noqa: E731
+        for a, b, c, d in ((0, 0, w, 0), (0, h, w, h), (0, 0, 0, h), (w, 0, w, h)):
+            cv.line(left + a, top + b, left + c, top + d, (0, 0, 0))
+        for v in (2.5, 3.0, 3.5, 4.0, 2.7):
+            cv.line(left, Y(v), left + w, Y(v), (170, 170, 170), dash=4 if v in TARGETS else 0)
+            cv.text(left - 40, int(Y(v)) - 5, f"{v:.1f}")
+        for i in range(5):
+            v = xmax * i / 4
+            cv.text(int(X(v)) - 10, top + h + 8, f"{v:,.0f}".replace(",", ""))
+        cv.text(left + w // 2 - 30, top + h + 28, title)
+        cv.text(left - 60, top - 16, "val bits/byte")
+        for k, (_, pts) in enumerate(curves):
+            color = _COLORS[k % len(_COLORS)]
+            for p0, p1 in zip(pts, pts[1:]):
+                cv.line(X(p0[col]), Y(p0[2]), X(p1[col]), Y(p1[2]), color, r=1)
+    for k, (label, _) in enumerate(curves):
+        x, y = 70 + (k % 4) * 280, 385 + (k // 4) * 22
+        cv.line(x, y + 5, x + 24, y + 5, _COLORS[k % len(_COLORS)], r=2)
+        cv.text(x + 32, y, label)
+    path.write_bytes(cv.png())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
