@@ -131,6 +131,7 @@ class FramedRPC:
             logger.info("refused %s from %s: too many open streams", method, who)
             await self._write(writer, refusal(pb.BUSY, f"too many open streams (at most {self.max_streams_per_peer} "
                                                       f"per peer, {self.max_streams} in all)"))
+            await self._drain(reader)
             return
         self._open[peer] = self._open.get(peer, 0) + 1
         held = 0
@@ -157,16 +158,20 @@ class FramedRPC:
                 return
             logger.info("refused %s from %s: %s", method, who, error)
             await self._write(writer, refusal(error.status, error.reason))
-            # let the caller finish writing so it reads the refusal instead of a reset stream
-            try:
-                await asyncio.wait_for(discard(reader, self.max_message_bytes), self.drain_timeout)
-            except asyncio.TimeoutError:
-                pass
+            await self._drain(reader)
         finally:
             self.buffered_bytes -= held
             self._open[peer] -= 1
             if not self._open[peer]:
                 del self._open[peer]
+
+    async def _drain(self, reader: asyncio.StreamReader) -> None:
+        """After refusing early, let the caller finish writing (bounded in bytes and time), so it
+        reads the refusal instead of a reset stream."""
+        try:
+            await asyncio.wait_for(discard(reader, self.max_message_bytes), self.drain_timeout)
+        except asyncio.TimeoutError:
+            pass
 
     async def _answer(self, method: str, handler: Callable[[Req, PeerID], Awaitable[Message]],
                       refusal: Callable[[int, str], Message], request: Req, peer: PeerID) -> Message:

@@ -32,8 +32,8 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when [schedule] and the robust averaging fields were added
-PINNED_HASH = "37b418f4d4c7c0cafa7bb2163228c2f7"
+# changed deliberately when [schedule], the robust averaging fields and timeouts.rebalance_check/move were added
+PINNED_HASH = "86a14db82141c4bbb30d4eaf36a28276"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
