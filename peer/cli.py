@@ -24,14 +24,33 @@ def _setup_logging(verbose: bool) -> None:
 
 def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
                identity: str | None, timeout: float):
+    """Start this peer's DHT under an Ed25519 identity whose key swarmgrad holds, with the record
+    signer every peer of a swarm runs (peer/record_signing.py). `identity`: a key file to reuse,
+    created (Ed25519) if missing; None: a fresh key, written to a private temp folder only
+    while p2pd starts. Raises identity.IdentityError for a key file swarmgrad cannot use."""
+    from contextlib import nullcontext
+
     from hivemind import DHT
-    kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True,
-                  startup_timeout=timeout)
-    if announce_maddrs:
-        kwargs["announce_maddrs"] = announce_maddrs
+
+    from swarmgrad.peer.identity import ephemeral_key_file, load_or_create, peer_id_of
+    from swarmgrad.peer.record_signing import SignedRecordValidator
     if identity:
-        kwargs["identity_path"] = identity
-    return DHT(**kwargs)
+        key = load_or_create(Path(identity))
+        key_file = nullcontext((Path(identity), key))
+    else:
+        key_file = ephemeral_key_file()
+    with key_file as (path, key):
+        # check_if_identity_free=False: hivemind's check parses RSA key files only (PeerID.from_identity)
+        kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True,
+                      startup_timeout=timeout, identity_path=str(path), check_if_identity_free=False,
+                      record_validators=[SignedRecordValidator(key)])
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = announce_maddrs
+        dht = DHT(**kwargs)
+    if str(dht.peer_id) != peer_id_of(key):  # p2pd runs with another key: every record we sign would be refused
+        dht.shutdown()
+        raise RuntimeError(f"p2pd runs as {dht.peer_id}, not as the identity key's {peer_id_of(key)}")
+    return dht
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
@@ -58,8 +77,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
                           rebalance=args.rebalance)
     # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
-    dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
-                     manifest.timeouts.state_download)
+    from swarmgrad.peer.identity import IdentityError
+    try:
+        dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
+                         manifest.timeouts.state_download)
+    except IdentityError as e:
+        print(f"--identity {e}", file=sys.stderr)
+        return 2
     log = logging.getLogger("swarmgrad")
     code = 0
     try:  # from here on, whatever fails, the DHT (a child process and its p2pd) is shut down
@@ -188,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to listen (default: loopback, a free port)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="addresses other peers should dial (public IP behind NAT)")
-    p.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
+    p.add_argument("--identity", default=None,
+                   help="Ed25519 key file for a stable peer id (created if missing; default: a fresh id each run)")
     p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
     p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
     p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")

@@ -13,16 +13,22 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
                  timeout: float) -> int:
     from hivemind import DHT
 
+    from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
     from swarmgrad.peer.swarm import SwarmView
-    n_stages, manifest_hash = MAX_PROBED_STAGES, None
+    n_stages, manifest_hash, ttl = MAX_PROBED_STAGES, None, MAX_RECORD_TTL
     if manifest_path:
         from swarmgrad.peer.manifest import load
         manifest = load(manifest_path)
         run_id, n_stages, manifest_hash = manifest.run_id, manifest.stages.count, manifest.hash
+        ttl = manifest.timeouts.announce_ttl
     assert run_id is not None
-    dht = DHT(initial_peers=initial_peers, start=True, client_mode=True, startup_timeout=timeout)
+    # The swarm's validator without a key: it verifies and strips signatures, and signs nothing
+    # (this client only reads). Unsigned or forged records never reach the table.
+    dht = DHT(initial_peers=initial_peers, start=True, client_mode=True, startup_timeout=timeout,
+              record_validators=[SignedRecordValidator()])
     try:
-        view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=1.0)
+        # ttl: the read cap on expiries (2 x announce_ttl); without a manifest, the protocol's cap
+        view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=ttl)
 
         async def gather() -> dict[int, list]:
             results = await asyncio.gather(*(view.stage_records(s) for s in range(n_stages)))
