@@ -80,8 +80,8 @@ def key_from_file_bytes(data: bytes) -> Ed25519PrivateKey:
         raise IdentityError(f"not a libp2p private key file ({type(e).__name__})") from None
     if message.key_type != crypto_pb2.Ed25519:
         kind = crypto_pb2.KeyType.Name(message.key_type) if message.key_type in crypto_pb2.KeyType.values() else "?"
-        raise IdentityError(f"holds a {kind} key; swarmgrad signs its DHT records with Ed25519 "
-                            "(hivemind's own key files are RSA)")
+        raise IdentityError(f"holds a key of type {kind} (hivemind writes RSA key files); swarmgrad signs "
+                            "its DHT records with Ed25519: move the file away, or give a new path to create one")
     if len(message.data) not in (64, 96):  # seed || public (go-libp2p also reads a legacy 96-byte form)
         raise IdentityError(f"an Ed25519 key must have 64 bytes, this one has {len(message.data)}")
     key = Ed25519PrivateKey.from_private_bytes(message.data[:32])
