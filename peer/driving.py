@@ -59,8 +59,11 @@ class DrivingLoop:
                                        seed=self.m.seed)
         self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
                              self.events.emit, self.clock)
-        if self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages, self.m.timeouts.state_download):
-            raise RuntimeError("no replica serves some stage; the pipeline is incomplete")
+        # a stage may be empty for a while (peers still joining, or one moving in to fill it):
+        # wait, saying so, rather than give up on a swarm that is still assembling
+        while self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages,
+                                                                self.m.timeouts.state_download):
+            logger.warning("no replica serves some stage yet; the pipeline is incomplete (still waiting)")
         await self.evaluate()
         await self.driver.run(self.stop_training)
 

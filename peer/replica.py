@@ -73,9 +73,12 @@ class PeerContext:
 
 
 class Replica:
-    def __init__(self, ctx: PeerContext, stage: int):
+    def __init__(self, ctx: PeerContext, stage: int, expected_rate: float = 0.0):
         self.ctx = ctx
         self.stage = stage
+        self.expected_rate = expected_rate
+        """Samples/s this peer expects on the stage (benchmark or estimate): announced until it has
+        measured itself, so others do not see the stage as empty and pile in."""
         self.events = ctx.events.view(stage=stage)
         self.tasks: list[asyncio.Task] = []
         self.handlers: FramedRPC | None = None
@@ -105,6 +108,7 @@ class Replica:
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
                                            slowdown=ctx.slowdown)
+        worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         # a request must arrive whole within a microbatch's deadline; each remote peer may hold a
         # driver's in-flight window plus its averaging and state streams open at once

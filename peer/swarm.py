@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
