@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarmgrad-installed
 
-.PHONY: demo test bench venv clean-venv
+.PHONY: demo test test-slow bench bench-wan venv clean-venv
 
 demo: $(STAMP)
 	$(VENV)/bin/swarmgrad demo
@@ -13,10 +13,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+test-slow: $(STAMP)
+	SWARMGRAD_SLOW_TESTS=1 $(PY) -m pytest -q tests/test_rebalance_swarm.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/codecs.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/round_codecs.py
+
+# swarmgrad against DDP and hivemind.Optimizer over veth pairs in network namespaces, unshaped and
+# tbf 20mbit (needs root; skips otherwise). About an hour on 2 cores; WAN_ARGS=--quick for a smoke run.
+bench-wan: $(STAMP)
+	$(PY) benchmarks/wan.py --out runs/bench-wan $(WAN_ARGS)
 
 venv: $(STAMP)
 

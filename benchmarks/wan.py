@@ -90,8 +90,13 @@ class Result:
     processes: int = 0
     error: str | None = None
 
+    @property
+    def trained(self) -> int:
+        """Samples in the last scored weights (swarmgrad's last round may overshoot the budget a little)."""
+        return self.points[-1][1] if self.points else 0
+
     def final(self) -> float:
-        return self.points[-1][2] if self.points and self.points[-1][1] >= self.samples else math.nan
+        return self.points[-1][2] if self.trained >= self.samples else math.nan
 
     def time_to(self, target: float) -> float:
         """First crossing of `target`, linear between scored points."""
@@ -101,7 +106,7 @@ class Result:
         return math.nan
 
     def kb_per_sample(self) -> float:
-        return self.bytes_sent / self.samples / 1e3 if self.samples else math.nan
+        return self.bytes_sent / self.trained / 1e3 if self.trained else math.nan
 
     def utilisation(self) -> float:
         return self.cpu_s / (self.processes * self.wall_s) if self.processes and self.wall_s > 0 else math.nan
@@ -227,30 +232,38 @@ class CheckpointWatch:
             done += 1
         return done
 
+    def samples(self, n_stages: int) -> int:
+        """Samples in the last θ_global that every stage has (stage 0's `trained_samples`)."""
+        r = self.rounds_done(n_stages)
+        return self.by_round[(0, r)][2] if r else 0
+
 
 def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
     manifest = manifest_for(system, budget, task)
     n_stages = manifest.stages.count
     replicas = 1 if system == "swarmgrad-pipe" else 2
-    rounds = manifest.rounds.max_rounds
+    # Peers run until stopped (--max-rounds 0) and the run ends when θ_global holds the budget's
+    # samples: a peer that joins late (seconds, on a loaded machine) would otherwise leave the
+    # swarm's 10 rounds short of 32,000 samples.
     workdir.mkdir(parents=True)
     (workdir / "manifest.toml").write_text(dumps(manifest))
     res = Result(system, link, samples=budget.samples, processes=n_stages * replicas)
     cpu: dict[int, float] = {}
     t0 = time.time()
     with NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
-        swarm.start_first(0, "--max-rounds", str(rounds))
+        swarm.start_first(0, "--max-rounds", "0")
         for i in range(1, n_stages * replicas):
-            swarm.start(i % n_stages, "--max-rounds", str(rounds))
+            swarm.start(i % n_stages, "--max-rounds", "0")
         watch = CheckpointWatch([workdir / f"{p.name}.ckpt" for p in swarm.peers])
         deadline = time.monotonic() + budget.timeout_s
         reported = 0
-        while watch.rounds_done(n_stages) < rounds:
+        while watch.samples(n_stages) < budget.samples:
             watch.poll()
             _sample_cpu(swarm.peers, cpu)
             if watch.rounds_done(n_stages) > reported:
                 reported = watch.rounds_done(n_stages)
-                print(f"  [{system} {link}] round {reported}/{rounds} at {time.time() - t0:.0f}s", flush=True)
+                print(f"  [{system} {link}] round {reported}: {watch.samples(n_stages)}/{budget.samples} samples at "
+                      f"{time.time() - t0:.0f}s", flush=True)
             dead = [p for p in swarm.peers if not p.alive]
             if dead or time.monotonic() > deadline:
                 why = f"{dead[0].name} exited {dead[0].proc.returncode}" if dead else f"timeout {budget.timeout_s:.0f}s"
@@ -380,10 +393,10 @@ def _kill_group(p: subprocess.Popen) -> None:
 def table(results: list[Result]) -> str:
     rows = []
     for r in results:
-        rows.append([r.system, r.link, fmt(r.final(), 3), fmt(r.time_to(TARGETS[0]), 0), fmt(r.time_to(TARGETS[1]), 0),
+        rows.append([r.system, r.link, f"{r.trained:,}", fmt(r.final(), 3), fmt(r.time_to(TARGETS[0]), 0), fmt(r.time_to(TARGETS[1]), 0),
                      fmt(r.kb_per_sample(), 1), fmt(r.utilisation(), 2), fmt(r.wall_s, 0),
                      "FAILED (below)" if r.error else ""])
-    header = ["system", "link", f"val bits/byte at {results[0].samples if results else 0:,} samples",
+    header = ["system", "link", "samples", f"val bits/byte at {results[0].samples if results else 0:,} samples",
               f"time to {TARGETS[0]} (s)", f"time to {TARGETS[1]} (s)", "kB/sample", "utilisation", "wall (s)", "note"]
     errors = [f"- {r.system} {r.link}: {r.error}" for r in results if r.error]
     return markdown_table(header, rows) + ("\n\n" + "\n".join(errors) if errors else "")
