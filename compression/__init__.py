@@ -9,18 +9,22 @@ Quick use::
 Codecs (wire names in ``CODEC_NAMES``): fp32, fp16, bf16 (dense); int8, int4 (blockwise
 absmax); topk (sparse, values through a dense/blockwise codec); powersgd (low rank, warm
 start); hadamard (rotated 2/4/8-bit) and lowrank (activation subspace) for pipeline
-boundaries. ``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
+boundaries; chunktopk (per-chunk top-k, 2/4/8/16-bit values: pseudo-gradients far below int8).
+``reduce_codec`` gives the codec a reducer sends an aggregate in (the union of sparse supports).
+``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
 Every failure is a :class:`CodecError` (a ``ValueError``).
 """
 
 from .adaptive import SizeAdaptive
 from .base import DEFAULT_MAX_NUMEL, Codec, CodecError, Encoded, decode
 from .blockwise import Int4Codec, Int8Codec
+from .chunktopk import ChunkTopKCodec
 from .dense import BFloat16Codec, Float16Codec, Float32Codec
 from .error_feedback import ErrorFeedback
 from .hadamard import HadamardCodec
 from .lowrank import LowRankCodec
 from .powersgd import PowerSGDCodec
+from .reduce import reduce_codec
 from .registry import CODEC_NAMES, get_codec, parse_codec_spec
 from .topk import TopKCodec
 
@@ -28,6 +32,7 @@ __all__ = [
     "CODEC_NAMES",
     "DEFAULT_MAX_NUMEL",
     "BFloat16Codec",
+    "ChunkTopKCodec",
     "Codec",
     "CodecError",
     "Encoded",
@@ -44,4 +49,5 @@ __all__ = [
     "decode",
     "get_codec",
     "parse_codec_spec",
+    "reduce_codec",
 ]

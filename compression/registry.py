@@ -8,6 +8,7 @@ from typing import Any
 from .adaptive import SizeAdaptive
 from .base import Codec, CodecError, ParamValue, codec_class
 from .blockwise import Int4Codec, Int8Codec
+from .chunktopk import ChunkTopKCodec
 from .dense import BFloat16Codec, Float16Codec, Float32Codec
 from .hadamard import HadamardCodec
 from .lowrank import LowRankCodec
@@ -19,7 +20,9 @@ __all__ = ["CODEC_NAMES", "get_codec", "parse_codec_spec"]
 #: wire names of all codecs, in the order of increasing compression (roughly)
 CODEC_NAMES: tuple[str, ...] = tuple(
     c.name for c in (Float32Codec, Float16Codec, BFloat16Codec, Int8Codec, Int4Codec, TopKCodec, PowerSGDCodec)
-) + (HadamardCodec.name, LowRankCodec.name)  # the pipeline-boundary codecs
+) + (HadamardCodec.name, LowRankCodec.name) + (  # the pipeline-boundary codecs
+    ChunkTopKCodec.name,  # chunked top-k with low-bit values (DeMo / SparseLoCo family)
+)
 
 
 def get_codec(name: str, **kwargs: Any) -> Codec:
@@ -28,7 +31,8 @@ def get_codec(name: str, **kwargs: Any) -> Codec:
     Args:
         name: a wire name in ``CODEC_NAMES``, ``"adaptive"`` (kwargs ``threshold``, ``small``,
             ``large``; the latter two Codec objects or spec strings), or a spec string such as
-            ``"topk:fraction=0.01,values=int8"`` (then kwargs override the spec's values).
+            ``"topk:fraction=0.01,values=int8"`` or ``"chunktopk:chunk=4096,k=64,bits=2"`` (then
+            kwargs override the spec's values).
         **kwargs: the codec's constructor arguments.
 
     Raises:
