@@ -62,7 +62,8 @@ class Budget:
     """Sequences per peer per step (2 peers: a global batch of 64)."""
     inner_steps: int = 50
     """swarmgrad's H and hm-local's steps between averages."""
-    ckpt_every: int = 25
+    ckpt_every: int = 50
+    """Baselines: steps between saved weights (each costs a scoring pass afterwards)."""
     timeout_s: float = 1500.0
 
     @property
@@ -75,6 +76,8 @@ class Budget:
 
 
 QUICK = Budget(steps=10, inner_steps=5, ckpt_every=5, timeout_s=150.0)
+ENV: dict[str, str] = {}
+"""Added to every process's environment (PYTHONPATH of the code snapshot)."""
 
 
 @dataclass
@@ -136,6 +139,14 @@ class Task:
         chunk = data[idx].long()
         self.val_x, self.val_y = chunk[:, :-1], chunk[:, 1:]
         self.n_train, self.n_val = len(train), len(val)
+        self._init_score: float | None = None
+
+    def init_score(self, manifest: Manifest) -> float:
+        """The untrained model's score: the same for every system (layer i's init ignores the split)."""
+        if self._init_score is None:
+            model = from_manifest(manifest)
+            self._init_score = self.score([model.build_stage(k).eval() for k in range(model.n_stages)])
+        return self._init_score
 
     @torch.no_grad()
     def score(self, stages: list[torch.nn.Module], batch: int = 64) -> float:
@@ -194,7 +205,7 @@ class NetnsSwarm(LocalSwarm):
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
         cmd += list(extra)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV}
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
@@ -274,7 +285,7 @@ def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, tas
     res.cpu_s = sum(cpu.values())
 
     def score() -> None:
-        points = [(0.0, 0, task.score([from_manifest(manifest).build_stage(k).eval() for k in range(n_stages)]))]
+        points = [(0.0, 0, task.init_score(manifest))]
         for r in range(1, watch.rounds_done(n_stages) + 1):
             entries = [watch.by_round[(s, r)] for s in range(n_stages)]
             samples = entries[0][2] or r * budget.inner_steps * budget.global_batch
@@ -306,7 +317,7 @@ def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task
               "--steps", str(budget.steps), "--ckpt-every", str(budget.ckpt_every), "--ckpt-dir", str(workdir / "ckpt"),
               "--average-every", str(budget.inner_steps), "--master", eps[0].address]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "wan0",
-           "HIVEMIND_LOGLEVEL": "WARNING"}
+           "HIVEMIND_LOGLEVEL": "WARNING", **ENV}
     procs: list[tuple[subprocess.Popen, Path, Path]] = []
 
     def launch(rank: int, *extra: str) -> None:
@@ -351,7 +362,7 @@ def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task
 
     def score() -> None:
         init = from_manifest(manifest).build_stage(0)
-        points = [(0.0, 0, task.score([init.eval()]))]
+        points = [(0.0, 0, task.init_score(manifest))]
         for e in ckpts:
             init.load_state_dict(torch.load(e["path"]))
             points.append((e["ckpt_time"] - t0, e["samples"], task.score([init.eval()])))
@@ -408,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=None, help=f"comma-separated, of {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--links", default=None, help="comma-separated, of unshaped,20mbit (default: both)")
     p.add_argument("--out", default=None, help="write table.md, results.json and curves.png here")
+    p.add_argument("--code", choices=("head", "worktree"), default="head",
+                   help="run every process from a `git archive HEAD` snapshot (default: others' uncommitted edits "
+                        "cannot break a run midway) or from the working tree")
     p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
     systems = (args.systems or ("swarmgrad,ddp" if args.quick else ",".join(SYSTEMS))).split(",")
@@ -429,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir:
             tmp = args.workdir
             Path(tmp).mkdir(parents=True, exist_ok=False)
+        if args.code == "head":
+            _snapshot(Path(tmp) / "code")
         task = Task(Path(tmp))
         print(f"data: {task.n_train} training files, {task.n_val} held out; {budget.samples} samples per run", flush=True)
         for li, link in enumerate(links):
@@ -436,9 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                 n = 4 if system == "swarmgrad-2x2" else 2
                 print(f"--- {system} over {link}", flush=True)
                 runner = run_swarmgrad if system in SWARMGRAD else run_baseline
-                with netns.WanNet(f"{li}{si}", n, LINKS[link], subnet=10 * li + si) as net:
-                    res, score = runner(system, link, net, budget, task, Path(tmp) / f"{link}-{system}")
-                score()  # after the processes are gone: scoring does not share the cores with training
+                try:
+                    with netns.WanNet(f"{li}{si}", n, LINKS[link], subnet=10 * li + si) as net:
+                        res, score = runner(system, link, net, budget, task, Path(tmp) / f"{link}-{system}")
+                    score()  # after the processes are gone: scoring does not share the cores with training
+                except Exception as e:  # one broken system must not lose the others' rows
+                    res = Result(system, link, samples=budget.samples, error=f"{type(e).__name__}: {e}"[:600])
                 results.append(res)
                 print(f"  -> {res.system} {link}: {fmt(res.final(), 3)} bits/byte, {fmt(res.kb_per_sample(), 1)} kB/sample"
                       + (f", FAILED: {res.error}" if res.error else ""), flush=True)
@@ -450,6 +469,18 @@ def main(argv: list[str] | None = None) -> int:
         _write(out, results, budget)
         print(f"\nwrote {out}/table.md, results.json, curves.png")
     return 0
+
+
+def _snapshot(dest: Path) -> None:
+    """The committed peer/, protocol/ and compression/ as the `swarmgrad` package, first on PYTHONPATH."""
+    repo = HERE.parent
+    (dest / "swarmgrad").mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "HEAD", "peer", "protocol", "compression"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest / "swarmgrad")], input=archive, check=True)
+    ENV["PYTHONPATH"] = os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"code: swarmgrad at {head} (git archive; --code worktree runs the working tree)", flush=True)
 
 
 def _write(out: Path, results: list[Result], budget: Budget) -> None:
