@@ -60,3 +60,30 @@ def test_quick_run_prints_one_row_per_system(tmp_path: Path) -> None:
 def _namespaces() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(netns.PREFIX)]
+
+
+# --- the benchmark's pure pieces: no namespaces, no processes -------------------------------------
+def test_time_to_target_interpolates_between_scored_points() -> None:
+    import wan
+    r = wan.Result("x", "unshaped", samples=300, points=[(0.0, 0, 8.0), (10.0, 100, 4.0), (20.0, 200, 2.0), (30.0, 300, 1.5)])
+    assert r.time_to(3.0) == pytest.approx(15.0)  # 4.0 at 10 s, 2.0 at 20 s
+    assert r.time_to(1.0) != r.time_to(1.0)  # never reached: nan
+    assert r.final() == 1.5 and r.trained == 300
+    short = wan.Result("x", "unshaped", samples=400, points=r.points)
+    assert short.final() != short.final()  # budget not reached: no final figure
+
+
+def test_png_writer_makes_a_decodable_rgb_image(tmp_path: Path) -> None:
+    import struct
+    import zlib
+
+    import wan
+    path = tmp_path / "c.png"
+    wan.plot([("ddp unshaped", [(0.0, 0, 8.0), (5.0, 640, 3.0)]), ("swarmgrad 20mbit", [(0.0, 0, 8.0), (9.0, 640, 2.6)])], path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    idat_len = struct.unpack(">I", data[33:37])[0]
+    raw = zlib.decompress(data[41:41 + idat_len])
+    assert len(raw) == h * (1 + 3 * w)  # one filter byte and w RGB pixels per row
+    assert len(set(raw[1:1 + 3 * w * h])) > 3  # not blank: lines and text were drawn
