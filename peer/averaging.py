@@ -8,8 +8,10 @@ A round r of stage s, on every replica:
 2. reduce-scatter: the stage's tensors are split into one part per member (`partition`); member
    j reduces part j. Each member encodes its pseudo-gradient Δ once (codec, optional error
    feedback) and sends every reducer its part; the reducer waits for all members, takes the
-   weighted mean of the *decoded* contributions in sorted member order, encodes it, and
-   answers every member with the same bytes;
+   weighted mean of the *decoded* contributions in sorted member order, encodes it with the
+   codec's reduce codec (compression.reduce_codec: for a sparse codec, every non-zero of the
+   mean, i.e. the union of the members' supports, so nothing a member sent is cut again where
+   no error feedback would carry it), and answers every member with the same bytes;
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
@@ -34,7 +36,8 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
+from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec,
+                                   reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
@@ -147,6 +150,10 @@ class Averager:
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
         self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
         """Only the manifest's codecs are decoded on the averaging path."""
+        self.reduce_codec = reduce_codec(self.codec)
+        """What a reducer encodes the mean with: it must hold the union of sparse contributions."""
+        self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True)
+        """The reducer's answers come in the reduce codec's names."""
         self._slots: dict[int, _Slot] = {}
         self.clock = clock
         """Requests for rounds far from the clock's are refused."""
@@ -213,7 +220,7 @@ class Averager:
         total = sum(slot.contributions[p][0] for p in order)
         avg = self.m.averaging
         reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
-        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self.codec.encode(reduced[name])))
+        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self.reduce_codec.encode(reduced[name])))
                    for name in sorted(slot.part_names)]
         slot.result.set_result((tensors, order, total))
 
@@ -307,7 +314,7 @@ class Averager:
                 return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
-                checked = validate_average_response(res, expected, group.members, self.max_numel, self.allowed_codecs,
+                checked = validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
                                                     what=f"mean of part {part}")
             except ProtocolError as e:
                 return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None)

@@ -5,7 +5,7 @@ before a codec runs, so a stranger cannot pick the codec whose decode is costlie
 """
 from __future__ import annotations
 
-from swarmgrad.compression import Codec, SizeAdaptive, parse_codec_spec
+from swarmgrad.compression import Codec, SizeAdaptive, parse_codec_spec, reduce_codec
 
 FP32_ONLY = frozenset({"fp32"})
 """State sync sends θ_global and momentum whole, in fp32 (peer/state_sync.py)."""
@@ -31,9 +31,15 @@ def wire_codec_names(codec: str | Codec) -> frozenset[str]:
     return frozenset({codec.name})
 
 
-def averaging_codecs(spec: str | Codec, small_tensor_threshold: int) -> frozenset[str]:
-    """Codecs of the averaging path (requests and the reducer's mean alike): the configured codec
-    for large tensors and fp32 for those under the threshold, as peer/averaging.py encodes them
-    (SizeAdaptive(averaging.small_tensor_threshold, fp32, averaging.codec))."""
-    large = wire_codec_names(spec)
+def averaging_codecs(spec: str | Codec, small_tensor_threshold: int, *, mean: bool = False) -> frozenset[str]:
+    """Codecs of the averaging path, as peer/averaging.py encodes them.
+
+    mean=False: the members' contributions (AverageRequest): the configured codec for large
+    tensors and fp32 for those under the threshold (SizeAdaptive(averaging.small_tensor_threshold,
+    fp32, averaging.codec)). mean=True: the reducer's answer (AverageResponse), encoded with
+    `compression.reduce_codec` of that codec: the same names for dense codecs, a union-of-supports
+    "chunktopk" for sparse ones ("topk" -> {"chunktopk"}), so a mean is never re-sparsified.
+    """
+    codec = parse_codec_spec(spec) if isinstance(spec, str) else spec
+    large = wire_codec_names(reduce_codec(codec) if mean else codec)
     return large if small_tensor_threshold <= 0 else large | FP32_ONLY
