@@ -12,8 +12,11 @@ whatever the codec costs in time. Variants run one after another.
 
 Columns: final validation loss (mean of the drivers' final evals, bits/byte), samples trained by the
 drivers, pseudo-gradient bytes sent per sample (all peers' round events' avg_bytes_sent / samples),
-all bytes sent per sample (stopped events), and whether every complete round left a stage's replicas
-with one state digest.
+how many times fewer that is than DDP's fp32 all-reduce of every step (each peer sends ~2·4·P bytes
+per step of microbatches_per_step x microbatch_size samples, so 8·P / that per sample; P = the whole
+model's parameter count), all bytes sent per sample (stopped events), and whether every complete round
+left a stage's replicas with one state digest. Averaging bytes per round do not depend on H, so the
+DDP ratio grows with H: the reference task uses H = 50 (--inner-steps 50).
 
 Known daemon race (peer/daemon.py, not fixable here): with rounds.inner_steps > 0, after its last round
 a driver keeps training, its worker pauses itself after H more inner steps, and a final eval that has
@@ -29,10 +32,12 @@ import time
 from pathlib import Path
 
 from _common import DEFAULT_MANIFEST, SwarmFailed, fail, fmt, markdown_table, run_swarm
-from swarmgrad.peer.manifest import ManifestError, load
+from swarmgrad.peer.manifest import Manifest, ManifestError, load
+from swarmgrad.peer.model import from_manifest
 
 REPLICAS = 2
-DEFAULT_CODECS = "fp16,int8,int4+ef,topk:fraction=0.01,values=fp16+ef"
+DEFAULT_CODECS = ("fp32,int8+ef,topk:fraction=0.01,values=fp16+ef,chunktopk:chunk=4096,k=64,bits=4+ef,"
+                  "chunktopk:chunk=4096,k=160,bits=2+ef")
 QUICK_CODECS = "fp16,topk:fraction=0.01,values=fp16+ef"
 
 
@@ -48,6 +53,13 @@ def parse_codecs(text: str) -> list[tuple[str, bool]]:
         else:
             entries.append(token)
     return [(e[:-3], True) if e.endswith("+ef") else (e, False) for e in entries]
+
+
+def ddp_bytes_per_sample(m: Manifest) -> float:
+    """DDP's fp32 all-reduce: ~2·4·P bytes per peer per step, over the samples of one peer's step."""
+    model = from_manifest(m)
+    params = sum(p.numel() for s in range(model.n_stages) for p in model.build_stage(s).parameters())
+    return 8.0 * params / (m.inner.microbatches_per_step * m.inner.microbatch_size)
 
 
 def main() -> None:
@@ -76,6 +88,7 @@ def main() -> None:
             ap.error(str(e))
 
     per_round = H * base.inner.microbatches_per_step * base.inner.microbatch_size
+    ddp = ddp_bytes_per_sample(base)
     print(f"round codecs: run {base.run_id}, {base.stages.count} stages x {REPLICAS} replicas, {rounds} rounds of "
           f"H={H} inner steps ({per_round} samples per driver per round); {len(variants)} variants", flush=True)
     root = Path(tempfile.mkdtemp(prefix="swarmgrad-bench-codecs-"))
@@ -93,8 +106,8 @@ def main() -> None:
             fail(e)
         samples = run.samples
         agree, full, seen = run.replica_agreement()
-        row = [label, fmt(run.final_val_loss(), 3), str(samples),
-               fmt(run.avg_bytes_sent / samples if samples else float("nan"), 0),
+        avg_per_sample = run.avg_bytes_sent / samples if samples and run.avg_bytes_sent else float("nan")
+        row = [label, fmt(run.final_val_loss(), 3), str(samples), fmt(avg_per_sample, 0), fmt(ddp / avg_per_sample, 0),
                fmt(run.bytes_sent / samples if samples else float("nan"), 0),
                "yes" if agree else "NO", f"{full}/{seen}"]
         rows.append(row)
@@ -105,10 +118,11 @@ def main() -> None:
     else:
         shutil.rmtree(root, ignore_errors=True)
     print()
-    print(markdown_table(["codec", "val bits/byte", "samples", "avg bytes/sample", "total bytes/sample",
+    print(markdown_table(["codec", "val bits/byte", "samples", "avg bytes/sample", "DDP / avg", "total bytes/sample",
                           "replicas identical", "rounds all replicas completed"], rows))
     print()
     print("avg bytes/sample: pseudo-gradient averaging bytes sent by all peers / samples trained by the drivers; "
+          f"DDP / avg: DDP's fp32 all-reduce every step ({ddp:,.0f} bytes/sample) over avg bytes/sample, at H={H}; "
           "total bytes/sample: everything all peers sent (pipeline activations and gradients too). Replicas "
           "identical: every complete round left the replicas of its stage with one state digest. Variants ran "
           "one after another on a shared machine: compare them with each other, not with other runs.")
