@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,8 +77,7 @@ class Budget:
 
 
 QUICK = Budget(steps=10, inner_steps=5, ckpt_every=5, timeout_s=150.0)
-ENV: dict[str, str] = {}
-"""Added to every process's environment (PYTHONPATH of the code snapshot)."""
+
 
 
 @dataclass
@@ -205,7 +205,7 @@ class NetnsSwarm(LocalSwarm):
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
         cmd += list(extra)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
@@ -317,7 +317,7 @@ def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task
               "--steps", str(budget.steps), "--ckpt-every", str(budget.ckpt_every), "--ckpt-dir", str(workdir / "ckpt"),
               "--average-every", str(budget.inner_steps), "--master", eps[0].address]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "wan0",
-           "HIVEMIND_LOGLEVEL": "WARNING", **ENV}
+           "HIVEMIND_LOGLEVEL": "WARNING"}
     procs: list[tuple[subprocess.Popen, Path, Path]] = []
 
     def launch(rank: int, *extra: str) -> None:
@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--links", default=None, help="comma-separated, of unshaped,20mbit (default: both)")
     p.add_argument("--out", default=None, help="write table.md, results.json and curves.png here")
     p.add_argument("--code", choices=("head", "worktree"), default="head",
-                   help="run every process from a `git archive HEAD` snapshot (default: others' uncommitted edits "
-                        "cannot break a run midway) or from the working tree")
+                   help="run everything from a `git archive HEAD` snapshot (default: uncommitted edits in the "
+                        "checkout cannot break a run midway) or from the working tree")
     p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
     systems = (args.systems or ("swarmgrad,ddp" if args.quick else ",".join(SYSTEMS))).split(",")
@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"SKIP: benchmarks/wan.py needs network namespaces: {why}")
         return 0
+    if args.code == "head" and SNAPSHOT_ENV not in os.environ:
+        return _rerun_in_snapshot(sys.argv[1:] if argv is None else argv)
     netns.remove_stale()
     budget = QUICK if args.quick else Budget()
     out = Path(args.out) if args.out else None
@@ -443,8 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir:
             tmp = args.workdir
             Path(tmp).mkdir(parents=True, exist_ok=False)
-        if args.code == "head":
-            _snapshot(Path(tmp) / "code")
         task = Task(Path(tmp), windows=64 if args.quick else 512)  # a smoke run scores on fewer windows
         print(f"data: {task.n_train} training files, {task.n_val} held out ({len(task.val_x)} windows scored); "
               f"{budget.samples} samples per run", flush=True)
@@ -472,16 +472,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _snapshot(dest: Path) -> None:
-    """The committed peer/, protocol/ and compression/ as the `swarmgrad` package, first on PYTHONPATH."""
+SNAPSHOT_ENV = "SWARMGRAD_WAN_SNAPSHOT"
+
+
+def _rerun_in_snapshot(argv: list[str]) -> int:
+    """--code head: run this script again with `git archive HEAD`'s peer/, protocol/ and compression/
+    first on PYTHONPATH, so the orchestrator, the peers and the baselines all run the committed code
+    (uncommitted edits in a shared checkout broke runs midway: a manifest field one side lacked).
+    Returns its exit code; SIGINT is passed on so that it stops its processes and namespaces."""
     repo = HERE.parent
-    (dest / "swarmgrad").mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(repo), "archive", "HEAD", "peer", "protocol", "compression"],
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest / "swarmgrad")], input=archive, check=True)
-    ENV["PYTHONPATH"] = os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"code: swarmgrad at {head} (git archive; --code worktree runs the working tree)", flush=True)
+    snap = Path(tempfile.mkdtemp(prefix="swarmgrad-wan-code-"))
+    try:
+        (snap / "swarmgrad").mkdir()
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "HEAD", "peer", "protocol", "compression"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(snap / "swarmgrad")], input=archive, check=True)
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        print(f"code: swarmgrad at {head} (git archive HEAD; --code worktree runs the working tree)", flush=True)
+        path = os.pathsep.join(x for x in (str(snap), os.environ.get("PYTHONPATH", "")) if x)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv],
+                                env={**os.environ, "PYTHONPATH": path, SNAPSHOT_ENV: str(snap)})
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            return proc.wait()
+    finally:
+        shutil.rmtree(snap, ignore_errors=True)
 
 
 def _write(out: Path, results: list[Result], budget: Budget) -> None:
