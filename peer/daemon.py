@@ -22,10 +22,13 @@ from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement import MoveDecision, PeerFigures, Policy, choose_stage_for_newcomer
 from swarmgrad.peer.rebalance import Rebalancer, snapshot_from_view
 from swarmgrad.peer.replica import PeerContext, Replica
-from swarmgrad.peer.rpc import Traffic
+from swarmgrad.peer.backup import BackupStore
+from swarmgrad.peer.pipeline import refusal
+from swarmgrad.peer.rpc import FramedRPC, Traffic
 from swarmgrad.peer.stage_bench import device_memory, stage_rates
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
 from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class Peer:
         """The replica being served (two during a move)."""
         self.moves = 0
         self._maddrs: tuple[str, ...] = ()
+        self._backup_rpc: FramedRPC | None = None
 
     @property
     def max_rounds(self) -> int:
@@ -110,17 +114,36 @@ class Peer:
         maddrs = self._maddrs = tuple(str(a) for a in self.dht.get_visible_maddrs())
         self.events = EventLog(self.opt.events_path, peer=self.peer_id)
         memory = self.opt.max_memory or device_memory(self.opt.device)
+        backup_rpc = await self._backups(p2p)
         ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
                           traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
-                          slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes)
+                          slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
+                          backup_rpc=backup_rpc)
         costs = stage_costs(self.m, self.model)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
             rates = await asyncio.get_running_loop().run_in_executor(
                 None, stage_rates, self.m, self.model, self.opt.device, self.opt.slowdown)
         return ctx, costs, rates
+
+    async def _backups(self, p2p) -> FramedRPC:
+        """Serve the backups this peer holds for other stages (peer/backup.py)."""
+        shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+
+        def shapes_of(stage: int) -> dict[str, tuple[int, ...]]:
+            if stage not in shapes:
+                shapes[stage] = {n: tuple(p.shape) for n, p in self.model.build_stage(stage).named_parameters()}
+            return shapes[stage]
+
+        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes)
+        rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
+                        read_timeout=self.m.timeouts.state_download)
+        await rpc.add_handler("put", pb.BackupPut, self._backup_store.handle_put, refusal(pb.BackupAck))
+        await rpc.add_handler("get", pb.BackupGet, self._backup_store.handle_get, refusal(pb.StateResponse))
+        self._backup_rpc = rpc
+        return rpc
 
     async def _choose_stage(self, costs: tuple[StageCost, ...], rates: tuple[float, ...], memory: int) -> int:
         if self.opt.stage is not None:
@@ -206,6 +229,8 @@ class Peer:
         stage = self.replicas[-1].stage if self.replicas else None
         for replica in list(self.replicas):
             await replica.close()
+        if self._backup_rpc is not None:
+            await self._backup_rpc.remove_handlers()
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
                          bytes_recv=self.traffic.recv)
         self.events.close()

@@ -109,6 +109,9 @@ class AveragingConfig:
     (one bad member moves the mean by a bounded amount; peer/aggregate.py); 0 disables it."""
     max_weight_ratio: float = 8.0
     """With the robust aggregate, a member's weight (samples) is capped at this × the median."""
+    backup_every: int = 1
+    """Every this many complete rounds a stage's state is copied to peers of other stages, so the
+    stage survives the death of its last replica (peer/backup.py); 0 disables backups."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -384,6 +387,8 @@ def validate(m: Manifest) -> None:
     if m.averaging.robust_min_members < 0 or m.averaging.robust_min_members in (1, 2):
         raise _fail("averaging.robust_min_members", f"must be 0 (off) or >= 3: with fewer members no member can be "
                                                     f"told from the others (got {m.averaging.robust_min_members})")
+    if m.averaging.backup_every < 0:
+        raise _fail("averaging.backup_every", f"must be >= 0, 0 disables backups (got {m.averaging.backup_every})")
     if not 1 <= m.averaging.max_weight_ratio < math.inf:
         raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)

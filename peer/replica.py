@@ -23,6 +23,7 @@ from hivemind.p2p import P2P
 from swarmgrad.compression import parse_codec_spec
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import Averager
+from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.driving import DrivingLoop, data_seed
 from swarmgrad.peer.events import EventLog
@@ -66,6 +67,8 @@ class PeerContext:
     slowdown: float
     memory: int
     max_message_bytes: int
+    backup_rpc: FramedRPC
+    """Client and server of the peer-level backup handlers (peer/backup.py)."""
 
     @property
     def max_numel(self) -> int:
@@ -128,7 +131,7 @@ class Replica:
                                             heartbeat=t.heartbeat, memory=ctx.memory)
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
-                         timeouts=t, max_numel=ctx.max_numel)
+                         timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
@@ -137,7 +140,9 @@ class Replica:
                                   sync=sync, presence=presence, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
                                   save_dir=ctx.save_dir, peer_id=ctx.peer_id,
-                                  after_round=self.driving.after_round if self.driving else None)
+                                  after_round=self.driving.after_round if self.driving else None,
+                                  backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
+                                                       m.averaging.backup_every, t.state_download, self.tasks))
 
         await presence.announce()
         await sync.join()

@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import Averager, RoundResult
+from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.presence import Presence
@@ -38,7 +39,8 @@ class RoundRunner:
     def __init__(self, *, stage: int, clock: RoundClock, worker: StageWorker, state: StageState,
                  averager: Averager, sync: StateSync, presence: Presence, swarm: SwarmView,
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
-                 save_dir: str | None, peer_id: str, after_round: Callable[[], Awaitable[None]] | None = None):
+                 save_dir: str | None, peer_id: str, after_round: Callable[[], Awaitable[None]] | None = None,
+                 backups: BackupPusher | None = None):
         self.stage = stage
         self.clock = clock
         self.worker = worker
@@ -55,6 +57,7 @@ class RoundRunner:
         self.peer_id = peer_id
         self.after_round = after_round
         """Called after every round's report (the driving loop schedules evaluations there)."""
+        self.backups = backups
         self._bytes_mark = (0, 0)
         self._round_started = time.monotonic()
         self.leave_after_round = False
@@ -126,6 +129,8 @@ class RoundRunner:
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
             await worker.run(state.copy_to, worker.module)
+            if self.backups is not None and result.total_weight > 0:
+                self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
             if await self.sync.resync(round, result):

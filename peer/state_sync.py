@@ -62,7 +62,7 @@ class StateSync:
 
     def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
                  state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
-                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int):
+                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None):
         self.rpc = rpc
         self.swarm = swarm
         self.identity = identity
@@ -75,6 +75,8 @@ class StateSync:
         self.events = events
         self.t = timeouts
         self.max_numel = max_numel
+        self.backup_rpc = backup_rpc
+        """Client of the peer-level backup handlers: an empty stage is restored from a backup."""
         self.serving = False
         """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
 
@@ -112,9 +114,12 @@ class StateSync:
             records = await self.swarm.stage_records(self.stage)
             donors = policy.join_donors(records, self.peer_id)
             if not donors:
-                self.clock.adopt(0, get_dht_time())
+                if await self.restore_backup():
+                    await self.worker.run(self.state.copy_to, self.worker.module)
+                else:
+                    self.clock.adopt(0, get_dht_time())
+                    self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
-                self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 return
             for donor in donors:
                 if await self.download(donor):
@@ -128,6 +133,38 @@ class StateSync:
                 raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
                                    f"within timeouts.state_download")
             await asyncio.sleep(0.5)
+
+    async def restore_backup(self) -> bool:
+        """The stage is empty: restore the newest backup its holders have (peer/backup.py), if any.
+        Reports how many rounds of the stage were lost (the swarm's round against the backup's)."""
+        if self.backup_rpc is None:
+            return False
+        from swarmgrad.peer.backup import BACKUP_COPIES, backup_holders, fetch_backup
+        try:
+            view = await self.swarm.swarm()
+        except Exception as e:
+            logger.info("stage %d: could not read the swarm to find backups: %s", self.stage, e)
+            return False
+        best = None
+        holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
+        for holder in holders:
+            snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
+                                      self.max_numel, self.t.state_download)
+            if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+                best = (holder, snap)
+        if best is None:
+            return False
+        holder, snap = best
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        self.progress.trained = snap.trained_samples
+        swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
+        self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
+        lost = max(0, swarm_round - snap.round)
+        self.events.emit("state_restored", source=holder, round=self.clock.current, backup_round=snap.round,
+                         applied_rounds=snap.applied_rounds, rounds_lost=lost, digest=self.state.digest)
+        logger.warning("stage %d was empty: restored its state from a backup on %s (%d applied rounds; %d rounds "
+                       "of the stage lost)", self.stage, holder[-8:], snap.applied_rounds, lost)
+        return True
 
     async def resync(self, round: int, result: RoundResult) -> bool:
         """After a failed round: adopt the state of a replica that completed it, if any did. Others

@@ -15,7 +15,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
 
     from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
     from swarmgrad.peer.swarm import SwarmView
-    n_stages, manifest_hash, ttl = MAX_PROBED_STAGES, None, MAX_RECORD_TTL
+    n_stages, manifest_hash, ttl, manifest = MAX_PROBED_STAGES, None, MAX_RECORD_TTL, None
     if manifest_path:
         from swarmgrad.peer.manifest import load
         manifest = load(manifest_path)
@@ -37,9 +37,11 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         swarm = asyncio.run(asyncio.wait_for(gather(), timeout))
     finally:
         dht.shutdown()
+    placement = _placement(manifest, swarm) if manifest is not None else None
     if as_json:
         print(json.dumps({"run_id": run_id, "time": time.time(), "stages": {
-            str(s): [r.__dict__ | {"maddrs": list(r.maddrs)} for r in recs] for s, recs in swarm.items()}}, indent=1))
+            str(s): [r.__dict__ | {"maddrs": list(r.maddrs)} for r in recs] for s, recs in swarm.items()},
+            **(placement or {})}, indent=1))
         return 0
     hashes = sorted({r.manifest_hash for recs in swarm.values() for r in recs})
     print(f"run {run_id}  manifest {', '.join(h[:12] for h in hashes) or '-'}  "
@@ -48,12 +50,52 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         print("  no peers announce this run (wrong run id, or the swarm is gone)")
         return 1
     for stage, recs in sorted(swarm.items()):
-        capacity = sum(r.throughput for r in recs if r.state == "online")
-        print(f"stage {stage}: {len(recs)} replica(s), capacity {capacity:.2f} microbatches/s")
+        capacity = sum(r.throughput for r in recs if r.state in ("joining", "online"))
+        mark = "  <- bottleneck" if placement and placement["bottleneck"] == stage else ""
+        print(f"stage {stage}: {len(recs)} replica(s), capacity {capacity:.1f} samples/s{mark}")
         for r in recs:
-            print(f"  {r.peer_id}  {r.state:8s} {'driver ' if r.driver else '       '}"
-                  f"{r.throughput:7.2f} mb/s  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
+            print(f"  {r.peer_id}  {r.state:8s}{' moving' if r.moving else '       '} "
+                  f"{'driver ' if r.driver else '       '}{r.throughput:8.1f} samples/s  "
+                  f"{r.memory / 2**30:6.1f} GiB  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
+    if placement:
+        print(f"throughput {placement['throughput']:.1f} samples/s; placement can reach "
+              f"{placement['reachable']:.1f} ({placement['reachable_method']})")
+        for mv in placement["moves"]:
+            print(f"  would move {mv['peer_id'][-8:]}: stage {mv['from_stage']} -> {mv['to_stage']} ({mv['reason']}, "
+                  f"+{mv['expected_gain']:.1f} samples/s)")
+        if not placement["moves"]:
+            print("  no move would be made now")
     return 0
+
+
+def _placement(manifest, swarm: dict[int, list]) -> dict:
+    """The swarm as the placement policy sees it: bottleneck, what is reachable, and the move each
+    online replica would decide now (one check; a real move also needs a second, confirming one)."""
+    from swarmgrad.peer.daemon import DAEMON_POLICY
+    from swarmgrad.peer.placement import PeerFigures, estimate_rates, should_move
+    from swarmgrad.peer.rebalance import DEFAULT_BANDWIDTH, snapshot_from_view
+    from swarmgrad.peer.stage_cost import stage_costs
+    try:
+        costs = stage_costs(manifest)
+    except ValueError:  # an entry-point model: its costs need the model itself
+        return {}
+    snap = snapshot_from_view(swarm, costs)
+    caps = snap.capacities
+    moves = []
+    for stage, recs in swarm.items():
+        for r in recs:
+            if r.state != "online":
+                continue
+            me = PeerFigures(peer_id=r.peer_id, rates=estimate_rates(r.throughput, stage, [c.cost for c in costs]),
+                             memory=r.memory, bandwidth=DEFAULT_BANDWIDTH, tenure=3600.0)
+            decision = should_move(snap, me, stage, salt=r.round, policy=DAEMON_POLICY)
+            if decision is not None:
+                moves.append({"peer_id": r.peer_id, "from_stage": decision.source, "to_stage": decision.target,
+                              "reason": decision.reason, "expected_gain": decision.gain})
+    reach = snap.reachable
+    return {"bottleneck": min(range(len(caps)), key=lambda s: (caps[s], s)), "capacities": list(caps),
+            "throughput": snap.throughput, "reachable": reach.throughput, "reachable_method": reach.method,
+            "moves": moves}
 
 
 if __name__ == "__main__":

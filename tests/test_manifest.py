@@ -32,8 +32,8 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when [schedule], the robust averaging fields and timeouts.rebalance_check/move were added
-PINNED_HASH = "86a14db82141c4bbb30d4eaf36a28276"
+# changed deliberately when [schedule], robust averaging, backups and timeouts.rebalance_check/move were added
+PINNED_HASH = "709481daf8822158400cd09733f5e608"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -256,6 +256,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
         "averaging.robust_min_members": [{"robust_min_members": 4}],
         "data.max_bytes": [{"max_bytes": 100_000}],
+        "averaging.backup_every": [{"backup_every": 2}],
     }
     if key in special:
         return [{section: c} for c in special[key]]

@@ -1,0 +1,46 @@
+"""The last replica of a stage dies: a peer that takes the empty stage restores it from a backup
+held by a peer of another stage (peer/backup.py), instead of starting it again from the seed."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from swarmgrad.peer.launcher import LocalSwarm
+
+from conftest import small_manifest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def complete_rounds(peer, stage: int) -> list[dict]:
+    return [e for e in peer.events("round") if e["stage"] == stage and e["complete"] and e["samples"] > 0]
+
+
+def test_empty_stage_is_restored_from_a_backup(local_swarm) -> None:
+    m = small_manifest()
+    swarm: LocalSwarm = local_swarm(m)
+    driver = swarm.start_first(0)
+    victim = swarm.start(1)
+    swarm.start(0)  # a second stage-0 replica: two peers that can hold stage 1's backup
+    swarm.wait_for(victim, lambda e: len(complete_rounds(victim, 1)) >= 3, 150, "3 trained rounds on stage 1")
+    trained = max(e["applied_rounds"] for e in complete_rounds(victim, 1))
+    first_eval = min((e for e in driver.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
+    victim.kill_group(signal.SIGKILL)
+    killed_at = time.time()
+    before = [e for e in driver.events("eval") if e["val_loss"] is not None and e["time"] < killed_at]
+
+    refill = swarm.start(1)
+    restored = swarm.wait_for(refill, lambda e: e["event"] in ("state_restored", "state_initialised", "state_loaded"),
+                              90, "the refill's state")
+    assert restored["event"] == "state_restored", f"stage 1 was not restored from a backup: {restored}"
+    assert restored["applied_rounds"] >= trained - 1, (restored, trained)  # at most the push of one round lost
+    assert restored["source"] != victim.name
+    # the stage trains on, and the swarm's validation loss does not jump back to an untrained model's
+    swarm.wait_for(refill, lambda e: len(complete_rounds(refill, 1)) >= 2, 90, "rounds after the restore")
+    after = [e for e in driver.events("eval") if e["val_loss"] is not None and e["time"] > restored["time"]]
+    assert after, "the driver evaluated after the restore"
+    assert after[-1]["val_loss"] < first_eval["val_loss"] - 1.0, (first_eval, after[-1])
+    assert after[-1]["val_loss"] < before[-1]["val_loss"] + 0.5, (before[-1], after[-1])
+    assert driver.alive
