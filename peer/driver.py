@@ -3,6 +3,10 @@ pipeline, several in flight, each with a deadline, retried along another route w
 
 Every microbatch is either trained on (its loss came back, stage 0 ran its backward) or retried;
 after pipeline.max_retries failed attempts it is given up and logged as lost, never silently.
+What is not guaranteed: a microbatch whose answer was lost after a later stage had already run
+its backward (the link broke on the way back) is retried along another route, so that later
+replica keeps one extra sample in its gradients. Removing it needs commit-on-acknowledgement
+(accumulate a microbatch's gradients only once the driver confirms it), which is not built.
 An attempt that fails releases its stage-0 graph before the retry waits, so a driver never holds
 a round boundary hostage to a slow retry.
 """
@@ -106,13 +110,18 @@ class Driver:
         attempt = 0
         backoff = 0.2
         quick = 0
+        # Waiting on NOT_READY is not a failure, but an evaluation must not wait forever on a stage
+        # that is gone (the final eval would hang the peer): eval microbatches give up after
+        # timeouts.microbatch of waiting. Training ones wait for as long as the swarm assembles
+        # (they stop with `stop`).
+        wait_until = time.monotonic() + self.m.timeouts.microbatch
         while attempt < self.m.pipeline.max_retries:
             status, loss, reason, failed = await self._attempt(mb, attempt, inputs, targets, eval_only)
             if status == pb.OK:
                 return loss
             if stop is not None and stop.is_set():
                 return None
-            if status == pb.NOT_READY:
+            if status == pb.NOT_READY and not (eval_only and time.monotonic() > wait_until):
                 # a replica is between rounds (or none is there yet): not a failure. If a busy replica
                 # was named, routing now passes it over, so try again at once; else back off.
                 self.stats.not_ready_waits += 1
