@@ -4,6 +4,7 @@ Skipped where namespaces cannot be made (not root, no iproute2), as the script i
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,13 +21,15 @@ pytestmark = pytest.mark.timeout(280)
 WHY = netns.why_unavailable()
 
 
-def test_skips_cleanly_without_namespaces_is_exit_0() -> None:
-    # the skip path must not fail CI: exercised for real below where namespaces work
+def test_skips_with_exit_0_where_namespaces_are_unavailable() -> None:
+    """CI without root must not fail: as root, drop to `nobody` (setpriv) to reach the skip path."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick"]
     if WHY is None:
-        pytest.skip("namespaces are available here; the skip path is not reachable")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick"], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0 and "SKIP" in proc.stdout
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: cannot reach the skip path")
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("SKIP:"), proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
