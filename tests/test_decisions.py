@@ -14,9 +14,8 @@ import torch
 
 from swarmgrad.peer.aggregate import weighted_mean
 from swarmgrad.peer.averaging import Group, choose_group, partition
-from swarmgrad.peer.balance import choose_stage
 from swarmgrad.peer.routing import BanList, Candidate, DeadlineEstimator, RateMeter, choose_replica
-from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.swarm import JOINING, PeerRecord
 
 # --------------------------------------------------------------------------- choose_replica
 
@@ -360,49 +359,6 @@ def test_weighted_mean_sums_in_the_given_order() -> None:
         assert torch.equal(weighted_mean(contribs), out)
         results.append(out)
     assert not torch.equal(results[0], results[1])
-
-
-# --------------------------------------------------------------------------- choose_stage
-
-
-def rec(peer: str, stage: int, state: str = ONLINE, **kw: Any) -> PeerRecord:
-    fields: dict[str, Any] = dict(peer_id=peer, stage=stage, state=state, throughput=1.0, round=0,
-                                  applied_rounds=0, digest="d", manifest_hash="h", driver=stage == 0)
-    fields.update(kw)
-    return PeerRecord(**fields)
-
-
-def test_choose_stage_fewest_replicas() -> None:
-    view = {0: [rec("a", 0)], 1: [rec("b", 1), rec("c", 1)], 2: [rec("d", 2)], 3: [rec("e", 3), rec("f", 3)]}
-    assert choose_stage(view, 4) == 0  # tie 0/2 -> lowest
-    view[0].append(rec("g", 0))
-    assert choose_stage(view, 4) == 2
-
-
-def test_choose_stage_empty_stage_first() -> None:
-    view = {0: [rec("a", 0)], 2: [rec("b", 2)]}
-    assert choose_stage(view, 3) == 1
-    assert choose_stage({}, 3) == 0
-
-
-def test_choose_stage_counts_joining_not_leaving() -> None:
-    view = {0: [rec("a", 0), rec("b", 0, JOINING)],
-            1: [rec("c", 1), rec("d", 1, LEAVING), rec("e", 1, LEAVING)]}
-    assert choose_stage(view, 2) == 1
-    view[1].append(rec("f", 1, JOINING))
-    assert choose_stage(view, 2) == 0  # tie 2/2 -> lowest
-
-
-def test_choose_stage_excludes_ourselves() -> None:
-    view = {0: [rec("me", 0), rec("a", 0)], 1: [rec("b", 1)]}
-    assert choose_stage(view, 2) == 1
-    assert choose_stage(view, 2, exclude="me") == 0  # 1/1 without us -> lowest
-    assert choose_stage(view, 2, exclude="b") == 1
-
-
-def test_choose_stage_ignores_stages_beyond_count() -> None:
-    view = {0: [rec("a", 0)], 1: [rec("b", 1)], 2: []}
-    assert choose_stage(view, 2) == 0
 
 
 # --------------------------------------------------------------------------- PeerRecord
