@@ -309,7 +309,7 @@ def test_spec_strings_round_trip() -> None:
 
 
 def test_codec_names_and_get_codec() -> None:
-    assert CODEC_NAMES == ("fp32", "fp16", "bf16", "int8", "int4", "topk", "powersgd")
+    assert CODEC_NAMES == ("fp32", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "hadamard", "lowrank", "chunktopk")
     for name in CODEC_NAMES:
         assert get_codec(name).name == name
     assert get_codec("int8", block_size=128, stochastic=False).block_size == 128
