@@ -1,0 +1,211 @@
+"""Outer rounds in one event loop: several Averagers joined by an in-memory loopback RPC and a fake
+swarm view (no processes, no sockets), so failures land exactly where the test puts them instead
+of where a sleep hopes they land."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+import pytest
+import torch
+
+from swarmgrad.peer.aggregate import weighted_mean
+from swarmgrad.peer.averaging import Averager, RoundResult
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.rpc import RPCFailed
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+
+from conftest import small_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+PEERS = ["QmAaaa1", "QmBbbb2", "QmCccc3", "QmDddd4"]
+SHAPES = {"w": (64, 64), "v": (4096 + 8,), "b": (16,)}
+
+
+class Network:
+    """Loopback RPC between in-process peers: requests and responses are serialised and parsed as
+    on the wire; a ProtocolError in a handler becomes a refusal, as FramedRPC does."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Callable[[pb.AverageRequest, str], Awaitable[pb.AverageResponse]]] = {}
+        self.dead: set[str] = set()
+
+    def rpc(self, me: str) -> "LoopbackRPC":
+        return LoopbackRPC(self, me)
+
+
+class LoopbackRPC:
+    def __init__(self, net: Network, me: str):
+        self.net, self.me = net, me
+
+    async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
+        if peer in self.net.dead or self.me in self.net.dead:
+            await asyncio.sleep(min(timeout, 0.2))
+            raise RPCFailed(f"{method} to {peer}: unreachable")
+        wire = type(request).FromString(request.SerializeToString())
+        try:
+            resp = await asyncio.wait_for(self.net.handlers[peer](wire, self.me), timeout)
+        except asyncio.TimeoutError:
+            raise RPCFailed(f"{method} to {peer} timed out") from None
+        except ProtocolError as e:
+            resp = response_type(status=e.status, reason=e.reason)
+        return response_type.FromString(resp.SerializeToString())
+
+
+class FakeSwarm:
+    """The DHT as a dict: every peer reads what every other peer wrote, at once."""
+
+    def __init__(self, members: list[str]):
+        self.members = members
+        self.regs: dict[tuple[int, int], dict[str, dict]] = {}
+        self.checks: dict[tuple[int, int], dict[str, str]] = {}
+
+    async def register_round(self, stage: int, round: int, peer_id: str, value: dict) -> bool:
+        self.regs.setdefault((stage, round), {})[peer_id] = dict(value)
+        return True
+
+    async def round_registrations(self, stage: int, round: int) -> dict[str, dict]:
+        return {p: dict(v) for p, v in self.regs.get((stage, round), {}).items()}
+
+    async def stage_records(self, stage: int) -> list[PeerRecord]:
+        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=1.0, round=0, applied_rounds=0,
+                           digest="d", manifest_hash="h", driver=False) for p in self.members]
+
+    async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
+        self.checks.setdefault((stage, round), {})[peer_id] = digest
+        return True
+
+    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+        return dict(self.checks.get((stage, round), {}))
+
+
+def manifest(codec: str = "fp32", ef: bool = False, robust: int = 3) -> Manifest:
+    return small_manifest(averaging={"codec": codec, "error_feedback": ef, "robust_min_members": robust},
+                          timeouts={"matchmaking": 0.5, "allreduce": 1.5})
+
+
+def group(n: int, m: Manifest) -> tuple[Network, FakeSwarm, list[Averager]]:
+    net, swarm = Network(), FakeSwarm(PEERS[:n])
+    averagers = []
+    for peer in PEERS[:n]:
+        clock = RoundClock(m.rounds, counts_steps=False, max_rounds=0, epoch=None)
+        avg = Averager(m, 1, peer, SHAPES, net.rpc(peer), swarm, 1 << 24, clock)  # type: ignore[arg-type]
+        net.handlers[peer] = avg.handle
+        averagers.append(avg)
+    return net, swarm, averagers
+
+
+def deltas(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    common = torch.Generator().manual_seed(999)
+    return {n: scale * (torch.randn(s, generator=common) + 0.3 * torch.randn(s, generator=g)) for n, s in SHAPES.items()}
+
+
+async def run_all(averagers: list[Averager], inputs: list[dict[str, torch.Tensor]], weights: list[float],
+                  round: int = 0) -> list[RoundResult]:
+    return await asyncio.gather(*(a.run_round(round, d, w, "digest", 0) for a, d, w in zip(averagers, inputs, weights)))
+
+
+def test_three_members_agree_on_the_weighted_mean() -> None:
+    async def main() -> None:
+        _, _, avgs = group(3, manifest())
+        inputs, weights = [deltas(i) for i in range(3)], [10.0, 20.0, 30.0]
+        results = await run_all(avgs, inputs, weights)
+        assert all(r.complete for r in results), [r.reason for r in results]
+        assert {r.total_weight for r in results} == {60.0}
+        for name in SHAPES:
+            ref = weighted_mean([(w, d[name]) for w, d in zip(weights, inputs)])
+            for r in results:
+                assert torch.equal(r.mean_delta[name], results[0].mean_delta[name]), "members must agree bit for bit"
+                assert torch.allclose(r.mean_delta[name], ref, atol=1e-5)
+    asyncio.run(main())
+
+
+def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
+    async def main() -> None:
+        net, swarm, avgs = group(3, manifest())
+        dying = avgs[2]
+        await dying.matchmake(0, {"digest": "digest", "applied_rounds": 0, "weight": 5.0})  # it registered...
+        net.dead.add(dying.peer_id)  # ...then vanished before sending or reducing anything
+        results = await run_all(avgs[:2], [deltas(0), deltas(1)], [5.0, 5.0])
+        assert not any(r.complete for r in results), "nobody may apply a partial mean"
+        assert all(r.mean_delta is None for r in results)
+    asyncio.run(main())
+
+
+def test_failed_round_restores_error_feedback_residuals() -> None:
+    async def main() -> None:
+        net, _, avgs = group(2, manifest(codec="int8", ef=True))
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        assert all(r.complete for r in first)
+        before = avgs[0].feedback.state_dict()
+        assert before, "int8 leaves residuals behind"
+        avgs[0].clock.current = avgs[1].clock.current = 1
+        await avgs[1].matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})
+        net.dead.add(avgs[1].peer_id)  # registered for round 1, then gone
+        failed = await avgs[0].run_round(1, deltas(2), 1.0, "digest", 0)
+        assert not failed.complete
+        after = avgs[0].feedback.state_dict()
+        assert after.keys() == before.keys()
+        for name in before:
+            assert torch.equal(after[name], before[name]), "a failed round's Δ must not stay in the residual"
+    asyncio.run(main())
+
+
+def test_a_byzantine_member_moves_the_mean_by_a_bounded_amount() -> None:
+    async def main() -> None:
+        honest = [deltas(i) for i in range(3)]
+        clean = {n: weighted_mean([(1.0, d[n]) for d in honest]) for n in SHAPES}
+        for bad in ({n: 100 * t for n, t in honest[0].items()}, {n: 30 * torch.randn_like(t) for n, t in honest[0].items()}):
+            for robust, bound in ((3, 0.6), (0, None)):
+                _, _, avgs = group(4, manifest(robust=robust))
+                results = await run_all(avgs, [*honest, bad], [1.0] * 4)
+                assert all(r.complete for r in results)
+                shift = sum(float((results[0].mean_delta[n] - clean[n]).pow(2).sum()) for n in SHAPES) ** 0.5
+                size = sum(float(clean[n].pow(2).sum()) for n in SHAPES) ** 0.5
+                if bound is not None:
+                    assert shift < bound * size, (shift, size)  # bounded: a fraction of the honest mean
+                else:
+                    assert shift > 2 * size, "without the robust aggregate the bad member dominates (guard)"
+    asyncio.run(main())
+
+
+def test_a_reducer_sending_different_bytes_is_caught() -> None:
+    async def main() -> None:
+        net, _, avgs = group(3, manifest())
+        cheat = avgs[0]
+
+        async def two_faced(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
+            resp = await cheat.handle(request, caller)
+            if caller == avgs[2].peer_id and resp.status == pb.OK:  # a different mean for one member only
+                fp32 = resp.tensors[0].tensor
+                data = bytearray(fp32.buffers[0])
+                data[0] ^= 0x01
+                fp32.buffers[0] = bytes(data)
+            return resp
+
+        net.handlers[cheat.peer_id] = two_faced
+        results = await run_all(avgs, [deltas(i) for i in range(3)], [1.0] * 3)
+        assert not any(r.complete for r in results), [r.reason for r in results]
+        assert any("cross-check" in r.reason for r in results)
+    asyncio.run(main())
+
+
+def test_a_contribution_claiming_more_weight_than_registered_is_refused() -> None:
+    async def main() -> None:
+        net, _, avgs = group(2, manifest())
+        liar = avgs[1]
+        real_call = liar.rpc.call
+
+        async def inflate(peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
+            request.weight = 1e9  # registered 1, claims a billion
+            return await real_call(peer, method, request, response_type, timeout)
+
+        liar.rpc.call = inflate  # type: ignore[method-assign]
+        results = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0])
+        assert not any(r.complete for r in results)
+    asyncio.run(main())
