@@ -44,7 +44,8 @@ DEFAULT_PAIRS = [
     "fp32/fp32", "fp16/fp16", "int8/fp32", "fp32/int8", "int8/int8",
     "int8:stochastic=true/int8:stochastic=true",
     "lowrank:rank=32/fp32", "fp32/hadamard:bits=4,stochastic=true",
-    "lowrank:rank=32/hadamard:bits=4,stochastic=true", "lowrank:rank=16/hadamard:bits=2,stochastic=true",
+    "lowrank:rank=32/hadamard:bits=4,stochastic=true", "lowrank:rank=16/hadamard:bits=4,stochastic=true",
+    "lowrank:rank=32/hadamard:bits=2,stochastic=true", "lowrank:rank=16/hadamard:bits=2,stochastic=true",
 ]
 QUICK_PAIRS = ["fp32/fp32", "int8/int8", "lowrank:rank=32/hadamard:bits=4,stochastic=true"]
 REFERENCE = {
