@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from typing import Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -33,28 +35,72 @@ from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_t
 
 logger = logging.getLogger(__name__)
 
-def state_response(snapshot: StateSnapshot) -> pb.StateResponse:
-    """The snapshot in full precision (fp32): state sync is the one place parameters travel whole."""
+PART_BYTES = 64 << 20
+"""A state travels in parts of at most this many bytes (θ_global + momentum of a few tensors),
+so no stage is capped by one message's size and two donors can each send half."""
+
+
+def state_response(snapshot: StateSnapshot, names: Sequence[str] | None = None) -> pb.StateResponse:
+    """The snapshot (or the tensors `names` of it) in full precision (fp32): state sync is the one
+    place parameters travel whole. Digest and counters are always the whole snapshot's."""
     fp32 = get_codec("fp32")
+    wanted = list(snapshot.params) if not names else list(names)
 
     def named(tensors: dict) -> list[pb.NamedTensor]:
-        return [pb.NamedTensor(name=n, tensor=encoded_to_proto(fp32.encode(t))) for n, t in tensors.items()]
+        return [pb.NamedTensor(name=n, tensor=encoded_to_proto(fp32.encode(tensors[n]))) for n in wanted if n in tensors]
 
     return pb.StateResponse(status=pb.OK, round=snapshot.round, state_digest=snapshot.digest,
                             applied_rounds=snapshot.applied_rounds, params=named(snapshot.params),
                             momentum=named(snapshot.momentum), trained_samples=snapshot.trained_samples)
 
 
-async def fetch_state(rpc: FramedRPC, peer: str, identity: RunIdentity, stage: int,
-                      shapes: dict[str, tuple[int, ...]], max_numel: int, timeout: float) -> StateSnapshot:
-    """Download and check a replica's state (protocol.responses.validate_state_response: names,
-    shapes, fp32 only, bounded counters, recomputed digest). Raises RPCFailed or ProtocolError."""
-    resp = await rpc.call(peer, "state", pb.StateRequest(envelope=envelope(identity, stage)), pb.StateResponse,
-                          timeout=timeout)
-    res = validate_state_response(resp, shapes, max_numel, digest_fn=state_digest, allowed_codecs=FP32_ONLY)
-    if not res.ok:
-        raise ProtocolError(res.status, res.reason)
-    return StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest, res.trained_samples)
+def plan_parts(shapes: dict[str, tuple[int, ...]], part_bytes: int) -> list[list[str]]:
+    """Tensor names in parts of at most `part_bytes` of θ_global + momentum (a tensor larger than
+    that travels alone). Pure; sorted, so every joiner asks for the same parts."""
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(shapes):
+        n = 8 * math.prod(shapes[name])  # fp32 θ_global and fp32 momentum
+        if parts[-1] and size + n > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += n
+    return parts
+
+
+async def fetch_state(rpc: FramedRPC, donors: Sequence[str], identity: RunIdentity, stage: int,
+                      shapes: dict[str, tuple[int, ...]], max_numel: int, timeout: float,
+                      part_bytes: int = PART_BYTES) -> StateSnapshot:
+    """Download a replica's state in parts, spread over up to two donors that announce the same
+    digest, and check it whole at the end (protocol.responses.validate_state_response per part:
+    names, shapes, fp32 only, bounded counters; then the recomputed digest of the assembled
+    state). Raises RPCFailed or ProtocolError."""
+    donors = list(donors)[:2]
+    parts = plan_parts(shapes, part_bytes)
+
+    async def one(i: int, names: list[str]):
+        request = pb.StateRequest(envelope=envelope(identity, stage), names=names if len(parts) > 1 else [])
+        resp = await rpc.call(donors[i % len(donors)], "state", request, pb.StateResponse, timeout=timeout)
+        res = validate_state_response(resp, {n: shapes[n] for n in names}, max_numel, digest_fn=None,
+                                      allowed_codecs=FP32_ONLY)
+        if not res.ok:
+            raise ProtocolError(res.status, res.reason)
+        return res
+
+    results = await asyncio.gather(*(one(i, names) for i, names in enumerate(parts)))
+    first = results[0]
+    if any((r.digest, r.round, r.applied_rounds, r.trained_samples) !=
+           (first.digest, first.round, first.applied_rounds, first.trained_samples) for r in results):
+        raise ProtocolError(pb.STALE_STATE, "the parts come from different states (a round ended meanwhile)")
+    params = {n: t for r in results for n, t in r.params.items()}
+    momentum = {n: t for r in results for n, t in r.momentum.items()}
+    if momentum and momentum.keys() != params.keys():
+        raise ProtocolError(pb.BAD_REQUEST, "momentum is missing for some tensors")
+    digest = state_digest(params, momentum, first.trained_samples)
+    if digest != first.digest:
+        raise ProtocolError(pb.BAD_REQUEST, "the assembled state does not match its declared digest")
+    return StateSnapshot(params, momentum, first.round, first.applied_rounds, digest, first.trained_samples)
 
 
 class StateSync:
@@ -83,20 +129,25 @@ class StateSync:
     # serving ------------------------------------------------------------------------------------
     async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
         check_envelope(request.envelope, self.identity, [self.stage])
+        names = list(request.names)
+        if len(set(names)) != len(names) or any(n not in self.state.shapes for n in names):
+            raise ProtocolError(pb.BAD_REQUEST, "state request names unknown or repeated tensors")
         snap = self.state.snapshot
         if snap is None or not self.serving:
             raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
         if self.worker.paused:
             raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
-        return state_response(snap)
+        return state_response(snap, names)
 
     # fetching -----------------------------------------------------------------------------------
-    async def download(self, peer: str) -> bool:
+    async def download(self, peers: Sequence[str]) -> bool:
+        """Download the state from `peers` (parts spread over the first two), adopt it."""
         try:
-            snap = await fetch_state(self.rpc, peer, self.identity, self.stage, self.state.shapes, self.max_numel,
+            snap = await fetch_state(self.rpc, peers, self.identity, self.stage, self.state.shapes, self.max_numel,
                                      self.t.state_download)
         except (RPCFailed, ProtocolError) as e:
-            logger.info("stage %d: state download from %s failed: %s", self.stage, peer[-8:], e)
+            logger.info("stage %d: state download from %s failed: %s", self.stage,
+                        ", ".join(p[-8:] for p in peers[:2]), e)
             return False
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.trained = snap.trained_samples
@@ -121,8 +172,11 @@ class StateSync:
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
                 return
-            for donor in donors:
-                if await self.download(donor):
+            # two donors at once when there are two; else each in turn
+            attempts = [donors[i:] + donors[:i] for i in range(len(donors))]
+            for order in attempts:
+                if await self.download(order):
+                    donor = ",".join(order[:2])
                     await self.worker.run(self.state.copy_to, self.worker.module)
                     self.progress.expect_group(1 + len(donors))
                     self.events.emit("state_loaded", source=donor, round=self.clock.current,
@@ -182,7 +236,7 @@ class StateSync:
             donors = policy.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
                                           result.stale)
             for donor in donors:
-                if await self.download(donor):
+                if await self.download([donor]):
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True

@@ -169,14 +169,15 @@ MAX_SAMPLES = 2**50
 
 
 def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[int, ...]], max_numel: int, *,
-                            digest_fn: Digest, allowed_codecs: Codecs = None) -> StateResult:
+                            digest_fn: Digest | None, allowed_codecs: Codecs = None) -> StateResult:
     """Check a downloaded state: names and shapes exact, rounds bounded, digest recomputed.
 
     Args:
         shapes: the stage's parameter names and shapes; params must be exactly these, momentum
             exactly these or empty.
         digest_fn: (params, momentum, trained_samples) -> digest, as the receiver computes it
-            (peer.state.state_digest).
+            (peer.state.state_digest); None for one part of a state fetched in parts (`shapes`
+            then names that part), whose digest the caller checks once all parts are in.
         allowed_codecs: default any; state sync sends fp32 (protocol.codecs.FP32_ONLY).
 
     Raises:
@@ -196,7 +197,7 @@ def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[i
     params = decode_named(resp.params, dict(shapes), max_numel, "state params", allowed_codecs=allowed_codecs)
     momentum = (decode_named(resp.momentum, dict(shapes), max_numel, "state momentum", allowed_codecs=allowed_codecs)
                 if len(resp.momentum) else {})
-    digest = digest_fn(params, momentum, int(resp.trained_samples))
+    digest = resp.state_digest if digest_fn is None else digest_fn(params, momentum, int(resp.trained_samples))
     if digest != resp.state_digest:
         raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
     return StateResult(pb.OK, "", int(resp.round), int(resp.applied_rounds), digest, params, momentum,
