@@ -148,22 +148,14 @@ def _slowdown_arg(text: str) -> float:
 
 
 def _stage_arg(text: str) -> str | int:
-    if text == "auto":
-        return text
+    return text if text == "auto" else _nonneg_int(text, "must be 'auto' or a stage index")
+
+
+def _nonneg_int(text: str, what: str = "must be an integer") -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a stage index, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
     return value
