@@ -1,0 +1,449 @@
+"""Chaos soak: 6 peers on 2 stages, one SIGKILLed every few seconds and replaced at once.
+
+    python benchmarks/chaos.py [--minutes M] [--kill-every S] [--manifest PATH] [--workdir DIR]
+                               [--seed N] [--quick]
+
+Not a CI test (the "Chaos soak" item of the hostile-peers issue). Six peers on 127.0.0.1, three
+replicas of each of 2 fixed stages (`--stage N`, so no rebalancing moves; the three stage-0
+replicas are the drivers), train the tests' small manifest (a 2-layer d=32 GPT, 4 s wall-clock
+rounds) unless `--manifest` says otherwise. Once every peer is online and each stage completed a
+round, every `--kill-every` seconds for `--minutes` a random live peer's whole process group
+(peer, DHT child, p2pd) is SIGKILLed and a replacement starts on the same stage at once, joining
+through a live peer (the swarm's first peer is killed too, so the address new peers join through is
+refreshed from live peers' `started` events before every start). A peer is only killed if its stage keeps another
+online replica, so no stage, and not every driver, is ever gone at once. A peer that exits by itself
+(a crash) is reported with its log tail and replaced the same way. At the end, once the last
+replacements are online (at most `--join-limit` s: a peer signalled while it still imports dies of
+the signal, since the daemon installs its handlers only once it runs), every live peer gets SIGTERM
+and must exit 0 within 20 s; `LocalSwarm` then kills every process group it started,
+whatever happened (also on SIGTERM/SIGINT of this script), and the script checks that no process of
+those groups is left.
+
+The report (one markdown table, then one JSON line) is computed from the peers' JSON-lines events:
+- hangs: a live peer with no `round` event for more than 3 round durations (from its `online`
+  event, between round events, or until it was killed or stopped), a peer not online
+  `--join-limit` s after it started, or a peer that did not exit within 20 s of SIGTERM. Each is
+  listed with the peer, its stage, when, and the last lines of its log.
+- rounds: per stage, rounds that at least one replica completed, and rounds that no replica
+  completed; "replica rounds incomplete" counts every replica's incomplete round events.
+- microbatches lost / retried: the drivers' `lost` and `retry` events (evaluation microbatches
+  included; a retry event is one re-send).
+- duplicated microbatches: not measurable exactly, since stage 1 does not report which microbatch
+  ids it trained. Estimated as stage-1 samples minus stage-0 samples, summed over rounds in which no
+  peer was killed, crashed or came online (both stages then count the same microbatches once each,
+  unless a driver re-sent one that stage 1 had already trained); divided by the microbatch size.
+- replicas bit-identical: every (stage, round) that several replicas completed has one digest.
+- validation loss: the swarm's first evaluation (before training), the mean of each driver's last
+  one before the first kill, and the mean of the last one of each driver alive at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import psutil
+
+from _common import fmt, markdown_table
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.manifest import Manifest, dumps, from_dict, load
+
+STAGES = 2
+REPLICAS = 3
+STALL_ROUNDS = 3  # a live peer without a round event for this many round durations hangs
+SHUTDOWN_S = 20.0
+
+
+def small_manifest() -> Manifest:
+    """The tests' small run (tests/conftest.py small_manifest): 2-layer d=32 GPT, 2 stages, 4 s rounds."""
+    return from_dict({
+        "run_id": "chaos", "seed": 1,
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "stages": {"count": STAGES},
+        "inner": {"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2},
+        "rounds": {"round_seconds": 4.0},
+        "pipeline": {"max_in_flight": 2},
+        "data": {"max_bytes": 300_000, "eval_every": 1, "eval_batches": 2},
+        "timeouts": {"matchmaking": 3.0, "allreduce": 8.0, "announce_ttl": 8.0, "heartbeat": 1.0,
+                     "microbatch": 10.0, "min_microbatch": 3.0, "ban_base": 2.0},
+    })
+
+
+# pure decisions and figures ------------------------------------------------------------------------
+def choose_victim(live: Sequence[tuple[str, int, bool]], rng: random.Random) -> str | None:
+    """A random live peer whose stage keeps at least one *other* online replica after the kill, so
+    no stage (and never every driver: they are stage 0) is emptied. `live`: (name, stage, online)
+    of every live peer. None when every stage is down to its last online replica."""
+    online = Counter(stage for _, stage, on in live if on)
+    candidates = [name for name, stage, on in live if online[stage] - on >= 1]
+    return rng.choice(candidates) if candidates else None
+
+
+def find_stalls(progress: Sequence[float], end: float, limit: float) -> list[tuple[float, float]]:
+    """(start, seconds) of every gap longer than `limit` between a peer's successive progress times
+    (its `online` event, then its round events) and from the last one to `end` (killed, exited, or
+    SIGTERM). Empty if the peer never came online (that is judged separately)."""
+    times = sorted(progress)
+    return [(a, b - a) for a, b in zip(times, times[1:] + [end]) if b - a > limit]
+
+
+def duplicate_estimate(rounds: dict[int, dict[int, int]], disturbed: set[int]) -> tuple[int, int]:
+    """(stage-1 samples minus stage-0 samples over undisturbed rounds, how many such rounds).
+    `rounds[stage][round]` = samples summed over that stage's replicas' round events."""
+    clean = [r for r in rounds.get(0, {}) if r in rounds.get(1, {}) and r not in disturbed]
+    return sum(rounds[1][r] - rounds[0][r] for r in clean), len(clean)
+
+
+@dataclass
+class Incident:
+    kind: str  # "stall", "not online", "shutdown", "crash", "exit code"
+    peer: str
+    stage: int
+    at: float  # unix time
+    detail: str
+    log_tail: str = ""
+    gap: float = 0.0  # a stall's length in seconds
+
+
+@dataclass
+class Soak:
+    swarm: LocalSwarm
+    m: Manifest
+    rng: random.Random
+    join_limit: float
+    spawned: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)  # killed / exited / SIGTERM time
+    kills: list[tuple[float, str, int, str]] = field(default_factory=list)  # time, victim, stage, replacement
+    incidents: list[Incident] = field(default_factory=list)
+    deferred: int = 0
+    chaos_t0: float = 0.0  # unix time the chaos phase began
+
+    def start(self, stage: int) -> PeerProcess:
+        self._refresh_initial_peers()
+        peer = self.swarm.start(stage)
+        self.spawned[peer.name] = time.time()
+        return peer
+
+    def live(self) -> list[PeerProcess]:
+        return [p for p in self.swarm.peers if p.name not in self.ended and p.alive]
+
+    def _refresh_initial_peers(self) -> None:
+        """Join through live online peers: the first peer (or any later one) may be dead by now. Up
+        to 3 of them, so that one killed while the newcomer still starts does not strand it."""
+        online = [p for p in self.live() if p.events("online")]
+        if online:
+            self.swarm.initial_peers = [a for p in online[:3] for a in self._maddrs(p)]
+
+    @staticmethod
+    def _maddrs(peer: PeerProcess) -> list[str]:
+        started = peer.events("started")
+        addrs = started[0]["maddrs"] if started else []
+        return [a for a in addrs if "/127.0.0.1/" in a] or addrs
+
+    def kill_one(self, t0: float) -> bool:
+        live = self.live()
+        name = choose_victim([(p.name, p.stage, bool(p.events("online"))) for p in live], self.rng)
+        if name is None:
+            self.deferred += 1
+            return False
+        victim = next(p for p in live if p.name == name)
+        victim.kill_group(signal.SIGKILL)
+        self.ended[victim.name] = time.time()
+        new = self.start(victim.stage)
+        self.kills.append((self.ended[victim.name], victim.name, victim.stage, new.name))
+        print(f"  t={time.time() - t0:6.1f}s kill {victim.name} (stage {victim.stage}) -> {new.name}", flush=True)
+        return True
+
+    def reap_crashes(self) -> None:
+        """A peer that exited without being killed crashed: report it and replace it."""
+        for p in self.swarm.peers:
+            if p.name not in self.ended and not p.alive:
+                self.ended[p.name] = time.time()
+                self.incidents.append(Incident("crash", p.name, p.stage, time.time(),
+                                               f"exited by itself with code {p.proc.returncode}", p.log_tail(30)))
+                new = self.start(p.stage)
+                print(f"  CRASH {p.name} (stage {p.stage}, code {p.proc.returncode}) -> {new.name}", flush=True)
+
+    def stop_all(self) -> dict[str, tuple[int | None, float]]:
+        """SIGTERM every live peer at once; (exit code, seconds) of each, None if still running."""
+        live = self.live()
+        t = time.time()
+        for p in live:
+            p.signal(signal.SIGTERM)
+            self.ended[p.name] = t
+        out = {}
+        for p in live:
+            try:
+                code = p.proc.wait(max(0.1, t + SHUTDOWN_S - time.time()))
+            except subprocess.TimeoutExpired:  # judged below
+                code = None
+            out[p.name] = (code, time.time() - t)
+            if code is None:
+                self.incidents.append(Incident("shutdown", p.name, p.stage, t,
+                                               f"still running {SHUTDOWN_S:.0f}s after SIGTERM", p.log_tail(30)))
+            elif code != 0:
+                self.incidents.append(Incident("exit code", p.name, p.stage, t,
+                                               f"exited {code} after SIGTERM", p.log_tail(30)))
+        return out
+
+    def judge_stalls(self) -> None:
+        limit = STALL_ROUNDS * self.m.rounds.round_seconds
+        for p in self.swarm.peers:
+            end = self.ended.get(p.name, time.time())
+            online = p.events("online")
+            if not online:
+                if end - self.spawned[p.name] > self.join_limit:
+                    self.incidents.append(Incident("not online", p.name, p.stage, self.spawned[p.name],
+                                                   f"not online {end - self.spawned[p.name]:.0f}s after start",
+                                                   p.log_tail(20)))
+                continue
+            progress = [online[0]["time"]] + [e["time"] for e in p.events("round")]
+            for start, gap in find_stalls(progress, end, limit):
+                self.incidents.append(Incident("stall", p.name, p.stage, start,
+                                               f"no round event for {gap:.1f}s from t={start:.1f} "
+                                               f"({'until it ended' if start + gap >= end - 1e-6 else 'recovered'})",
+                                               _log_window(p, start, start + gap), round(gap, 1)))
+
+
+def _log_window(peer: PeerProcess, start: float, end: float, max_lines: int = 14) -> str:
+    """The peer's log lines stamped (HH:MM:SS, local time) from 2 s before `start` to 2 s after
+    `end`, at most `max_lines` of them (the last ones), or its tail when none is stamped there."""
+    def sod(t: float) -> int:
+        lt = time.localtime(t)
+        return lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec
+    lo, hi = sod(start - 2), sod(end + 2)
+    picked = []
+    for line in peer.log_tail(100_000).splitlines():
+        stamp = line[:8]
+        if len(stamp) == 8 and stamp[2] == stamp[5] == ":" and stamp.replace(":", "").isdigit():
+            s = int(stamp[:2]) * 3600 + int(stamp[3:5]) * 60 + int(stamp[6:])
+            if (lo <= s <= hi) if lo <= hi else (s >= lo or s <= hi):
+                picked.append(line)
+    return "\n".join(picked[-max_lines:]) or peer.log_tail(max_lines)
+
+
+# the report ----------------------------------------------------------------------------------------
+def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tuple[int | None, float]],
+              leftover: list[int]) -> dict[str, Any]:
+    peers = soak.swarm.peers
+    events = {p.name: p.events() for p in peers}
+    stage_of = {p.name: p.stage for p in peers}
+    rounds = [e for n in events for e in events[n] if e["event"] == "round"]
+    complete: dict[tuple[int, int], list[str]] = defaultdict(list)
+    seen: set[tuple[int, int]] = set()
+    samples: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for e in rounds:
+        seen.add((e["stage"], e["round"]))
+        samples[e["stage"]][e["round"]] += e["samples"]
+        if e["complete"]:
+            complete[(e["stage"], e["round"])].append(e["digest"])
+    compared = [d for d in complete.values() if len(d) >= 2]
+    mismatched = sorted(k for k, d in complete.items() if len(set(d)) > 1)
+    drivers = [n for n in events if stage_of[n] == 0]
+    evals = {n: [e for e in events[n] if e["event"] == "eval" and e.get("val_loss") is not None] for n in drivers}
+    # start: the swarm's first evaluation (before training); at chaos start: each live driver's last
+    # one before the first kill; end: the last one of each driver alive at the end
+    ordered = sorted((e for n in drivers for e in evals[n]), key=lambda e: e["time"])
+    val_start = ordered[0]["val_loss"] if ordered else float("nan")
+    val_chaos = _mean([[e for e in evals[n] if e["time"] <= soak.chaos_t0][-1]["val_loss"] for n in drivers
+                       if any(e["time"] <= soak.chaos_t0 for e in evals[n])])
+    val_end = _mean([evals[n][-1]["val_loss"] for n in drivers if n in shutdown and evals[n]])
+    dup, clean = duplicate_estimate(samples, _disturbed_rounds(soak, rounds))
+    hangs = [i for i in soak.incidents if i.kind in ("stall", "not online", "shutdown")]
+    stalls = [i for i in hangs if i.kind == "stall"]
+    return {
+        "bench": "chaos", "wall_s": round(wall_s, 1), "chaos_s": round(chaos_s, 1), "kills": len(soak.kills),
+        "kills_deferred": soak.deferred, "peers_started": len(peers),
+        "hangs": len(hangs), "stalls_recovered": sum("recovered" in i.detail for i in stalls),
+        "longest_stall_s": max((i.gap for i in stalls), default=0.0), "crashes": sum(i.kind == "crash" for i in soak.incidents),
+        "bad_exit_codes": sum(i.kind == "exit code" for i in soak.incidents),
+        "shutdown_max_s": round(max((s for _, s in shutdown.values()), default=0.0), 1),
+        "shutdown_exit_codes": sorted(Counter(str(c) for c, _ in shutdown.values()).items()),
+        "leftover_processes": len(leftover),
+        "rounds_completed": {s: len({r for (st, r) in complete if st == s}) for s in range(STAGES)},
+        "rounds_incomplete": {s: len({r for (st, r) in seen if st == s} - {r for (st, r) in complete if st == s})
+                              for s in range(STAGES)},
+        "replica_rounds_incomplete": sum(not e["complete"] for e in rounds),
+        "incomplete_reasons": Counter(str(e["reason"])[:60] for e in rounds if not e["complete"]).most_common(4),
+        "lost": sum(e["event"] == "lost" for n in drivers for e in events[n]),
+        "retried": sum(e["event"] == "retry" for n in drivers for e in events[n]),
+        "duplicated_estimate": round(dup / soak.m.inner.microbatch_size, 1), "duplicate_clean_rounds": clean,
+        "rounds_compared": len(compared), "digest_mismatches": mismatched,
+        "val_loss_start": round(val_start, 3), "val_loss_chaos_start": round(val_chaos, 3),
+        "val_loss_end": round(val_end, 3), "val_loss_fell": val_end < val_start,
+    }
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _disturbed_rounds(soak: Soak, rounds: list[dict[str, Any]]) -> set[int]:
+    """Rounds during which (give or take a round) a peer was killed, crashed, or came online."""
+    span: dict[int, tuple[float, float]] = {}
+    for e in rounds:
+        lo, hi = span.get(e["round"], (e["time"], e["time"]))
+        span[e["round"]] = (min(lo, e["time"]), max(hi, e["time"]))
+    moments = [t for t, *_ in soak.kills] + [i.at for i in soak.incidents if i.kind == "crash"]
+    moments += [p.events("online")[0]["time"] for p in soak.swarm.peers if p.events("online")]
+    pad = soak.m.rounds.round_seconds
+    return {r for r, (lo, hi) in span.items() if any(lo - 2 * pad <= t <= hi + pad for t in moments)}
+
+
+def report(s: dict[str, Any], microbatch_size: int, round_s: float) -> str:
+    stages = range(STAGES)
+    rows = [
+        ("wall time (chaos phase)", f"{s['wall_s']:.0f} s ({s['chaos_s']:.0f} s)"),
+        ("kills (SIGKILL of a process group) / deferred", f"{s['kills']} / {s['kills_deferred']}"),
+        ("peers started in all", s["peers_started"]),
+        ("hangs (must be 0)", f"{s['hangs']} ({s['stalls_recovered']} stalls that recovered, longest "
+                              f"{s['longest_stall_s']:.1f} s = {s['longest_stall_s'] / round_s:.1f} rounds)"),
+        ("crashes / non-zero exits after SIGTERM", f"{s['crashes']} / {s['bad_exit_codes']}"),
+        ("SIGTERM at the end: exit codes, slowest", f"{dict(s['shutdown_exit_codes'])}, {s['shutdown_max_s']:.1f} s"),
+        ("processes left behind", s["leftover_processes"]),
+        ("rounds completed per stage", ", ".join(f"stage {i}: {s['rounds_completed'][i]}" for i in stages)),
+        ("rounds no replica completed", ", ".join(f"stage {i}: {s['rounds_incomplete'][i]}" for i in stages)),
+        ("replica rounds incomplete", s["replica_rounds_incomplete"]),
+        ("microbatches lost / retried (drivers)", f"{s['lost']} / {s['retried']}"),
+        ("duplicated microbatches (estimate)",
+         f"{s['duplicated_estimate']:+.1f} over {s['duplicate_clean_rounds']} undisturbed rounds "
+         f"(stage-1 minus stage-0 samples / {microbatch_size}; exact ids not in events)"),
+        ("replicas bit-identical after every complete round",
+         f"{'yes' if not s['digest_mismatches'] else 'NO: ' + str(s['digest_mismatches'][:5])} "
+         f"({s['rounds_compared']} rounds with >= 2 replicas)"),
+        ("validation loss start -> first kill -> end (bits/byte)",
+         f"{fmt(s['val_loss_start'], 3)} -> {fmt(s['val_loss_chaos_start'], 3)} -> {fmt(s['val_loss_end'], 3)} "
+         f"({'falls' if s['val_loss_fell'] else 'DOES NOT FALL'})"),
+    ]
+    return markdown_table(["chaos soak", "value"], rows)
+
+
+def leftover_processes(pgids: Sequence[int]) -> list[int]:
+    """Live (non-zombie) processes still in any of these process groups."""
+    out = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) in pgids and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+# the run -------------------------------------------------------------------------------------------
+def _wait_ready(soak: Soak, timeout: float) -> None:
+    """Every first peer online and a complete round on every stage, or RuntimeError."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        soak.reap_crashes()
+        peers = soak.live()
+        done = {e["stage"] for p in peers for e in p.events("round") if e["complete"]}
+        if all(p.events("online") for p in peers) and done >= set(range(STAGES)):
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"the swarm did not assemble within {timeout:.0f}s:\n" +
+                       "\n".join(f"--- {p.name} ---\n{p.log_tail(10)}" for p in soak.live()))
+
+
+def _wait_online(soak: Soak, timeout: float) -> None:
+    """Let the last replacements come online before SIGTERM: the end checks how running peers stop.
+    (A peer signalled while still importing dies of the signal: cli.py installs its handlers late.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(p.events("online") for p in soak.live()):
+        soak.reap_crashes()
+        time.sleep(0.5)
+
+
+def _progress(soak: Soak, t0: float) -> None:
+    live = soak.live()
+    latest = {s: max((e["round"] for p in live if p.stage == s for e in p.events("round") if e["complete"]),
+                     default=None) for s in range(STAGES)}
+    evals = [e["val_loss"] for p in live if p.stage == 0 for e in p.events("eval")[-1:] if e.get("val_loss")]
+    print(f"  t={time.time() - t0:6.1f}s live {len(live)} (online {sum(bool(p.events('online')) for p in live)}), "
+          f"latest complete round {latest}, kills {len(soak.kills)}, drivers' last val "
+          f"{', '.join(f'{v:.2f}' for v in evals) or '-'}", flush=True)
+
+
+def run(args: argparse.Namespace, m: Manifest, workdir: Path) -> dict[str, Any]:
+    path = workdir / "manifest.toml"
+    path.write_text(dumps(m))
+    started = time.monotonic()
+    env = {"HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")}
+    with LocalSwarm(path, workdir, env=env) as swarm:
+        soak = Soak(swarm, m, random.Random(args.seed), args.join_limit)
+        first = swarm.start_first(0, timeout=180)
+        soak.spawned[first.name] = time.time()
+        for i in range(1, STAGES * REPLICAS):
+            soak.start(i % STAGES)
+        _wait_ready(soak, 300)
+        t0 = soak.chaos_t0 = time.time()
+        print(f"swarm ready after {time.monotonic() - started:.0f}s; chaos for {args.minutes:g} min, "
+              f"a kill every {args.kill_every:g}s (logs: {workdir})", flush=True)
+        next_kill, next_note = t0 + args.kill_every, t0 + 30
+        while time.time() < t0 + args.minutes * 60:
+            soak.reap_crashes()
+            if time.time() >= next_kill:
+                next_kill += args.kill_every if soak.kill_one(t0) else 1.0
+            if time.time() >= next_note:
+                _progress(soak, t0)
+                next_note += 30
+            time.sleep(0.25)
+        chaos_s = time.time() - t0
+        soak.reap_crashes()
+        _wait_online(soak, args.join_limit)
+        shutdown = soak.stop_all()
+        soak.judge_stalls()
+    pgids = [p.proc.pid for p in swarm.peers]
+    return summarize(soak, time.monotonic() - started, chaos_s, shutdown, leftover_processes(pgids)) | \
+        {"incidents": [asdict(i) for i in soak.incidents]}
+
+
+def _raise_on_term(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through LocalSwarm.__exit__, which reaps every peer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos phase (default 10; 2 with --quick)")
+    ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20)")
+    ap.add_argument("--manifest", type=Path, default=None, help="default: the tests' small manifest")
+    ap.add_argument("--workdir", type=Path, default=None, help="logs and events (default runs/chaos-TIME)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the victim choice")
+    ap.add_argument("--join-limit", type=float, default=120.0,
+                    help="a peer not online this many seconds after it started counts as a hang")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 minutes, a kill every 20 s")
+    args = ap.parse_args()
+    if args.minutes is None:
+        args.minutes = 2.0 if args.quick else 10.0
+    if args.minutes <= 0 or args.kill_every <= 0:
+        ap.error("--minutes and --kill-every must be > 0")
+    m = load(args.manifest) if args.manifest else small_manifest()
+    if m.stages.count != STAGES or m.rounds.round_seconds <= 0:
+        ap.error(f"the manifest needs stages.count = {STAGES} and rounds.round_seconds > 0 (stalls are counted in rounds)")
+    workdir = args.workdir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
+    workdir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _raise_on_term)
+    s = run(args, m, workdir)
+    print()
+    print(report(s, m.inner.microbatch_size, m.rounds.round_seconds))
+    for i in s["incidents"]:
+        print(f"\n{i['kind'].upper()}: {i['peer']} (stage {i['stage']}) at "
+              f"{time.strftime('%H:%M:%S', time.localtime(i['at']))}: {i['detail']}\n{i['log_tail']}")
+    print(json.dumps({k: v for k, v in s.items() if k != "incidents"} |
+                     {"incidents": [{k: v for k, v in i.items() if k != "log_tail"} for i in s["incidents"]]}))
+    ok = s["hangs"] == 0 and s["crashes"] == 0 and s["bad_exit_codes"] == 0 and not s["leftover_processes"] \
+        and not s["digest_mismatches"] and s["val_loss_fell"]
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
