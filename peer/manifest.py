@@ -413,6 +413,11 @@ def validate(m: Manifest) -> None:
         _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))
     if m.timeouts.min_microbatch > m.timeouts.microbatch:
         raise _fail("timeouts.min_microbatch", "must not exceed timeouts.microbatch")
+    if m.timeouts.announce_ttl * 4 > 600:
+        # round registrations live 4 x announce_ttl, and signed DHT records may not live longer than
+        # 600 s (peer/record_signing.MAX_RECORD_TTL): a longer TTL would be clamped silently
+        raise _fail("timeouts.announce_ttl", f"({m.timeouts.announce_ttl}) must be at most 150 s: DHT records "
+                                             "are capped at 600 s and registrations live 4 x announce_ttl")
     if m.timeouts.heartbeat >= m.timeouts.announce_ttl:
         raise _fail("timeouts.heartbeat", "must be shorter than timeouts.announce_ttl, or records expire between refreshes")
 

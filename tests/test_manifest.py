@@ -375,6 +375,7 @@ def test_replace_validates() -> None:
     ("data", {"max_bytes": 50}, "data.max_bytes"),
     ("averaging", {"robust_min_members": 2}, "averaging.robust_min_members"),
     ("averaging", {"max_weight_ratio": 0.5}, "averaging.max_weight_ratio"),
+    ("timeouts", {"announce_ttl": 200.0}, "timeouts.announce_ttl"),
 ])
 def test_absurd_values_are_refused_naming_the_field(section: str, values: dict, field: str) -> None:
     with pytest.raises(ManifestError, match=re.escape(field)):
