@@ -18,7 +18,7 @@ A round r of stage s, on every replica:
 A round is complete only if every part came back with the full group as contributors. Anything
 less is a failed round, logged as such: nobody applies a partial mean. A member that failed
 while others completed re-syncs θ_global from one of them (the daemon does this); a member
-that vanished delays the others by at most `patience` + timeouts.allreduce.
+that vanished fails the round for the others after at most `patience` + timeouts.allreduce.
 
 hivemind's DecentralizedAverager is not used: it returns partial results with only a warning,
 lets each peer apply local + Q(avg − local), and its codec set is a closed enum (see the primer).
@@ -208,6 +208,13 @@ class Averager:
             tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), timeouts.allreduce)
         except asyncio.TimeoutError:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "not every member's part arrived in time") from None
+        except asyncio.CancelledError:
+            # the slot was dropped (we moved on two rounds): answer so, rather than close the
+            # caller's stream without a word; our own cancellation still propagates
+            task = asyncio.current_task()
+            if slot.result.cancelled() and task is not None and not task.cancelling():
+                raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} was abandoned here") from None
+            raise
         return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
     def _maybe_reduce(self, slot: _Slot) -> None:

@@ -76,7 +76,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
                           rebalance=args.rebalance)
+    # Until the event loop takes over the signals, SIGTERM ends the process through SystemExit, so
+    # the `finally` below still shuts down a DHT that was started.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
     from swarmgrad.peer.identity import IdentityError
     try:
         dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
@@ -84,6 +89,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except IdentityError as e:
         print(f"--identity {e}", file=sys.stderr)
         return 2
+    except (P2PDaemonError, RuntimeError) as e:  # e.g. none of --initial-peers answered
+        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        return 1
     log = logging.getLogger("swarmgrad")
     code = 0
     try:  # from here on, whatever fails, the DHT (a child process and its p2pd) is shut down
@@ -119,6 +128,10 @@ async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
             run.cancel()
             return
     run.result()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _parse_bytes(text: str) -> int:

@@ -117,7 +117,9 @@ class Downstream:
             self.bans.ban(peer, now)
             return Hop(pb.DOWNSTREAM_FAILED, f"bad answer from {peer[-8:]}: {e.reason}", failed_peer=peer)
         route = ",".join((peer, *res.route))
-        if res.status in (pb.NOT_READY, pb.BUSY):
+        if res.status in (pb.NOT_READY, pb.BUSY, pb.WRONG_ROUND):
+            # busy, between rounds, or a round behind and catching up: pass it over for a moment,
+            # it has not failed (counting these as failures lost microbatches in the chaos soak)
             busy = res.failed_peer or peer
             if busy == peer:  # this replica itself is between rounds (or full): try its siblings first
                 self.bans.defer(peer, now, NOT_READY_DEFER_SECONDS)
