@@ -129,6 +129,8 @@ class RoundResult:
     """This replica's θ_global was not the group's reference: it must re-sync."""
     total_weight: float = 0.0
     """Samples the whole group trained on this round; 0 means nobody trained, so nobody steps."""
+    unreachable: tuple[str, ...] = ()
+    """Members that did not answer at all (dead or cut off): a re-sync does not wait for them."""
 
 
 class Averager:
@@ -309,25 +311,34 @@ class Averager:
         return result
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
+        # A reducer we could not reach at all (not one that timed out: it may be waiting on
+        # someone else's part) is dead or cut off; a re-sync will not wait for it.
+        unreachable = tuple(group.members[p] for p, res in enumerate(results)
+                            if isinstance(res, RPCFailed) and "timed out" not in str(res))
         mean: dict[str, torch.Tensor] = {}
         totals = set()
         for part, res in enumerate(results):
             reducer = group.members[part][-8:]
             if isinstance(res, asyncio.TimeoutError):
-                return RoundResult(False, f"part {part} (reducer {reducer}): timed out", group.members, None)
+                return RoundResult(False, f"part {part} (reducer {reducer}): timed out", group.members, None,
+                                   unreachable=unreachable)
             if isinstance(res, RPCFailed):
-                return RoundResult(False, f"part {part} (reducer {reducer}): {res}", group.members, None)
+                return RoundResult(False, f"part {part} (reducer {reducer}): {res}", group.members, None,
+                                   unreachable=unreachable)
             if isinstance(res, BaseException):
-                return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None)
+                return RoundResult(False, f"part {part}: {type(res).__name__}: {res}", group.members, None,
+                                   unreachable=unreachable)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
                 checked = validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
                                                     what=f"mean of part {part}")
             except ProtocolError as e:
-                return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None)
+                return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None,
+                                   unreachable=unreachable)
             if not checked.ok:
                 return RoundResult(False, f"part {part} refused by {reducer}: {status_name(checked.status)} "
-                                          f"{checked.reason}", group.members, None)
+                                          f"{checked.reason}", group.members, None,
+                                   unreachable=unreachable)
             totals.add(checked.total_weight)
             mean.update(checked.tensors)
         if len(totals) != 1:
@@ -352,7 +363,8 @@ class Averager:
             return RoundResult(False, f"cross-check failed: {type(e).__name__}: {e}", group.members, None)
         missing = [p for p in group.members if p not in posted]
         if missing:
-            return RoundResult(False, f"cross-check: {len(missing)} member(s) posted no digest", group.members, None)
+            return RoundResult(False, f"cross-check: {len(missing)} member(s) posted no digest", group.members, None,
+                               unreachable=tuple(missing))
         differing = sorted(p[-8:] for p in group.members if posted[p] != mine)
         if differing:
             return RoundResult(False, f"cross-check: members {differing} decoded a different mean (a reducer sent "

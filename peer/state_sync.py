@@ -225,7 +225,8 @@ class StateSync:
         may still be finishing the round, so wait until every other member has announced a later
         round (then, if none applied it, nobody did) or as long as a round may take."""
         deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
-        others = [p for p in result.group if p != self.peer_id]
+        # members that never answered are dead or cut off: they will not announce a later round
+        others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
         while time.monotonic() < deadline:
             try:
                 records = await self.swarm.stage_records(self.stage)

@@ -134,6 +134,7 @@ def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
         results = await run_all(avgs[:2], [deltas(0), deltas(1)], [5.0, 5.0])
         assert not any(r.complete for r in results), "nobody may apply a partial mean"
         assert all(r.mean_delta is None for r in results)
+        assert all(r.unreachable == (dying.peer_id,) for r in results), "a re-sync must not wait for the dead"
     asyncio.run(main())
 
 
