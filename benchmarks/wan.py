@@ -424,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                         "checkout cannot break a run midway) or from the working tree")
     p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
+    # cleanup lives in finally blocks: make SIGTERM, and SIGINT where a non-interactive shell's `&`
+    # left it ignored, raise instead of ending the process without them
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     systems = (args.systems or ("swarmgrad,ddp" if args.quick else ",".join(SYSTEMS))).split(",")
     links = (args.links or ("unshaped" if args.quick else "unshaped,20mbit")).split(",")
     for name, allowed in (("--systems", SYSTEMS), ("--links", tuple(LINKS))):
@@ -479,7 +483,7 @@ def _rerun_in_snapshot(argv: list[str]) -> int:
     """--code head: run this script again with `git archive HEAD`'s peer/, protocol/ and compression/
     first on PYTHONPATH, so the orchestrator, the peers and the baselines all run the committed code
     (uncommitted edits in a shared checkout broke runs midway: a manifest field one side lacked).
-    Returns its exit code; SIGINT is passed on so that it stops its processes and namespaces."""
+    Returns its exit code; SIGINT/SIGTERM are passed on (as SIGTERM) so that it stops its processes and namespaces."""
     repo = HERE.parent
     snap = Path(tempfile.mkdtemp(prefix="swarmgrad-wan-code-"))
     try:
@@ -495,8 +499,8 @@ def _rerun_in_snapshot(argv: list[str]) -> int:
                                 env={**os.environ, "PYTHONPATH": path, SNAPSHOT_ENV: str(snap)})
         try:
             return proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
+        except (KeyboardInterrupt, SystemExit):
+            proc.send_signal(signal.SIGTERM)
             return proc.wait()
     finally:
         shutil.rmtree(snap, ignore_errors=True)
