@@ -54,8 +54,8 @@ from typing import Any, Sequence
 import psutil
 
 from _common import fmt, markdown_table
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
-from swarmgrad.peer.manifest import Manifest, dumps, from_dict, load
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, small_manifest
+from swarmgrad.peer.manifest import Manifest, dumps, load
 
 STAGES = 2
 REPLICAS = 3
@@ -63,19 +63,9 @@ STALL_ROUNDS = 3  # a live peer without a round event for this many round durati
 SHUTDOWN_S = 20.0
 
 
-def small_manifest() -> Manifest:
-    """The tests' small run (tests/conftest.py small_manifest): 2-layer d=32 GPT, 2 stages, 4 s rounds."""
-    return from_dict({
-        "run_id": "chaos", "seed": 1,
-        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
-        "stages": {"count": STAGES},
-        "inner": {"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2},
-        "rounds": {"round_seconds": 4.0},
-        "pipeline": {"max_in_flight": 2},
-        "data": {"max_bytes": 300_000, "eval_every": 1, "eval_batches": 2},
-        "timeouts": {"matchmaking": 3.0, "allreduce": 8.0, "announce_ttl": 8.0, "heartbeat": 1.0,
-                     "microbatch": 10.0, "min_microbatch": 3.0, "ban_base": 2.0},
-    })
+def chaos_manifest() -> Manifest:
+    """The tests' small run (swarmgrad.peer.launcher.small_manifest: 2-layer d=32 GPT, 4 s rounds)."""
+    return small_manifest(run_id="chaos", stages={"count": STAGES})
 
 
 # pure decisions and figures ------------------------------------------------------------------------
@@ -426,7 +416,7 @@ def main() -> None:
         args.minutes = 2.0 if args.quick else 10.0
     if args.minutes <= 0 or args.kill_every <= 0:
         ap.error("--minutes and --kill-every must be > 0")
-    m = load(args.manifest) if args.manifest else small_manifest()
+    m = load(args.manifest) if args.manifest else chaos_manifest()
     if m.stages.count != STAGES or m.rounds.round_seconds <= 0:
         ap.error(f"the manifest needs stages.count = {STAGES} and rounds.round_seconds > 0 (stalls are counted in rounds)")
     workdir = args.workdir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")

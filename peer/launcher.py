@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from swarmgrad.peer.events import read_events
+from swarmgrad.peer.manifest import Manifest, from_dict
 
 
 @dataclass
@@ -77,11 +78,13 @@ class LocalSwarm:
         self.close()
 
     def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
-        name = name or f"peer{len(self.peers)}"
+        index = len(self.peers)
+        name = name or f"peer{index}"
         events = self.workdir / f"{name}.events.jsonl"
         log = self.workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "swarmgrad.peer.cli", "peer", "--manifest", str(self.manifest),
-               "--events", str(events), "--stage", str(stage)]
+        cmd = [*self.command_prefix(index), sys.executable, "-m", "swarmgrad.peer.cli", "peer",
+               "--manifest", str(self.manifest), "--events", str(events), "--stage", str(stage),
+               *self.peer_args(index, name)]
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
         cmd += list(extra)
@@ -92,6 +95,14 @@ class LocalSwarm:
         peer = PeerProcess(name, proc, events, log, stage if isinstance(stage, int) else None)
         self.peers.append(peer)
         return peer
+
+    def command_prefix(self, index: int) -> list[str]:
+        """What the `index`-th peer's command runs under (e.g. `ip netns exec NS`); none here."""
+        return []
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        """Extra `swarmgrad peer` flags of the `index`-th peer (e.g. its listen address); none here."""
+        return []
 
     def start_first(self, stage: int | str = "auto", *extra: str, timeout: float = 60.0) -> PeerProcess:
         """Start the peer that opens the swarm and remember its addresses for the others."""
@@ -152,3 +163,23 @@ def _daemon_sockets(pid: int) -> list[str]:
                     if arg.startswith("-listen=/unix/"):
                         out.append(arg.removeprefix("-listen=/unix"))
     return out
+
+
+def small_manifest(**sections: Any) -> Manifest:
+    """A run small enough for tests and soak benchmarks on 2 cores: a 2-layer d=32 GPT, 2 stages,
+    4 s wall-clock rounds, short timeouts. `sections` override fields, e.g. ``rounds={"round_seconds": 2}``."""
+    raw: dict[str, Any] = {
+        "run_id": "test-run",
+        "seed": 1,
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "stages": {"count": 2},
+        "inner": {"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2},
+        "rounds": {"round_seconds": 4.0},
+        "pipeline": {"max_in_flight": 2},
+        "data": {"max_bytes": 300_000, "eval_every": 1, "eval_batches": 2},
+        "timeouts": {"matchmaking": 3.0, "allreduce": 8.0, "announce_ttl": 8.0, "heartbeat": 1.0,
+                     "microbatch": 10.0, "min_microbatch": 3.0, "ban_base": 2.0},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values} if isinstance(values, dict) else values
+    return from_dict(raw)
