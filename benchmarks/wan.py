@@ -193,25 +193,12 @@ class NetnsSwarm(LocalSwarm):
         super().__init__(manifest, workdir)
         self.endpoints = endpoints
 
-    def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
-        i = len(self.peers)
-        ep = self.endpoints[i]
-        name = name or f"peer{i}"
-        events, log = self.workdir / f"{name}.events.jsonl", self.workdir / f"{name}.log"
-        save = self.workdir / f"{name}.ckpt"
-        cmd = [*ep.exec_prefix(), sys.executable, "-m", "swarmgrad.peer.cli", "peer", "--manifest",
-               str(self.manifest), "--events", str(events), "--stage", str(stage),
-               "--host-maddrs", f"/ip4/{ep.address}/tcp/0", "--save-dir", str(save), "--data-seed", str(i)]
-        if self.initial_peers:
-            cmd += ["--initial-peers", *self.initial_peers]
-        cmd += list(extra)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(log, "w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        peer = PeerProcess(name, proc, events, log, stage if isinstance(stage, int) else None)
-        self.peers.append(peer)
-        return peer
+    def command_prefix(self, index: int) -> list[str]:
+        return self.endpoints[index].exec_prefix()
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/0",
+                "--save-dir", str(self.workdir / f"{name}.ckpt"), "--data-seed", str(index)]
 
 
 class CheckpointWatch:
@@ -236,12 +223,17 @@ class CheckpointWatch:
                 key = (int(meta.get("stage", path.name[5])), int(meta.get("applied_rounds", 0)))
                 self.by_round.setdefault(key, (mtime / 1e9, params, int(meta.get("trained_samples", 0))))
 
+    def complete_rounds(self, n_stages: int) -> list[int]:
+        """Rounds (applied_rounds ≥ 1) for which every stage has a checkpoint, ascending. A version
+        replaced between two polls is simply missing (rounds can be shorter than a poll under
+        load): later rounds still count."""
+        stage_rounds = [{r for (st, r) in self.by_round if st == s and r > 0} for s in range(n_stages)]
+        return sorted(set.intersection(*stage_rounds)) if stage_rounds else []
+
     def rounds_done(self, n_stages: int) -> int:
-        """The last round for which every stage has a checkpoint."""
-        done = 0
-        while all((s, done + 1) in self.by_round for s in range(n_stages)):
-            done += 1
-        return done
+        """The last round for which every stage has a checkpoint (0: none yet)."""
+        rounds = self.complete_rounds(n_stages)
+        return rounds[-1] if rounds else 0
 
     def samples(self, n_stages: int) -> int:
         """Samples in the last θ_global that every stage has (stage 0's `trained_samples`)."""
@@ -286,7 +278,7 @@ def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, tas
 
     def score() -> None:
         points = [(0.0, 0, task.init_score(manifest))]
-        for r in range(1, watch.rounds_done(n_stages) + 1):
+        for r in watch.complete_rounds(n_stages):
             entries = [watch.by_round[(s, r)] for s in range(n_stages)]
             samples = entries[0][2] or r * budget.inner_steps * budget.global_batch
             points.append((max(e[0] for e in entries) - t0, samples, task.score(stages_from(manifest, [e[1] for e in entries]))))
