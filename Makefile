@@ -5,13 +5,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarmgrad-installed
 
-.PHONY: demo test test-slow bench bench-wan venv clean-venv
+.PHONY: demo test test-slow bench bench-wan venv clean-venv browser
 
 demo: $(STAMP)
 	$(VENV)/bin/swarmgrad demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
+
+# Debian's chromium for the dashboard's browser tests (tests/test_dashboard_page.py), installed
+# when it is missing and we are root; otherwise a note, and those tests skip.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for the dashboard's browser tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } \
+		|| echo "note: apt-get could not install chromium: the dashboard's browser tests will skip"; \
+	else echo "note: /usr/bin/chromium is missing (install Debian's chromium as root): the dashboard's browser tests will skip"; fi
 
 test-slow: $(STAMP)
 	SWARMGRAD_SLOW_TESTS=1 $(PY) -m pytest -q tests/test_rebalance_swarm.py

@@ -1,0 +1,205 @@
+"""The coordinator's dashboard: a small HTTP server (stdlib only) for the page in `dashboard/`
+and the two JSON documents the page polls every 2 s.
+
+Routes (GET only; anything else is 404, other methods 501):
+
+    /                 the page (dashboard/index.html)
+    /static/<file>    a file of the package folder dashboard/ (only names that exist there)
+    /api/swarm        json of snapshot()   (Cache-Control: no-store)
+    /api/history      json of history()    (Cache-Control: no-store)
+    /healthz          "ok"
+
+The page is self-contained: no CDN, no font, no external URL, and the server says so to the
+browser with a Content-Security-Policy that allows this origin only.
+
+The JSON schema (the coordinator produces exactly this; any list may be empty and any value
+marked |null may be null; NaN and infinities are sent as null):
+
+/api/swarm
+    {"run_id": str, "time": float (unix s), "latest_round": int, "n_stages": int,
+     "swarm_rate": float (samples/s of the slowest stage), "bottleneck": int|null,
+     "stages": [{"stage": int, "rate": float, "majority_digest": str|null,
+                 "replicas": [{"peer_id": str, "state": "joining"|"online"|"leaving"|...,
+                               "rate": float, "round": int, "digest": str, "agrees": bool,
+                               "moving": bool, "train_loss": float|null}]}],
+     "peers": {"admitted": [{"peer_id": str, "role": str, "stage": int|null,
+                             "admitted_at": float, "expires": float}],
+               "revoked": [{"peer_id": str, "revoked_at": float}]},
+     "checkpoints": [{"round": int, "time": float, "stages": [int]}],
+     "coordinator": {"peer_id": str, "grpc": str, "uptime_s": float}}
+
+/api/history
+    {"loss": [{"time": float, "samples": int, "train_loss": float|null, "val_loss": float|null}],
+     "rounds": [{"stage": int, "round": int, "time": float, "duration_s": float|null,
+                 "group_size": int|null, "train_loss": float|null, "samples_per_s": float|null}],
+     "bytes_per_sample": {"activations": float, "gradients": float, "averaging": float,
+                          "state": float}}
+
+docs/dashboard.md describes what the page shows.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboard"
+
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+    ".json": "application/json",
+    ".txt": "text/plain; charset=utf-8",
+}
+
+# A static name is one path segment of plain characters: no "/", no "%", no leading dot. It
+# must also be a regular file listed in DASHBOARD_DIR, so nothing outside the folder is served.
+_STATIC_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+
+# The page and its files come from this origin only; inline scripts and styles are refused.
+_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None: the browser's JSON.parse refuses
+    NaN and Infinity, and a diverged loss must not blank the page."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+class DashboardServer:
+    """Serves the dashboard on `host:port` from a daemon thread that this object owns.
+
+    `snapshot` and `history` are called on the server's request threads, possibly several at
+    once, each time the page polls: they must be thread-safe and quick (return a copy built
+    under the caller's lock). A callback that raises, or returns something that is not JSON,
+    gets a 500 with {"error": ...} for that request; the server keeps serving.
+    """
+
+    def __init__(self, host: str, port: int, snapshot: Callable[[], dict],
+                 history: Callable[[], dict]) -> None:
+        self.host = host
+        self.port = port
+        self.snapshot = snapshot
+        self.history = history
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port (port 0 picks a free one). Raises
+        OSError when the address cannot be bound, and RuntimeError when already started."""
+        if self._server is not None:
+            raise RuntimeError("DashboardServer already started")
+        server = _Server((self.host, self.port), _Handler)
+        server.dashboard = self
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"dashboard-http:{server.server_address[1]}",
+                                        daemon=True)
+        self._thread.start()
+        bound = int(server.server_address[1])
+        logger.info("dashboard at http://%s:%d/", self.host, bound)
+        return bound
+
+    def close(self) -> None:
+        """Stop serving, close the socket and join the thread. Idempotent; requests in flight
+        run on daemon threads and are not waited for."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> "DashboardServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    dashboard: DashboardServer
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "swarmgrad-dashboard"
+    sys_version = ""
+    timeout = 10.0  # a client that stops sending frees its thread
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = urlsplit(self.path).path
+        if path in ("/", "/index.html"):
+            self._send_file("index.html")
+        elif path.startswith("/static/"):
+            self._send_file(path[len("/static/"):])
+        elif path == "/api/swarm":
+            self._send_api("snapshot", self.server.dashboard.snapshot)
+        elif path == "/api/history":
+            self._send_api("history", self.server.dashboard.history)
+        elif path == "/healthz":
+            self._send(200, b"ok", "text/plain; charset=utf-8")
+        else:
+            self._send_json(404, {"error": f"not found: {path}"})
+
+    def _send_file(self, name: str) -> None:
+        file = DASHBOARD_DIR / name
+        if not _STATIC_NAME.match(name) or not file.is_file() or file.parent != DASHBOARD_DIR:
+            self._send_json(404, {"error": f"not found: {name}"})
+            return
+        content_type = CONTENT_TYPES.get(file.suffix, "application/octet-stream")
+        self._send(200, file.read_bytes(), content_type, {"Cache-Control": "no-cache"})
+
+    def _send_api(self, what: str, callback: Callable[[], dict]) -> None:
+        try:
+            body = json.dumps(json_safe(callback()), allow_nan=False).encode()
+        except Exception as exc:  # the callback's failure is this request's, not the server's
+            logger.warning("dashboard %s failed: %s: %s", what, type(exc).__name__, exc,
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            self._send_json(500, {"error": f"{what} failed: {type(exc).__name__}: {exc}"})
+            return
+        self._send(200, body, "application/json")
+
+    def _send_json(self, status: int, payload: dict) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str,
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy", _CSP)
+        for key, value in ({"Cache-Control": "no-store"} | (headers or {})).items():
+            self.send_header(key, value)
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("dashboard client went away before %s", self.path)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        logger.debug("dashboard %s: " + format, self.address_string(), *args)
