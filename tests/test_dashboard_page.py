@@ -8,9 +8,11 @@ also save their screenshots there (docs/img holds the README's).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -187,6 +189,30 @@ def test_callback_error_is_500_and_the_server_keeps_serving(serve: Callable[...,
 
 
 @pytest.mark.timeout(30)
+def test_a_failing_callback_is_logged_once_until_it_recovers(serve: Callable[..., str],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    state = {"fail": True}
+
+    def snapshot() -> dict:
+        if state["fail"]:
+            raise RuntimeError("no DHT")
+        return {}
+
+    base = serve(snapshot, dict)
+    with caplog.at_level(logging.INFO, logger="swarmgrad.peer.coordinator.web"):
+        for _ in range(3):
+            assert get(base + "api/swarm")[0] == 500
+        state["fail"] = False
+        assert get(base + "api/swarm")[0] == 200
+        state["fail"] = True
+        assert get(base + "api/swarm")[0] == 500
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert messages == [("WARNING", "dashboard snapshot failed: RuntimeError: no DHT"),
+                        ("INFO", "dashboard snapshot works again"),
+                        ("WARNING", "dashboard snapshot failed: RuntimeError: no DHT")]
+
+
+@pytest.mark.timeout(30)
 def test_non_finite_floats_become_null(serve: Callable[..., str]) -> None:
     base = serve(lambda: {"swarm_rate": float("nan"), "x": [float("inf"), 1.5]}, dict)
     assert json.loads(get(base + "api/swarm")[2]) == {"swarm_rate": None, "x": [None, 1.5]}
@@ -301,3 +327,41 @@ def test_page_says_when_the_api_fails(serve: Callable[..., str]) -> None:
     assert view.js_error is None, view.js_error
     assert view.api_state == "error"
     assert "HTTP 500" in view.api_text and "no snapshot yet" in view.api_text
+
+
+@needs_chromium
+@pytest.mark.timeout(120)
+def test_page_says_when_the_coordinator_goes_away() -> None:
+    """Good answers first, then the server closes: the page keeps the last data and says the
+    API is unreachable."""
+    snapshot, history = swarm_fixture(2, 1)
+    servers: list[DashboardServer] = []
+    calls = {"n": 0}
+
+    def then_gone() -> dict:
+        calls["n"] += 1
+        if calls["n"] == 2:  # close from another thread: this one is answering a request
+            threading.Thread(target=servers[0].close, daemon=True).start()
+        return dict(snapshot, time=time.time())
+
+    server = DashboardServer("127.0.0.1", 0, then_gone, lambda: history)
+    servers.append(server)
+    try:
+        base = f"http://127.0.0.1:{server.start()}/"
+        view = parse_dashboard(dump_dom(base, budget_ms=8000))
+    finally:
+        server.close()
+    assert view.js_error is None, view.js_error
+    assert view.api_state == "error", view.api_text
+    assert "unreachable" in view.api_text and "last good data" in view.api_text
+    assert view.latest_round == str(snapshot["latest_round"]) and len(view.stages) == 2
+
+
+@needs_chromium
+@pytest.mark.timeout(120)
+def test_page_says_when_the_snapshot_is_old(serve: Callable[..., str]) -> None:
+    snapshot, history = swarm_fixture(2, 1)
+    base = serve(lambda: dict(snapshot, time=time.time() - 600), lambda: history)
+    view = parse_dashboard(dump_dom(base, budget_ms=3000))
+    assert view.api_state == "stale", view.api_text
+    assert "10 min old" in view.api_text

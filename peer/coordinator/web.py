@@ -102,6 +102,10 @@ class DashboardServer:
         self.history = history
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        # the last failure of each callback: logged once as a warning, its repeats (every
+        # poll of every open page) at debug level until the callback succeeds again
+        self._failing: dict[str, str] = {}
+        self._lock = threading.Lock()
 
     def start(self) -> int:
         """Bind and start serving; returns the bound port (port 0 picks a free one). Raises
@@ -130,6 +134,25 @@ class DashboardServer:
         server.server_close()
         if thread is not None:
             thread.join(timeout=5.0)
+
+    def call(self, what: str, callback: Callable[[], dict]) -> bytes:
+        """JSON of callback(), non-finite floats as null; raises what the callback raised or
+        TypeError/ValueError for something JSON cannot hold. Logs a failure once per change."""
+        try:
+            body = json.dumps(json_safe(callback()), allow_nan=False).encode()
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                repeated = self._failing.get(what) == message
+                self._failing[what] = message
+            logger.log(logging.DEBUG if repeated else logging.WARNING,
+                       "dashboard %s failed: %s", what, message,
+                       exc_info=logger.isEnabledFor(logging.DEBUG))
+            raise
+        with self._lock:
+            if self._failing.pop(what, None) is not None:
+                logger.info("dashboard %s works again", what)
+        return body
 
     def __enter__(self) -> "DashboardServer":
         self.start()
@@ -175,10 +198,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send_api(self, what: str, callback: Callable[[], dict]) -> None:
         try:
-            body = json.dumps(json_safe(callback()), allow_nan=False).encode()
+            body = self.server.dashboard.call(what, callback)
         except Exception as exc:  # the callback's failure is this request's, not the server's
-            logger.warning("dashboard %s failed: %s: %s", what, type(exc).__name__, exc,
-                           exc_info=logger.isEnabledFor(logging.DEBUG))
             self._send_json(500, {"error": f"{what} failed: {type(exc).__name__}: {exc}"})
             return
         self._send(200, body, "application/json")

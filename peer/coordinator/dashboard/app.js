@@ -5,6 +5,7 @@
 
 const POLL_MS = 2000;
 const STALE_MS = 3 * POLL_MS;     // no good answer for this long: the data on screen is stale
+const OLD_SNAPSHOT_S = 60;        // the coordinator answers, but its snapshot is older than this
 const FETCH_TIMEOUT_MS = 5000;
 const ROUND_ROWS = 20;
 const SVG_NS = "http://www.w3.org/2000/svg";  // a namespace name, never fetched
@@ -132,6 +133,10 @@ function renderStatus() {
     state = "loading"; text = "connecting…";
   } else if (age > STALE_MS) {
     state = "stale"; text = "stale: no answer for " + fmtAgo(age / 1000).replace(" ago", "");
+  } else if (num(view.swarm?.time) !== null && Date.now() / 1000 - view.swarm.time > OLD_SNAPSHOT_S) {
+    // (or the two clocks disagree by a minute)
+    state = "stale"; text = "stale: the coordinator's snapshot is " + fmtAgo(Date.now() / 1000 - view.swarm.time) + " old";
+    text = text.replace(" ago old", " old");
   } else {
     state = "ok"; text = "live";
   }
@@ -232,8 +237,8 @@ function stageCard(stage, swarm, maxRate) {
       el("span", {class: agreeing === replicas.length ? "ok" : "bad"}, agreeing + "/" + replicas.length + " agree"),
       ...stateSummary),
     el("div", {class: "replica-head"},
-      el("span", {}, "peer"), el("span", {}, "state"), el("span", {class: "r"}, "rate"),
-      el("span", {class: "r"}, "round"), el("span", {class: "c"}, "digest")),
+      el("span", {}, "peer"), el("span", {}, el("span", {class: "label"}, "state")), el("span", {class: "r"}, "rate"),
+      el("span", {class: "r"}, "round"), el("span", {class: "c", title: "digest agrees with the stage's majority"}, "digest")),
     el("ol", {class: "replicas"}, ...replicas.map(replicaRow)));
   return card;
 }
@@ -246,7 +251,7 @@ function replicaRow(r) {
       title: r.peer_id + "\nstate " + r.state + "\ndigest " + (r.digest ?? "—")
         + "\ntrain loss " + fmt(r.train_loss, 3)},
     el("span", {class: "pid"}, shortId(r.peer_id), r.moving ? el("span", {class: "moving-tag", title: "moving to another stage"}, " ⇄") : null),
-    el("span", {class: "state"}, el("i", {class: "dot"}), r.state ?? "—"),
+    el("span", {class: "state", title: r.state ?? ""}, el("i", {class: "dot"}), el("span", {class: "label"}, r.state ?? "—")),
     el("span", {class: "r"}, fmt(r.rate)),
     el("span", {class: "r"}, r.round ?? "—"),
     el("span", {class: "c " + (agrees ? "ok" : "bad")}, agrees ? "✓" : "✗"));
