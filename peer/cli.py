@@ -23,7 +23,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
-               identity: str | None, timeout: float):
+               identity: str | None, timeout: float, key=None, authorizer=None):
     """Start this peer's DHT under an Ed25519 identity whose key swarmgrad holds, with the record
     signer every peer of a swarm runs (peer/record_signing.py). `identity`: a key file to reuse,
     created (Ed25519) if missing; None: a fresh key, written to a private temp folder only
@@ -38,12 +38,14 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
         key = load_or_create(Path(identity))
         key_file = nullcontext((Path(identity), key))
     else:
-        key_file = ephemeral_key_file()
+        key_file = ephemeral_key_file(key)
     with key_file as (path, key):
         # check_if_identity_free=False: hivemind's check parses RSA key files only (PeerID.from_identity)
         kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True,
                       startup_timeout=timeout, identity_path=str(path), check_if_identity_free=False,
                       record_validators=[SignedRecordValidator(key)])
+        if authorizer is not None:
+            kwargs["authorizer"] = authorizer
         if announce_maddrs:
             kwargs["announce_maddrs"] = announce_maddrs
         dht = DHT(**kwargs)
@@ -55,11 +57,46 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 def cmd_peer(args: argparse.Namespace) -> int:
     from swarmgrad.peer.manifest import ManifestError, load
-    try:
-        manifest = load(args.manifest)
-    except ManifestError as e:
-        print(e, file=sys.stderr)
-        return 2
+    private = None
+    key = None
+    if args.join or args.coordinator:  # a private run: admission first, the manifest comes signed
+        from swarmgrad.peer.coordinator.client import CoordinatorUnavailable
+        from swarmgrad.peer.coordinator.credentials import CredentialError
+        from swarmgrad.peer.identity import IdentityError, load_or_create
+        from swarmgrad.peer.private import join
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        try:
+            key = load_or_create(Path(args.identity)) if args.identity else Ed25519PrivateKey.generate()
+            private = join(key, invitation=args.join, coordinator=args.coordinator,
+                           identity_path=Path(args.identity) if args.identity else None)
+        except IdentityError as e:
+            print(f"--identity {e}", file=sys.stderr)
+            return 2
+        except (CredentialError, CoordinatorUnavailable) as e:
+            print(f"not admitted: {e}", file=sys.stderr)
+            return 1
+        manifest = private.manifest
+        if args.manifest:
+            try:
+                local = load(args.manifest)
+            except ManifestError as e:
+                print(e, file=sys.stderr)
+                return 2
+            if local.hash != manifest.hash:
+                print(f"--manifest {args.manifest} is not the run's manifest (the coordinator signed "
+                      f"{manifest.hash[:12]}, this one is {local.hash[:12]}); leave --manifest out", file=sys.stderr)
+                return 2
+        print(f"admitted to run {manifest.run_id} as {private.admitted.certificate.peer_id} until "
+              f"{_clock(private.admitted.certificate.expires_at)}", flush=True)
+    else:
+        if not args.manifest:
+            print("--manifest is required (or --join INVITATION for a private run)", file=sys.stderr)
+            return 2
+        try:
+            manifest = load(args.manifest)
+        except ManifestError as e:
+            print(e, file=sys.stderr)
+            return 2
     if args.stage != "auto" and args.stage >= manifest.stages.count:
         print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
         return 2
@@ -71,7 +108,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
             return 2
-    options = PeerOptions(stage=None if args.stage == "auto" else args.stage, device=args.device,
+    stage = None if args.stage == "auto" else args.stage
+    if private is not None and stage is None and private.admitted.certificate.stage is not None:
+        stage = private.admitted.certificate.stage  # the invitation pinned a stage
+    options = PeerOptions(stage=stage, device=args.device,
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
@@ -83,15 +123,19 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     from swarmgrad.peer.identity import IdentityError
+    initial_peers = list(args.initial_peers) or (list(private.admitted.initial_peers) if private else [])
     try:
-        dht = _start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
-                         manifest.timeouts.state_download)
+        dht = _start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
+                         manifest.timeouts.state_download, key=key,
+                         authorizer=private.authorizer() if private else None)
     except IdentityError as e:
         print(f"--identity {e}", file=sys.stderr)
         return 2
     except (P2PDaemonError, RuntimeError) as e:  # e.g. none of --initial-peers answered
         print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
               file=sys.stderr)
+        if private is not None:
+            private.close()
         return 1
     log = logging.getLogger("swarmgrad")
     code = 0
@@ -99,14 +143,25 @@ def cmd_peer(args: argparse.Namespace) -> int:
         print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
         for addr in dht.get_visible_maddrs():
             print("  visible at", addr, flush=True)
-        peer = Peer(manifest, model, dht, options)
+        admission = checkpoints = None
+        if private is not None:
+            admission = private.admission(dht)
+            checkpoints = private.checkpoint_source(model, admission)
+        peer = Peer(manifest, model, dht, options, admission=admission, checkpoints=checkpoints)
         asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
     except Exception:
         log.exception("peer failed")
         code = 1
     finally:
         dht.shutdown()
+        if private is not None:
+            private.close()
     return code
+
+
+def _clock(t: float) -> str:
+    import time
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
@@ -201,13 +256,187 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    plot=args.plot)
 
 
+# ------------------------------------------------------------------------------ private runs
+
+def _load_key(path: str):
+    from swarmgrad.peer.identity import IdentityError, MAX_KEY_FILE_BYTES, key_from_file_bytes
+    try:
+        data = Path(path).read_bytes()[:MAX_KEY_FILE_BYTES + 1]
+        return key_from_file_bytes(data)
+    except OSError as e:
+        raise IdentityError(f"{path}: {e.strerror}") from None
+    except IdentityError as e:
+        raise IdentityError(f"{path}: {e}") from None
+
+
+def _run_id_from(coordinator: str, key, run_id: str | None) -> str:
+    """The run id: --run-id, or the one in the manifest the coordinator serves signed by `key`."""
+    if run_id:
+        return run_id
+    from swarmgrad.peer.coordinator.credentials import Authority
+    from swarmgrad.peer.identity import peer_id_of
+    from swarmgrad.protocol import coordinator_pb2 as cpb
+    from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
+    import grpc
+    with grpc.insecure_channel(coordinator) as channel:
+        try:
+            signed = cgrpc.CoordinatorStub(channel).GetManifest(cpb.Empty(), timeout=10)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"coordinator {coordinator} did not answer ({e.code().name}); give --run-id") from None
+    body = cpb.ManifestBody.FromString(signed.body)
+    Authority(peer_id_of(key), body.run_id).manifest(signed)  # signed by our key, or refused
+    return body.run_id
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.identity import peer_id_of, write_key_file
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    key = Ed25519PrivateKey.generate()
+    try:
+        write_key_file(Path(args.out), key)
+    except FileExistsError:
+        print(f"{args.out} exists: keygen never overwrites a key", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}; public key (coordinator id): {peer_id_of(key)}")
+    return 0
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.coordinator.credentials import make_invitation
+    from swarmgrad.peer.identity import IdentityError
+    try:
+        key = _load_key(args.key)
+        run_id = _run_id_from(args.coordinator, key, args.run_id)
+    except (IdentityError, RuntimeError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    except Exception as e:  # a manifest not signed by this key
+        print(f"the coordinator at {args.coordinator} does not hold this key: {e}", file=sys.stderr)
+        return 2
+    invitation = make_invitation(key, run_id, args.coordinator, expires_in=args.expires, stage=args.stage)
+    print(invitation.encode())
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+    from swarmgrad.peer.coordinator.credentials import Authority, CredentialError, revoke_order
+    from swarmgrad.peer.identity import IdentityError, is_peer_id, peer_id_of
+    if not is_peer_id(args.peer_id):
+        print(f"{args.peer_id!r} is not a peer id (12D3KooW...)", file=sys.stderr)
+        return 2
+    try:
+        key = _load_key(args.key)
+        run_id = _run_id_from(args.coordinator, key, None)
+        client = CoordinatorClient(args.coordinator, Authority(peer_id_of(key), run_id), key)
+        revocations = client.revoke(revoke_order(key, run_id, args.peer_id))
+        client.close()
+    except (IdentityError, RuntimeError, CoordinatorUnavailable, CredentialError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"revoked {args.peer_id}: revocation list v{revocations.version} ({len(revocations.peer_ids)} peers)")
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.coordinator.coordinator import Coordinator
+    from swarmgrad.peer.identity import IdentityError
+    from swarmgrad.peer.manifest import ManifestError, load
+    try:
+        manifest = load(args.manifest)
+        key = _load_key(args.key)
+    except ManifestError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except IdentityError as e:
+        print(f"--key {e} (create one with: swarmgrad keygen --out KEY)", file=sys.stderr)
+        return 2
+    try:
+        coordinator = Coordinator(manifest, Path(args.manifest).read_text(), key, Path(args.key), Path(args.state_dir),
+                                  listen=args.listen, http=args.http, host_maddrs=tuple(args.host_maddrs),
+                                  announce_maddrs=tuple(args.announce_maddrs), initial_peers=tuple(args.initial_peers),
+                                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                                  certificate_ttl=args.certificate_ttl, events_path=args.events,
+                                  metrics_port=args.metrics_port)
+    except ValueError as e:  # a state dir of another run
+        print(e, file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    dht = coordinator.start_dht(manifest.timeouts.state_download)
+    code = 0
+    try:
+        print(f"swarmgrad coordinator {coordinator.peer_id} run {manifest.run_id}", flush=True)
+        asyncio.run(_run_coordinator(coordinator))
+    except Exception:
+        logging.getLogger("swarmgrad").exception("coordinator failed")
+        code = 1
+    finally:
+        dht.shutdown()
+    return code
+
+
+async def _run_coordinator(coordinator) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await coordinator.run(stop)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.coordinator.checkpoints import export_model
+    try:
+        round, n = export_model(Path(args.state_dir), Path(args.out), args.round)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {n} tensors of the checkpoint of round {round}")
+    return 0
+
+
+def _duration_arg(text: str) -> float:
+    from swarmgrad.peer.coordinator.credentials import parse_duration
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _address_arg(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def _port_arg(text: str) -> int:
+    value = _nonneg_int(text, "must be a port number")
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be a port number (0..65535)")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmgrad", description="Decentralized low-bandwidth pipeline training.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
-    p.add_argument("--manifest", required=True, help="run manifest (TOML)")
+    p.add_argument("--manifest", default=None, help="run manifest (TOML); a private run's comes from its coordinator")
+    p.add_argument("--join", default=None, metavar="INVITATION",
+                   help="join a private run with an invitation from `swarmgrad invite`")
+    p.add_argument("--coordinator", default=None, type=_address_arg, metavar="HOST:PORT",
+                   help="rejoin a private run with the certificate saved beside --identity at an earlier --join")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of peers already in the swarm; none starts a new swarm")
     p.add_argument("--stage", default="auto", type=_stage_arg,
@@ -261,6 +490,53 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
     m.set_defaults(fn=cmd_simulate)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 key (a coordinator's, or a stable peer identity)")
+    k.add_argument("--out", required=True, metavar="KEY")
+    k.set_defaults(fn=cmd_keygen)
+
+    i = sub.add_parser("invite", help="print a single-use invitation to a private run")
+    i.add_argument("--key", required=True, metavar="KEY", help="the coordinator's key")
+    i.add_argument("--coordinator", required=True, type=_address_arg, metavar="HOST:PORT",
+                   help="where peers reach the coordinator (written into the invitation)")
+    i.add_argument("--expires", type=_duration_arg, default=7 * 86400.0, metavar="DURATION",
+                   help="e.g. 7d, 12h, 30m (default 7d)")
+    i.add_argument("--stage", type=_nonneg_int, default=None, help="the stage the invited peer serves")
+    i.add_argument("--run-id", default=None, help="the run id, if the coordinator is not running (default: ask it)")
+    i.set_defaults(fn=cmd_invite)
+
+    r = sub.add_parser("revoke", help="revoke a peer of a private run: every peer refuses it within a heartbeat")
+    r.add_argument("--key", required=True, metavar="KEY", help="the coordinator's key")
+    r.add_argument("--coordinator", default="127.0.0.1:7000", type=_address_arg, metavar="HOST:PORT")
+    r.add_argument("peer_id")
+    r.set_defaults(fn=cmd_revoke)
+
+    c = sub.add_parser("coordinator", help="host a private run: admission, checkpoints, dashboard")
+    c.add_argument("--manifest", required=True)
+    c.add_argument("--key", required=True, metavar="KEY", help="from `swarmgrad keygen`")
+    c.add_argument("--listen", default="0.0.0.0:7000", type=_address_arg, metavar="HOST:PORT", help="gRPC service")
+    c.add_argument("--http", default=None, type=_address_arg, metavar="HOST:PORT", help="serve the dashboard here")
+    c.add_argument("--state-dir", default="coordinator-state", metavar="DIR",
+                   help="admitted peers, revocations, checkpoints (recovered on restart)")
+    c.add_argument("--checkpoint-every", type=_positive_int, default=5, metavar="N", help="rounds between checkpoints")
+    c.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="K")
+    c.add_argument("--certificate-ttl", type=_duration_arg, default=12 * 3600.0, metavar="DURATION",
+                   help="how long a certificate lives; peers renew at half of it (default 12h)")
+    c.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                   help="where the coordinator's DHT node listens")
+    c.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    c.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="peers of the run already running (a restarted coordinator rejoins its swarm)")
+    c.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
+    c.add_argument("--metrics-port", type=_port_arg, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port")
+    c.set_defaults(fn=cmd_coordinator)
+
+    e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file")
+    e.add_argument("--state-dir", required=True, metavar="DIR")
+    e.add_argument("--out", required=True, metavar="FILE")
+    e.add_argument("--round", type=_nonneg_int, default=None, help="a checkpoint other than the newest")
+    e.set_defaults(fn=cmd_export)
     return parser
 
 

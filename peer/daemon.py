@@ -13,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from hivemind import DHT
+
+from swarmgrad.peer.admission import Admission
+from swarmgrad.peer.state import StateSnapshot
 
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
@@ -69,8 +73,16 @@ class PeerOptions:
 
 
 class Peer:
-    def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions):
+    def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions,
+                 admission: Admission | None = None,
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None):
+        """`admission` and `checkpoints` make it a peer of a private run (peer/private.py builds
+        them): every RPC server checks callers' certificates, and an empty stage can restore from
+        the coordinator's newest checkpoint."""
         self.m = manifest
+        self.admission = admission
+        self.checkpoints = checkpoints
+        self._admission_task: asyncio.Task | None = None
         self.model = model
         self.dht = dht
         self.opt = options
@@ -80,6 +92,8 @@ class Peer:
         self.traffic = Traffic()
         self.swarm = SwarmView(dht, manifest.run_id, manifest.hash, self.n_stages, manifest.timeouts.dht,
                                manifest.timeouts.announce_ttl)
+        if admission is not None:
+            self.swarm.admitted = admission.admitted
         self.max_message_bytes = int(manifest.pipeline.max_message_mb * 2**20)
         self.events = EventLog(None)
         self.replicas: list[Replica] = []
@@ -95,6 +109,9 @@ class Peer:
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
+            if self.admission is not None:
+                await self.admission.step()  # publish our certificate and learn the others' first
+                self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
             replica = Replica(ctx, stage, rates[stage] if rates else 0.0)
@@ -120,7 +137,9 @@ class Peer:
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
                           slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
-                          backup_rpc=backup_rpc)
+                          backup_rpc=backup_rpc,
+                          gate=self.admission.check if self.admission is not None else None,
+                          checkpoints=self.checkpoints)
         costs = stage_costs(self.m, self.model)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
@@ -139,7 +158,8 @@ class Peer:
 
         self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes)
         rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
-                        read_timeout=self.m.timeouts.state_download)
+                        read_timeout=self.m.timeouts.state_download,
+                        gate=self.admission.check if self.admission is not None else None)
         await rpc.add_handler("put", pb.BackupPut, self._backup_store.handle_put, refusal(pb.BackupAck))
         await rpc.add_handler("get", pb.BackupGet, self._backup_store.handle_get, refusal(pb.StateResponse))
         self._backup_rpc = rpc
@@ -231,6 +251,9 @@ class Peer:
             await replica.close()
         if self._backup_rpc is not None:
             await self._backup_rpc.remove_handlers()
+        if self._admission_task is not None:
+            self._admission_task.cancel()
+            await asyncio.gather(self._admission_task, return_exceptions=True)
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
                          bytes_recv=self.traffic.recv)
         self.events.close()

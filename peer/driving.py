@@ -16,6 +16,7 @@ from swarmgrad.peer.driver import Batch, Driver
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline import Downstream, wait_for_pipeline
+from swarmgrad.peer.presence import ReplicaStats
 from swarmgrad.peer.swarm import SwarmView
 from swarmgrad.peer.worker import StageWorker
 
@@ -32,8 +33,9 @@ def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
 class DrivingLoop:
     def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
-                 tasks: list[asyncio.Task]):
+                 tasks: list[asyncio.Task], stats: ReplicaStats | None = None):
         self.m = manifest
+        self.stats = stats
         self.worker = worker
         self.downstream = downstream
         self.peer_id = peer_id
@@ -82,6 +84,8 @@ class DrivingLoop:
         finally:
             self._evaluating = False
         bpb = bits_per_byte(val_nats) if val_nats == val_nats else math.nan
+        if self.stats is not None:
+            self.stats.val_loss = bpb if math.isfinite(bpb) else None
         stats = self.driver.stats
         self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
                          completed=stats.completed, retries=stats.retries, lost=stats.lost)

@@ -120,12 +120,12 @@ def load_or_create(path: Path) -> Ed25519PrivateKey:
 
 
 @contextmanager
-def ephemeral_key_file() -> Iterator[tuple[Path, Ed25519PrivateKey]]:
-    """A fresh Ed25519 key in a private temp folder (0700), removed on exit: p2pd reads its key
-    file once at start, so the file need not outlive the DHT's start-up."""
+def ephemeral_key_file(key: Ed25519PrivateKey | None = None) -> Iterator[tuple[Path, Ed25519PrivateKey]]:
+    """`key` (default: a fresh Ed25519 key) in a private temp folder (0700), removed on exit: p2pd
+    reads its key file once at start, so the file need not outlive the DHT's start-up."""
     folder = Path(tempfile.mkdtemp(prefix="swarmgrad-id-"))
     try:
-        key = Ed25519PrivateKey.generate()
+        key = key if key is not None else Ed25519PrivateKey.generate()
         write_key_file(folder / "identity.key", key)
         yield folder / "identity.key", key
     finally:

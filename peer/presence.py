@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from dataclasses import dataclass
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.state import StageState
@@ -18,9 +20,29 @@ from swarmgrad.peer.worker import StageWorker
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ReplicaStats:
+    """What a replica last measured, announced with its record for whoever watches the swarm
+    (the coordinator's dashboard, `swarmgrad status`). Nobody routes or averages by it."""
+    train_loss: float | None = None
+    val_loss: float | None = None
+    """bits/byte of the last evaluation (drivers only)."""
+    round_s: float | None = None
+    group_size: int | None = None
+    samples_per_s: float | None = None
+    samples: int = 0
+    """Samples this replica trained so far."""
+    bytes_sent: int = 0
+    """Bytes this peer sent so far (all kinds)."""
+
+    def to_value(self) -> dict:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.__dict__.items()}
+
+
 class Presence:
     def __init__(self, swarm: SwarmView, *, peer_id: str, stage: int, manifest_hash: str, maddrs: tuple[str, ...],
-                 worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float, memory: int = 0):
+                 worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float, memory: int = 0,
+                 stats: ReplicaStats | None = None):
         self.swarm = swarm
         self.peer_id = peer_id
         self.stage = stage
@@ -31,6 +53,7 @@ class Presence:
         self.clock = clock
         self.heartbeat = heartbeat
         self.memory = memory
+        self.stats = stats if stats is not None else ReplicaStats()
         """Bytes this peer offers a stage (placement of others reads it)."""
         self.moving = False
         """Set when this replica decided to move away: its stage has a mover, nobody else leaves it."""
@@ -42,7 +65,7 @@ class Presence:
                           throughput=self.worker.rate.rate, round=self.clock.current,
                           applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                           manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4],
-                          memory=self.memory, moving=self.moving)
+                          memory=self.memory, moving=self.moving, stats=self.stats.to_value())
 
     async def announce(self, status: str | None = None) -> bool:
         """Store our record now (optionally in a new status). A failed store is logged, not raised:

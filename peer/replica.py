@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine
 
 import torch
 from hivemind import DHT
@@ -69,6 +69,11 @@ class PeerContext:
     max_message_bytes: int
     backup_rpc: FramedRPC
     """Client and server of the peer-level backup handlers (peer/backup.py)."""
+    gate: Callable[[Any], Awaitable[str | None]] | None = None
+    """Private runs: Admission.check, asked by every RPC server before it serves a caller."""
+    checkpoints: Callable[[int], Awaitable[Any]] | None = None
+    """Private runs: the coordinator's newest checkpoint of a stage (a StateSnapshot or None),
+    which an empty stage restores when it is newer than any backup."""
 
     @property
     def max_numel(self) -> int:
@@ -115,7 +120,8 @@ class Replica:
         self.state = state = StageState(module, m.outer)
         # a request must arrive whole within a microbatch's deadline; each remote peer may hold a
         # driver's in-flight window plus its averaging and state streams open at once
-        limits = dict(read_timeout=t.microbatch, max_streams_per_peer=max(8, 2 * m.pipeline.max_in_flight + 4))
+        limits = dict(read_timeout=t.microbatch, max_streams_per_peer=max(8, 2 * m.pipeline.max_in_flight + 4),
+                      gate=ctx.gate)
         self.handlers = rpc = FramedRPC(ctx.p2p, stage_namespace(m.run_id, stage), ctx.traffic,
                                         ctx.max_message_bytes, **limits)
         downstream = None
@@ -131,11 +137,13 @@ class Replica:
                                             heartbeat=t.heartbeat, memory=ctx.memory)
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
-                         timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc)
+                         timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
+                         checkpoints=ctx.checkpoints)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
-                                       seed=data_seed(m, ctx.peer_id, ctx.data_seed), tasks=self.tasks)
+                                       seed=data_seed(m, ctx.peer_id, ctx.data_seed), tasks=self.tasks,
+                                       stats=presence.stats)
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
                                   sync=sync, presence=presence, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,

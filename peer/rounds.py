@@ -172,6 +172,12 @@ class RoundRunner:
                          samples_per_s=samples / elapsed, averaging_s=round_ms(time.monotonic() - started),
                          lr=lr, lr_start=lr_start, swarm_samples=self.state.trained_samples, rate=self.worker.rate.rate,
                          skipped_steps=self.worker.skipped_steps)
+        stats = self.presence.stats
+        stats.train_loss = train_loss if losses else None
+        stats.round_s, stats.group_size = round_ms(elapsed), len(result.group)
+        stats.samples_per_s = samples / elapsed
+        stats.samples += samples
+        stats.bytes_sent = self.traffic.sent
         logger.info("stage %d round %d: loss %s | %.1f samples/s | lr %.2e | sent %.2f MB recv %.2f MB | group %d %s",
                     self.stage, round, f"{train_loss:.3f}" if losses else "-", samples / elapsed, lr,
                     sent / 1e6, recv / 1e6, len(result.group),

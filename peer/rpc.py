@@ -67,13 +67,18 @@ class FramedRPC:
             peers with one slow stream each cannot make us hold max_streams whole messages.
         drain_timeout: after refusing a request early, seconds spent reading and discarding what
             the caller still sends (at most max_message_bytes), so that it can read the refusal.
+        gate: in a private run, `Admission.check` (peer/admission.py): given the caller's libp2p
+            id as the transport authenticated it, None to serve it, or why not; the request is
+            then refused with UNAUTHORIZED before any of it is read or counted.
     """
 
     def __init__(self, p2p: P2P, namespace: str, traffic: Traffic, max_message_bytes: int, *,
                  read_timeout: float = 60.0, max_streams_per_peer: int = 8, max_streams: int = 256,
                  max_frames: int | None = None, drain_timeout: float = 2.0,
-                 max_buffered_bytes: int | None = None):
+                 max_buffered_bytes: int | None = None,
+                 gate: Callable[[PeerID], Awaitable[str | None]] | None = None):
         self.p2p = p2p
+        self.gate = gate
         self.namespace = namespace
         self.traffic = traffic
         self.max_message_bytes = max_message_bytes
@@ -144,6 +149,13 @@ class FramedRPC:
             held += n
 
         try:
+            if self.gate is not None:  # inside the stream count: a stranger's refused streams are bounded too
+                why = await self.gate(peer)
+                if why is not None:
+                    logger.info("refused %s from %s: %s", method, who, why)
+                    await self._write(writer, refusal(pb.UNAUTHORIZED, f"not admitted to this run: {why}"))
+                    await self._drain(reader)
+                    return
             try:
                 request, size = await asyncio.wait_for(self._read(reader, request_type, reserve), self.read_timeout)
             except asyncio.TimeoutError:

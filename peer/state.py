@@ -149,3 +149,61 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             kind, name = key.split(".", 1)
             (params if kind == "global" else momentum)[name] = f.get_tensor(key)
     return params, momentum, meta
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit this stage or does not match its own digest."""
+
+
+def snapshot_bytes(snap: StateSnapshot, extra: dict[str, str] | None = None) -> bytes:
+    """A committed state as a safetensors file (the layout StageState.save writes), in memory."""
+    from safetensors.torch import save
+    tensors = {f"global.{n}": t.contiguous() for n, t in snap.params.items()}
+    tensors.update({f"momentum.{n}": t.contiguous() for n, t in snap.momentum.items()})
+    meta = {"round": str(snap.round), "applied_rounds": str(snap.applied_rounds), "digest": snap.digest,
+            "trained_samples": str(snap.trained_samples), **(extra or {})}
+    return save(tensors, metadata={"swarmgrad": json.dumps(meta)})
+
+
+def snapshot_from_bytes(data: bytes, shapes: dict[str, tuple[int, ...]]) -> StateSnapshot:
+    """A checkpoint's state, checked against the stage it is for: the same tensor names and
+    shapes, fp32, finite, and a recomputed digest equal to the one it declares. Raises
+    CheckpointError."""
+    from safetensors.torch import load
+    try:
+        tensors = load(data)
+    except Exception as e:
+        raise CheckpointError(f"not a safetensors file: {type(e).__name__}: {e}") from None
+    meta = _safetensors_metadata(data)
+    params = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith("global.")}
+    momentum = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith("momentum.")}
+    if set(params) != set(shapes) or not set(momentum) <= set(shapes) or len(params) + len(momentum) != len(tensors):
+        raise CheckpointError("its tensors are not this stage's")
+    for name, t in [*params.items(), *momentum.items()]:
+        if tuple(t.shape) != tuple(shapes[name]) or t.dtype != torch.float32 or not torch.isfinite(t).all():
+            raise CheckpointError(f"tensor {name}: wrong shape or dtype, or not finite")
+    try:
+        round_, applied, trained = int(meta["round"]), int(meta["applied_rounds"]), int(meta["trained_samples"])
+        declared = str(meta["digest"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("its metadata lacks round, applied_rounds, trained_samples or digest") from None
+    if min(round_, applied, trained) < 0:
+        raise CheckpointError("negative counters")
+    digest = state_digest(params, momentum, trained)
+    if digest != declared:
+        raise CheckpointError("its tensors do not match the digest it declares")
+    return StateSnapshot(params, momentum, round_, applied, digest, trained)
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The swarmgrad metadata in a safetensors header (8-byte length, then JSON)."""
+    if len(data) < 8:
+        raise CheckpointError("truncated")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, 100 << 20):
+        raise CheckpointError("bad header length")
+    try:
+        header = json.loads(data[8:8 + n])
+        return json.loads(header.get("__metadata__", {}).get("swarmgrad", "{}"))
+    except (ValueError, AttributeError):
+        raise CheckpointError("unreadable header") from None

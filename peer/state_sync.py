@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -108,7 +108,8 @@ class StateSync:
 
     def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
                  state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
-                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None):
+                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None,
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None):
         self.rpc = rpc
         self.swarm = swarm
         self.identity = identity
@@ -123,6 +124,9 @@ class StateSync:
         self.max_numel = max_numel
         self.backup_rpc = backup_rpc
         """Client of the peer-level backup handlers: an empty stage is restored from a backup."""
+        self.checkpoints = checkpoints
+        """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
+        stage restores from (the newer of the two wins)."""
         self.serving = False
         """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
 
@@ -189,35 +193,48 @@ class StateSync:
             await asyncio.sleep(0.5)
 
     async def restore_backup(self) -> bool:
-        """The stage is empty: restore the newest backup its holders have (peer/backup.py), if any.
-        Reports how many rounds of the stage were lost (the swarm's round against the backup's)."""
-        if self.backup_rpc is None:
+        """The stage is empty: restore the newest state that survives it, from the backups its
+        holders have (peer/backup.py) or, in a private run, the coordinator's newest checkpoint.
+        Reports how many rounds of the stage were lost (the swarm's round against the state's)."""
+        if self.backup_rpc is None and self.checkpoints is None:
             return False
-        from swarmgrad.peer.backup import BACKUP_COPIES, backup_holders, fetch_backup
         try:
             view = await self.swarm.swarm()
         except Exception as e:
             logger.info("stage %d: could not read the swarm to find backups: %s", self.stage, e)
-            return False
-        best = None
-        holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
-        for holder in holders:
-            snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
-                                      self.max_numel, self.t.state_download)
+            view = {}
+        best: tuple[str, StateSnapshot] | None = None
+        if self.backup_rpc is not None and view:
+            from swarmgrad.peer.backup import BACKUP_COPIES, backup_holders, fetch_backup
+            holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
+            for holder in holders:
+                snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
+                                          self.max_numel, self.t.state_download)
+                if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+                    best = (holder, snap)
+        if self.checkpoints is not None:
+            try:
+                snap = await self.checkpoints(self.stage)
+            except Exception as e:  # the coordinator is down or sent something unusable: backups only
+                logger.warning("stage %d: no checkpoint from the coordinator: %s: %s", self.stage,
+                               type(e).__name__, e)
+                snap = None
             if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
-                best = (holder, snap)
+                best = ("coordinator", snap)
         if best is None:
             return False
-        holder, snap = best
+        source, snap = best
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.trained = snap.trained_samples
         swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
         self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
         lost = max(0, swarm_round - snap.round)
-        self.events.emit("state_restored", source=holder, round=self.clock.current, backup_round=snap.round,
-                         applied_rounds=snap.applied_rounds, rounds_lost=lost, digest=self.state.digest)
-        logger.warning("stage %d was empty: restored its state from a backup on %s (%d applied rounds; %d rounds "
-                       "of the stage lost)", self.stage, holder[-8:], snap.applied_rounds, lost)
+        self.events.emit("state_restored", source=source, round=self.clock.current, backup_round=snap.round,
+                         applied_rounds=snap.applied_rounds, rounds_lost=lost, digest=self.state.digest,
+                         trained_samples=snap.trained_samples)
+        logger.warning("stage %d was empty: restored its state from %s (%d applied rounds; %d rounds of the stage "
+                       "lost)", self.stage, "a checkpoint of the coordinator" if source == "coordinator"
+                       else f"a backup on {source[-8:]}", snap.applied_rounds, lost)
         return True
 
     async def resync(self, round: int, result: RoundResult) -> bool:

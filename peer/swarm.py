@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -57,11 +57,16 @@ class PeerRecord:
     """Bytes this peer offers for a stage (0: not said)."""
     moving: bool = False
     """This replica is moving away from its stage (it serves until its next round boundary)."""
+    stats: dict[str, Any] | None = None
+    """What the replica last measured (presence.ReplicaStats, bounded by protocol/records.py): for
+    people and dashboards only, never for decisions."""
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
         value.pop("peer_id")
         value["maddrs"] = list(self.maddrs)
+        if value["stats"] is None:
+            del value["stats"]
         return value
 
     @classmethod
@@ -76,7 +81,8 @@ class PeerRecord:
             return None
         return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
                    applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
-                   driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"])
+                   driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"],
+                   stats=f["stats"])
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -114,6 +120,9 @@ class SwarmView:
         self.timeout = timeout
         self.ttl = ttl
         self._peer_id: str | None = None
+        self.admitted: Callable[[str], bool] | None = None
+        """Private runs: Admission.admitted; records of peers it refuses (revoked, expired) are
+        ignored, so nobody routes to or averages with them."""
 
     @property
     def peer_id(self) -> str:
@@ -168,6 +177,8 @@ class SwarmView:
             record = PeerRecord.from_value(peer_id, value)
             if record is None or record.stage != stage:
                 logger.debug("dropped a malformed record under stage %d from %s", stage, peer_id)
+            elif self.admitted is not None and not self.admitted(peer_id):
+                logger.debug("ignored the record of %s under stage %d: not admitted", peer_id[-8:], stage)
             elif not self.manifest_hash or record.manifest_hash == self.manifest_hash:
                 records.append(record)
         return sorted(records, key=lambda r: r.peer_id)

@@ -1,7 +1,7 @@
 """Regenerate (or check) the committed protobuf code from the .proto files in this folder.
 
-    python -m swarmgrad.protocol.generate          # rewrite wire_pb2.py
-    python -m swarmgrad.protocol.generate --check  # exit 1 if wire_pb2.py is stale
+    python -m swarmgrad.protocol.generate          # rewrite the *_pb2.py (and *_pb2_grpc.py) files
+    python -m swarmgrad.protocol.generate --check  # exit 1 if any of them is stale
 
 The generated file is committed so that installing swarmgrad needs no protoc; the check keeps
 it honest. grpcio-tools is pinned in the `test` extra because protoc's output (and the
@@ -15,17 +15,30 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ("wire.proto",)
+PROTOS = ("wire.proto", "coordinator.proto")
+GRPC_PROTOS = ("coordinator.proto",)
+"""Protos with a gRPC service: their stubs (_pb2_grpc.py) are generated and committed too."""
 
 
-def generate(proto: str) -> str:
+def generate(proto: str) -> dict[str, str]:
+    """{file name: text} of the code protoc writes for `proto`."""
     from grpc_tools import protoc  # test/dev dependency only
 
+    stem = proto.removesuffix(".proto")
     with tempfile.TemporaryDirectory() as out:
-        rc = protoc.main(["protoc", f"-I{HERE}", f"--python_out={out}", str(HERE / proto)])
+        args = ["protoc", f"-I{HERE}", f"--python_out={out}"]
+        if proto in GRPC_PROTOS:
+            args.append(f"--grpc_python_out={out}")
+        rc = protoc.main(args + [str(HERE / proto)])
         if rc != 0:
             raise RuntimeError(f"protoc failed on {proto} (exit {rc})")
-        return (Path(out) / proto.replace(".proto", "_pb2.py")).read_text()
+        files = {f"{stem}_pb2.py": (Path(out) / f"{stem}_pb2.py").read_text()}
+        if proto in GRPC_PROTOS:
+            # protoc writes a top-level import; ours live in a package
+            text = (Path(out) / f"{stem}_pb2_grpc.py").read_text()
+            files[f"{stem}_pb2_grpc.py"] = text.replace(f"import {stem}_pb2 as",
+                                                        f"from swarmgrad.protocol import {stem}_pb2 as")
+        return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stale = []
     for proto in PROTOS:
-        target = HERE / proto.replace(".proto", "_pb2.py")
-        fresh = generate(proto)
-        if target.exists() and target.read_text() == fresh:
-            continue
-        stale.append(target.name)
-        if not args.check:
-            target.write_text(fresh)
+        for name, fresh in generate(proto).items():
+            target = HERE / name
+            if target.exists() and target.read_text() == fresh:
+                continue
+            stale.append(name)
+            if not args.check:
+                target.write_text(fresh)
     if args.check and stale:
         print(f"stale generated code: {', '.join(stale)}; run python -m swarmgrad.protocol.generate", file=sys.stderr)
         return 1

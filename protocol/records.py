@@ -90,7 +90,7 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
     stage: int in [0, max_stage]; state: str of at most MAX_STATE_CHARS; throughput: finite, in
     [0, max_throughput]; round, applied_rounds: int in [0, MAX_ROUND]; digest, manifest_hash:
     str of at most MAX_ID_CHARS; driver: bool; maddrs (optional): a list of at most MAX_MADDRS
-    str of at most MAX_MADDR_CHARS each. Returns a new dict with exactly these keys; raises
+    str of at most MAX_MADDR_CHARS each; stats (optional): see _stats. Returns a new dict with exactly these keys; raises
     ProtocolError(BAD_REQUEST) naming the first bad field. Whether `state` is a known state and
     the manifest hash ours stay the caller's checks.
     """
@@ -114,4 +114,24 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
         "maddrs": [_str(m, MAX_MADDR_CHARS, "record maddr") for m in maddrs],
         "memory": _int(value.get("memory", 0), 0, MAX_MEMORY, "record memory"),
         "moving": _bool(value.get("moving", False), "record moving"),
+        "stats": _stats(value.get("stats")),
     }
+
+
+STATS_BOUNDS = {"train_loss": 1e6, "val_loss": 1e6, "round_s": 1e7, "group_size": 1e6, "samples_per_s": 1e9,
+                "samples": 1e15, "bytes_sent": 1e18}
+"""The fields of a record's `stats` and the largest value each may have (all >= 0)."""
+
+
+def _stats(value: Any) -> dict[str, Any] | None:
+    """A record's optional `stats`: a dict of known fields, each None or a finite number in
+    [0, bound]; unknown fields are dropped (a newer peer may say more)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or len(value) > 32:
+        raise _fail("record stats", "must be a dict of at most 32 fields")
+    out: dict[str, Any] = {}
+    for name, bound in STATS_BOUNDS.items():
+        field_value = value.get(name)
+        out[name] = None if field_value is None else _float(field_value, 0.0, bound, f"record stats {name}")
+    return out

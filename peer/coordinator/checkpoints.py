@@ -1,0 +1,135 @@
+"""The coordinator's checkpoints: every N rounds, θ_global and outer momentum of every stage,
+taken from a replica whose digest the stage's majority announces, written atomically as
+safetensors (peer/coordinator/store.py), the newest K kept. `swarmgrad export` turns the newest
+into one file of the whole model.
+
+The coordinator downloads a stage's state with the same request a joining replica sends
+(peer/state_sync.py `fetch_state`), so the state is checked the same way: names, shapes, fp32,
+and a recomputed digest that must equal the one the majority announces.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmgrad.peer import policy
+from swarmgrad.peer.coordinator.store import StateDir
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.state import snapshot_bytes
+from swarmgrad.peer.state_sync import fetch_state
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.validation import RunIdentity
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_plan(view: dict[int, list[PeerRecord]], n_stages: int, last_round: int | None, every: int
+                    ) -> tuple[int, dict[int, tuple[str, list[str]]]] | None:
+    """What to checkpoint now, or None: (round, {stage: (majority digest, donors)}) when every stage
+    has online replicas agreeing on a digest and the least advanced stage's majority has applied
+    at least `every` rounds more than the last checkpoint (or `every` rounds at all). Pure."""
+    plan: dict[int, tuple[str, list[str]]] = {}
+    applied = []
+    for stage in range(n_stages):
+        records = view.get(stage, [])
+        digest = policy.majority_digest(records)
+        if digest is None:
+            return None
+        donors = sorted(r.peer_id for r in records if r.state == ONLINE and r.digest == digest)
+        plan[stage] = (digest, donors)
+        applied.append(min(r.applied_rounds for r in records if r.state == ONLINE and r.digest == digest))
+    round = min(applied)
+    if round < every or (last_round is not None and round < last_round + every):
+        return None
+    return round, plan
+
+
+class CheckpointCollector:
+    def __init__(self, *, store: StateDir, rpc_for_stage: Callable[[int], FramedRPC], identity: RunIdentity,
+                 shapes: Callable[[int], dict[str, tuple[int, ...]]], n_stages: int, max_numel: int, timeout: float,
+                 every: int, manifest_toml: str, manifest_hash: str, events: EventLog):
+        self.store = store
+        self.rpc_for_stage = rpc_for_stage
+        self.identity = identity
+        self.shapes = shapes
+        self.n_stages = n_stages
+        self.max_numel = max_numel
+        self.timeout = timeout
+        self.every = every
+        self.manifest_toml = manifest_toml
+        self.manifest_hash = manifest_hash
+        self.events = events
+        self.failures = 0
+
+    @property
+    def last_round(self) -> int | None:
+        rounds = self.store.checkpoint_rounds()
+        return rounds[-1] if rounds else None
+
+    async def maybe_collect(self, view: dict[int, list[PeerRecord]]) -> int | None:
+        """Take a checkpoint if one is due (checkpoint_plan). Returns its round, or None. A stage
+        whose donors all fail (busy averaging, gone) postpones the whole checkpoint to a later look."""
+        plan = checkpoint_plan(view, self.n_stages, self.last_round, self.every)
+        if plan is None:
+            return None
+        round, stages = plan
+        files: dict[int, tuple[bytes, dict[str, Any]]] = {}
+        for stage, (digest, donors) in stages.items():
+            snap = None
+            for donor in donors[:3]:
+                try:
+                    snap = await fetch_state(self.rpc_for_stage(stage), [donor], self.identity, stage,
+                                             self.shapes(stage), self.max_numel, self.timeout)
+                except (RPCFailed, ProtocolError) as e:
+                    logger.info("checkpoint: stage %d from %s failed: %s", stage, donor[-8:], e)
+                    continue
+                if snap.digest != digest:  # a round ended meanwhile: it is the next look's state
+                    logger.info("checkpoint: stage %d moved on meanwhile; will try again", stage)
+                    snap = None
+                    continue
+                break
+            if snap is None:
+                self.failures += 1
+                return None
+            info = {"round": snap.round, "applied_rounds": snap.applied_rounds,
+                    "trained_samples": snap.trained_samples, "digest": snap.digest}
+            files[stage] = (snapshot_bytes(snap, {"stage": str(stage), "manifest_hash": self.manifest_hash}), info)
+        folder = self.store.write_checkpoint(round, files, self.manifest_toml, self.n_stages)
+        self.events.emit("checkpoint", round=round, stages=sorted(files), path=str(folder),
+                         bytes=sum(len(d) for d, _ in files.values()))
+        logger.info("checkpoint of round %d written to %s", round, folder)
+        return round
+
+
+def export_model(state_dir: Path, out: Path, round: int | None = None) -> tuple[int, int]:
+    """Write θ_global of every stage of the newest complete checkpoint (or of `round`) into one
+    safetensors file, names prefixed `stage{s}.`; metadata: run id, round, manifest. Returns
+    (round, tensors written). Raises FileNotFoundError when there is no checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from swarmgrad.peer.state import load_checkpoint
+    from swarmgrad.peer.coordinator.store import CoordinatorState, STATE_FILE
+    state = CoordinatorState.from_json(json.loads((state_dir / STATE_FILE).read_text()))
+    store = StateDir(state_dir, state.run_id)
+    rounds = store.checkpoint_rounds()
+    if not rounds:
+        raise FileNotFoundError(f"{state_dir} holds no checkpoint yet")
+    round = rounds[-1] if round is None else round
+    if round not in rounds:
+        raise FileNotFoundError(f"no checkpoint of round {round} (have {rounds})")
+    entries = store.checkpoint(round)
+    tensors = {}
+    for stage, entry in sorted(entries.items()):
+        params, _, _ = load_checkpoint(entry.path)
+        tensors.update({f"stage{stage}.{name}": t.contiguous() for name, t in params.items()})
+    folder = entries[min(entries)].path.parent
+    meta = {"run_id": state.run_id, "round": str(round), "stages": str(len(entries)),
+            "manifest": (folder / "manifest.toml").read_text()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata=meta)
+    return round, len(tensors)

@@ -1,0 +1,232 @@
+"""`swarmgrad coordinator`: the process that hosts a private run.
+
+It owns a hivemind DHT node (the run's bootstrap peer, with the coordinator key as its libp2p
+identity and a certificate it issues itself), the gRPC service (peer/coordinator/service.py,
+with gRPC health checking), the state dir, the checkpoint collector, the swarm watch behind the
+dashboard, and the dashboard's HTTP server. `run()` returns when `stop` is set, after closing
+all of them; the caller shuts the DHT down.
+
+It is not on the data path: peers train, average and download state from each other. If the
+coordinator is down, only admission, renewal, checkpoints and the dashboard wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarmgrad.peer.admission import Admission, revocations_key
+from swarmgrad.peer.coordinator.checkpoints import CheckpointCollector
+from swarmgrad.peer.coordinator.client import channel_options
+from swarmgrad.peer.coordinator.credentials import Issuer
+from swarmgrad.peer.coordinator.service import CoordinatorService
+from swarmgrad.peer.coordinator.store import StateDir
+from swarmgrad.peer.coordinator.watch import History, checkpoint_rows, swarm_snapshot
+from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
+from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
+from swarmgrad.protocol.validation import RunIdentity
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "swarmgrad.coordinator.Coordinator"
+
+
+class Coordinator:
+    """Args:
+        manifest, manifest_toml: the run (the text is what peers get, signed).
+        key, key_path: the coordinator key (its file is p2pd's identity too).
+        state_dir: admitted peers, revocations, checkpoints; recovered on restart.
+        listen: HOST:PORT of the gRPC service (port 0: any free port; `grpc_port` tells).
+        http: HOST:PORT of the dashboard, or None for none.
+        checkpoint_every, keep_checkpoints: a checkpoint every N rounds, the newest K kept.
+        certificate_ttl: seconds a certificate lives.
+    """
+
+    def __init__(self, manifest: Manifest, manifest_toml: str, key: Ed25519PrivateKey, key_path: Path,
+                 state_dir: Path, *, listen: str = "127.0.0.1:0", http: str | None = None,
+                 host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",), announce_maddrs: tuple[str, ...] = (),
+                 initial_peers: tuple[str, ...] = (), checkpoint_every: int = 5, keep_checkpoints: int = 3,
+                 certificate_ttl: float = 12 * 3600, events_path: str | None = None, metrics_port: int | None = None):
+        self.m = manifest
+        self.manifest_toml = manifest_toml
+        self.key = key
+        self.key_path = key_path
+        self.issuer = Issuer(key, manifest.run_id)
+        self.peer_id = self.issuer.coordinator_id
+        self.store = StateDir(state_dir, manifest.run_id, keep_checkpoints)
+        self.listen = listen
+        self.http = http
+        self.host_maddrs = host_maddrs
+        self.announce_maddrs = announce_maddrs
+        self.initial_peers = initial_peers
+        self.checkpoint_every = checkpoint_every
+        self.certificate_ttl = certificate_ttl
+        self.events = EventLog(events_path, peer=self.peer_id, role="coordinator")
+        self.files = AuthFiles(Path(state_dir) / "auth")
+        self.rsa = RSAPrivateKey()
+        self.dht: DHT | None = None
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics_port = metrics_port
+        self.metrics = None
+        self.started = time.time()
+        self.history = History()
+        self._view: dict[int, list] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # DHT (before any event loop or torch thread: hivemind forks) ----------------------------------
+    def _self_certificate(self):
+        signed = self.issuer.certificate(self.peer_id, role="coordinator", ttl=self.certificate_ttl, serial=0,
+                                         dht_public_key=self.rsa.get_public_key().to_bytes())
+        self.files.write_certificate(signed)
+        return self.issuer.authority.certificate(signed)
+
+    def start_dht(self, timeout: float = 60.0) -> DHT:
+        self.certificate = self._self_certificate()
+        revoked = self.store.state.revoked
+        self.files.write_revoked(revoked)
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(self.initial_peers) or None, host_maddrs=list(self.host_maddrs), start=True,
+            startup_timeout=timeout, identity_path=str(self.key_path), check_if_identity_free=False,
+            record_validators=[SignedRecordValidator(self.key)],
+            authorizer=CertificateAuthorizer(self.peer_id, self.m.run_id, self.files.folder, self.rsa))
+        if self.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.announce_maddrs)
+        self.dht = DHT(**kwargs)
+        self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        return self.dht
+
+    # run ------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.dht is not None, "start_dht() first"
+        m, t = self.m, self.m.timeouts
+        self.swarm = SwarmView(self.dht, m.run_id, m.hash, m.stages.count, t.dht, t.announce_ttl)
+        self.admission = Admission(authority=self.issuer.authority, certificate=self.certificate, dht=self.dht,
+                                   files=self.files, client=None, dht_public_key=b"", heartbeat=t.heartbeat,
+                                   dht_timeout=t.dht)
+        self.admission.adopt_revocations(self.issuer.authority.revocations(self._revocations()))
+        self.swarm.admitted = self.admission.admitted
+        self.service = CoordinatorService(self.issuer, self.store, self.manifest_toml, m.hash,
+                                          certificate_ttl=self.certificate_ttl, initial_peers=lambda: self.maddrs,
+                                          on_revoke=self._revoked)
+        server = grpc.aio.server(options=channel_options())
+        cgrpc.add_CoordinatorServicer_to_server(self.service, server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.grpc_port = server.add_insecure_port(self.listen)
+        if not self.grpc_port:
+            raise RuntimeError(f"--listen {self.listen}: could not bind")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        host = self.listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.grpc_port}"
+        p2p = await self.dht.replicate_p2p()
+        traffic = Traffic()
+        max_message = int(m.pipeline.max_message_mb * 2**20)
+        rpcs = {s: FramedRPC(p2p, stage_namespace(m.run_id, s), traffic, max_message) for s in range(m.stages.count)}
+        shapes_cache: dict[int, dict[str, tuple[int, ...]]] = {}
+        from swarmgrad.peer.model import from_manifest
+        model = from_manifest(m)
+
+        def shapes(stage: int) -> dict[str, tuple[int, ...]]:
+            if stage not in shapes_cache:
+                shapes_cache[stage] = {n: tuple(p.shape) for n, p in model.build_stage(stage).named_parameters()}
+            return shapes_cache[stage]
+
+        self.collector = CheckpointCollector(
+            store=self.store, rpc_for_stage=rpcs.__getitem__, identity=RunIdentity(m.run_id, m.hash), shapes=shapes,
+            n_stages=m.stages.count, max_numel=max_message, timeout=t.state_download, every=self.checkpoint_every,
+            manifest_toml=self.manifest_toml, manifest_hash=m.hash, events=self.events)
+        web = None
+        if self.http:
+            from swarmgrad.peer.coordinator.web import DashboardServer
+            http_host, http_port = self.http.rsplit(":", 1)
+            web = DashboardServer(http_host, int(http_port), self.snapshot, self.history_json)
+            self.http_port = web.start()
+        if self.metrics_port is not None:
+            from swarmgrad.peer.coordinator.metrics import CoordinatorMetrics
+            self.metrics = CoordinatorMetrics()
+            self.metrics_port = self.metrics.serve("0.0.0.0", self.metrics_port)
+        self.events.emit("coordinator_started", run_id=m.run_id, grpc=self.address, grpc_port=self.grpc_port,
+                         http_port=self.http_port, metrics_port=self.metrics_port, maddrs=self.maddrs,
+                         manifest_hash=m.hash)
+        logger.info("coordinator of run %s: gRPC at %s, dashboard at %s, DHT at %s", m.run_id, self.address,
+                    f"http://{self.http.rsplit(':', 1)[0]}:{self.http_port}/" if web else "-", ", ".join(self.maddrs))
+        self._tasks = [asyncio.create_task(self._loop(), name="coordinator-loop")]
+        try:
+            await stop.wait()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.health.enter_graceful_shutdown()
+            await server.stop(grace=1.0)
+            if web is not None:
+                web.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.events.emit("coordinator_stopped")
+            self.events.close()
+
+    def _revocations(self):
+        return self.service.revocations() if hasattr(self, "service") else \
+            self.issuer.revocations(self.store.state.revoked, self.store.state.revocations_version)
+
+    def _revoked(self, signed) -> None:
+        """A revoke order went through: take it ourselves at once and publish it now, not at the
+        next heartbeat, so peers see it within one of theirs."""
+        self.admission.adopt_revocations(self.issuer.authority.revocations(signed))
+        self.events.emit("revoked", revoked=sorted(self.store.state.revoked))
+        self._tasks.append(asyncio.create_task(self._publish_revocations(), name="publish-revocations"))
+
+    async def _publish_revocations(self) -> None:
+        assert self.dht is not None
+        signed = self._revocations()
+        await asyncio.wait_for(self.dht.store(revocations_key(self.m.run_id), signed.SerializeToString(),
+                                              get_dht_time() + MAX_RECORD_TTL, subkey=self.peer_id,
+                                              return_future=True), self.m.timeouts.dht)
+
+    async def _loop(self) -> None:
+        while True:
+            if self.certificate.remaining() < self.certificate_ttl / 2:
+                self.certificate = self._self_certificate()
+                self.admission.certificate = self.certificate
+            for step in (self._publish_revocations, self.admission.step, self._look):
+                try:
+                    await step()
+                except Exception as e:
+                    logger.info("coordinator: %s failed: %s: %s", getattr(step, "__name__", step), type(e).__name__, e)
+            await asyncio.sleep(self.m.timeouts.heartbeat)
+
+    async def _look(self) -> None:
+        self._view = await self.swarm.swarm()
+        self.history.observe(self._view)
+        await self.collector.maybe_collect(self._view)
+        if self.metrics is not None:
+            self.metrics.update(self.snapshot(), self.history_json(), self.service.calls, self.service.refusals)
+
+    # dashboard (called from the HTTP server's thread: read-only over plain data) ------------------
+    def snapshot(self) -> dict[str, Any]:
+        rounds = self.store.checkpoint_rounds()
+        index = {r: self.store.checkpoint(r) for r in rounds}
+        return swarm_snapshot(self.m.run_id, dict(self._view), self.store.state, checkpoint_rows(rounds, index),
+                              {"peer_id": self.peer_id, "grpc": getattr(self, "address", ""),
+                               "uptime_s": round(time.time() - self.started, 1)})
+
+    def history_json(self) -> dict[str, Any]:
+        return self.history.to_json(dict(self._view))

@@ -1,0 +1,198 @@
+"""Private-run credentials without a network: certificates, invitations, revocations, the signed
+manifest, and the coordinator service's decisions over a real state dir."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmgrad.peer.admission import Admission
+from swarmgrad.peer.coordinator.credentials import (ADMIT_PROOF, REVOCATIONS, Authority, CredentialError,
+                                                    Issuer, make_invitation, parse_duration, parse_invitation,
+                                                    proof_message, revoke_order, sign)
+from swarmgrad.peer.coordinator.service import CoordinatorService, Refused
+from swarmgrad.peer.coordinator.store import StateDir
+from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.identity import peer_id_of
+from swarmgrad.protocol import coordinator_pb2 as cpb
+
+RUN = "private-run"
+
+
+@pytest.fixture
+def issuer() -> Issuer:
+    return Issuer(Ed25519PrivateKey.generate(), RUN)
+
+
+def test_certificate_round_trip_and_binding(issuer: Issuer) -> None:
+    peer = Ed25519PrivateKey.generate()
+    signed = issuer.certificate(peer_id_of(peer), ttl=60, serial=7, dht_public_key=b"rsa")
+    cert = issuer.authority.certificate(signed, peer_id=peer_id_of(peer))
+    assert (cert.peer_id, cert.role, cert.serial, cert.dht_public_key) == (peer_id_of(peer), "peer", 7, b"rsa")
+    with pytest.raises(CredentialError, match="not"):  # presented by another peer id
+        issuer.authority.certificate(signed, peer_id=peer_id_of(Ed25519PrivateKey.generate()))
+
+
+def test_certificate_expiry(issuer: Issuer) -> None:
+    signed = issuer.certificate(peer_id_of(Ed25519PrivateKey.generate()), ttl=10, serial=1, now=1000.0)
+    issuer.authority.certificate(signed, now=1009.0)
+    with pytest.raises(CredentialError, match="expired"):
+        issuer.authority.certificate(signed, now=1010.5)
+
+
+def test_tampered_and_foreign_certificates_refused(issuer: Issuer) -> None:
+    peer_id = peer_id_of(Ed25519PrivateKey.generate())
+    signed = issuer.certificate(peer_id, ttl=60, serial=1)
+    body = cpb.CertificateBody.FromString(signed.body)
+    body.expires_at += 1e6  # a longer life, same signature
+    with pytest.raises(CredentialError, match="signature"):
+        issuer.authority.certificate(cpb.Signed(body=body.SerializeToString(), signature=signed.signature))
+    rogue = Issuer(Ed25519PrivateKey.generate(), RUN)  # another key, same run id
+    with pytest.raises(CredentialError, match="signature"):
+        issuer.authority.certificate(rogue.certificate(peer_id, ttl=60, serial=1))
+    other_run = Issuer(issuer.key, "another-run")
+    with pytest.raises(CredentialError, match="run"):
+        issuer.authority.certificate(other_run.certificate(peer_id, ttl=60, serial=1))
+    # a signature made for a revocation list is no certificate, even over the same bytes
+    cross = sign(issuer.key, REVOCATIONS, cpb.CertificateBody.FromString(signed.body))
+    with pytest.raises(CredentialError, match="signature"):
+        issuer.authority.certificate(cross)
+    with pytest.raises(CredentialError):
+        issuer.authority.certificate(cpb.Signed(body=b"\xff" * 10, signature=b"x" * 64))
+
+
+def test_invitation_string_round_trip_and_damage(issuer: Issuer) -> None:
+    inv = make_invitation(issuer.key, RUN, "10.0.0.1:7000", expires_in=3600, stage=1)
+    parsed = parse_invitation(inv.encode())
+    assert (parsed.run_id, parsed.coordinator, parsed.coordinator_id, parsed.stage) == \
+        (RUN, "10.0.0.1:7000", issuer.coordinator_id, 1)
+    text = inv.encode()
+    with pytest.raises(CredentialError):
+        parse_invitation(text[:-6])
+    with pytest.raises(CredentialError):
+        parse_invitation("hello")
+    expired = make_invitation(issuer.key, RUN, "h:1", expires_in=10, now=time.time() - 100)  # made long ago
+    with pytest.raises(CredentialError, match="expired"):
+        parse_invitation(expired.encode())
+
+
+def test_revocations_and_manifest(issuer: Issuer) -> None:
+    victim = peer_id_of(Ed25519PrivateKey.generate())
+    rev = issuer.authority.revocations(issuer.revocations([victim], version=3))
+    assert rev.version == 3 and victim in rev.peer_ids
+    body = issuer.authority.manifest(issuer.manifest("run_id = 'x'", "abc"))
+    assert body.manifest_hash == "abc"
+    signed = issuer.manifest("run_id = 'x'", "abc")
+    tampered = cpb.ManifestBody.FromString(signed.body)
+    tampered.manifest_toml = "run_id = 'evil'"
+    with pytest.raises(CredentialError):
+        issuer.authority.manifest(cpb.Signed(body=tampered.SerializeToString(), signature=signed.signature))
+
+
+def test_duration_parsing() -> None:
+    assert parse_duration("7d") == 7 * 86400 and parse_duration("30m") == 1800 and parse_duration("45") == 45
+    for bad in ("", "-1h", "soon", "infd"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+# ------------------------------------------------------------------ the service's decisions
+
+def _service(issuer: Issuer, tmp_path, revoked=None) -> CoordinatorService:
+    return CoordinatorService(issuer, StateDir(tmp_path / "state", RUN), "run_id = 'private-run'", "hash",
+                              certificate_ttl=600, initial_peers=lambda: ["/ip4/127.0.0.1/tcp/1"],
+                              on_revoke=(revoked or (lambda signed: None)))
+
+
+def _admit_request(inv, peer: Ed25519PrivateKey, dht_key: bytes = b"rsa") -> cpb.AdmitRequest:
+    proof = peer.sign(proof_message(ADMIT_PROOF, inv.signed.body, peer_id_of(peer), dht_key))
+    return cpb.AdmitRequest(invitation=inv.signed, peer_id=peer_id_of(peer), dht_public_key=dht_key, proof=proof)
+
+
+def test_admission_is_single_use_and_bound_to_the_key(issuer: Issuer, tmp_path) -> None:
+    service = _service(issuer, tmp_path)
+    inv = make_invitation(issuer.key, RUN, "h:1", expires_in=60)
+    peer = Ed25519PrivateKey.generate()
+    thief = Ed25519PrivateKey.generate()
+    stolen = _admit_request(inv, peer)
+    stolen.peer_id = peer_id_of(thief)  # replays the peer's proof under its own id
+    with pytest.raises(CredentialError, match="proof"):
+        service.admit(stolen)
+    assert not service.store.state.spent_invitations  # a refused request spends nothing
+    response = service.admit(_admit_request(inv, peer))
+    cert = issuer.authority.certificate(response.certificate, peer_id=peer_id_of(peer))
+    assert cert.dht_public_key == b"rsa" and list(response.initial_peers) == ["/ip4/127.0.0.1/tcp/1"]
+    with pytest.raises(Refused, match="already used"):
+        service.admit(_admit_request(inv, Ed25519PrivateKey.generate()))
+    # the state survives a restart: the admitted peer and the spent invitation
+    again = _service(issuer, tmp_path)
+    assert peer_id_of(peer) in again.store.state.admitted
+    with pytest.raises(Refused, match="already used"):
+        again.admit(_admit_request(inv, Ed25519PrivateKey.generate()))
+    with pytest.raises(ValueError, match="another"):
+        StateDir(tmp_path / "state", "some-other-run")
+
+
+def test_revocation_refuses_renewal_and_grows_the_list(issuer: Issuer, tmp_path) -> None:
+    published = []
+    service = _service(issuer, tmp_path, published.append)
+    peer = Ed25519PrivateKey.generate()
+    service.admit(_admit_request(make_invitation(issuer.key, RUN, "h:1", expires_in=60), peer))
+    with pytest.raises(CredentialError):  # only the key holder orders a revocation
+        service.revoke(revoke_order(Ed25519PrivateKey.generate(), RUN, peer_id_of(peer)))
+    signed = service.revoke(revoke_order(issuer.key, RUN, peer_id_of(peer)))
+    rev = issuer.authority.revocations(signed)
+    assert rev.version == 1 and peer_id_of(peer) in rev.peer_ids and published == [signed]
+    with pytest.raises(CredentialError, match="recent"):  # an old order replayed
+        service.revoke(revoke_order(issuer.key, RUN, peer_id_of(peer), now=time.time() - 3600))
+    with pytest.raises(Refused, match="revoked"):  # a revoked peer cannot come back with a new invitation
+        service.admit(_admit_request(make_invitation(issuer.key, RUN, "h:1", expires_in=60), peer))
+    assert _service(issuer, tmp_path).store.state.revocations_version == 1
+
+
+def test_admission_gate(issuer: Issuer, tmp_path) -> None:
+    import asyncio
+    asyncio.run(_admission_gate(issuer, tmp_path))
+
+
+async def _admission_gate(issuer: Issuer, tmp_path) -> None:
+    me, other, stranger = (Ed25519PrivateKey.generate() for _ in range(3))
+    authority = issuer.authority
+    mine = authority.certificate(issuer.certificate(peer_id_of(me), ttl=600, serial=1))
+    gate = Admission(authority=authority, certificate=mine, dht=None, files=AuthFiles(tmp_path / "auth"),
+                     client=None, dht_public_key=b"", heartbeat=1.0, dht_timeout=1.0, lookup_backoff=1e9)
+    gate.known[peer_id_of(other)] = authority.certificate(issuer.certificate(peer_id_of(other), ttl=600, serial=2))
+    assert await gate.check(peer_id_of(other)) is None
+    gate._looked_up[peer_id_of(stranger)] = 1e18  # no DHT here: the stranger is not looked up
+    assert "no certificate" in await gate.check(peer_id_of(stranger))
+    assert gate.adopt_revocations(authority.revocations(issuer.revocations([peer_id_of(other)], version=2)))
+    assert "revoked" in await gate.check(peer_id_of(other))
+    assert not gate.adopt_revocations(authority.revocations(issuer.revocations([], version=1)))  # older: ignored
+    assert "revoked" in await gate.check(peer_id_of(other))
+    assert (tmp_path / "auth" / "revoked.txt").read_text().split() == [peer_id_of(other)]
+    assert gate.refused == 2
+
+
+def test_dht_authorizer_tokens(issuer: Issuer, tmp_path) -> None:
+    from hivemind.utils.crypto import RSAPrivateKey
+    rsa = RSAPrivateKey()
+    peer = Ed25519PrivateKey.generate()
+    files = AuthFiles(tmp_path / "auth")
+    files.write_certificate(issuer.certificate(peer_id_of(peer), ttl=600, serial=1,
+                                               dht_public_key=rsa.get_public_key().to_bytes()))
+    authorizer = CertificateAuthorizer(issuer.coordinator_id, RUN, files.folder, rsa)
+    import asyncio
+    token = asyncio.run(authorizer.get_token())
+    assert authorizer.is_token_valid(token)
+    forged = type(token)()
+    forged.CopyFrom(token)
+    forged.public_key = RSAPrivateKey().get_public_key().to_bytes()  # someone else's DHT key
+    assert not authorizer.is_token_valid(forged)
+    rogue = Issuer(Ed25519PrivateKey.generate(), RUN)
+    forged.CopyFrom(token)
+    forged.signature = rogue.certificate(peer_id_of(peer), ttl=600, serial=1,
+                                         dht_public_key=token.public_key).SerializeToString()
+    assert not authorizer.is_token_valid(forged)
+    files.write_revoked([peer_id_of(peer)])
+    assert not authorizer.is_token_valid(token)
