@@ -171,7 +171,7 @@ async def _admission_gate(issuer: Issuer, tmp_path) -> None:
     assert not gate.adopt_revocations(authority.revocations(issuer.revocations([], version=1)))  # older: ignored
     assert "revoked" in await gate.check(peer_id_of(other))
     assert (tmp_path / "auth" / "revoked.txt").read_text().split() == [peer_id_of(other)]
-    assert gate.refused == 2
+    assert gate.refused == 3  # the stranger once, the revoked peer twice
 
 
 def test_dht_authorizer_tokens(issuer: Issuer, tmp_path) -> None:
