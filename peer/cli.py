@@ -115,7 +115,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
-                          rebalance=args.rebalance)
+                          rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     # Until the event loop takes over the signals, SIGTERM ends the process through SystemExit, so
     # the `finally` below still shuts down a DHT that was started.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -226,6 +226,13 @@ def _nonneg_int(text: str, what: str = "must be an integer") -> int:
         raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
+def _port_arg(text: str) -> int:
+    value = _nonneg_int(text, "must be a port number")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (got {value})")
     return value
 
 
@@ -462,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move to another stage when the placement policy says it pays (auto: only with --stage auto)")
     p.add_argument("--linger", type=_nonneg_float, default=60.0,
                    help="seconds a non-driver keeps serving after its last round while drivers evaluate")
+    p.add_argument("--metrics-port", type=_port_arg, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, in the started event)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server listens on (default 127.0.0.1)")
     p.set_defaults(fn=cmd_peer)
 
     s = sub.add_parser("status", help="print the swarm as the DHT sees it")

@@ -22,6 +22,7 @@ from swarmgrad.peer.state import StateSnapshot
 
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement import MoveDecision, PeerFigures, Policy, choose_stage_for_newcomer
 from swarmgrad.peer.rebalance import Rebalancer, snapshot_from_view
@@ -62,6 +63,9 @@ class PeerOptions:
     """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
     max_memory: int | None = None
     """Bytes this peer offers for a stage; None: what the device has."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: a free one, reported in the `started` event); None: off."""
+    metrics_host: str = "127.0.0.1"
     rebalance: str = "auto"
     """"on": move between stages when the placement policy says it pays; "off": stay; "auto": on
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
@@ -101,6 +105,9 @@ class Peer:
         self.moves = 0
         self._maddrs: tuple[str, ...] = ()
         self._backup_rpc: FramedRPC | None = None
+        self.metrics = PeerMetrics(self.traffic) if options.metrics_port is not None else None
+        self.metrics_port: int | None = None
+        """The port metrics are served on, once they are."""
 
     @property
     def max_rounds(self) -> int:
@@ -129,7 +136,10 @@ class Peer:
         p2p = await self.dht.replicate_p2p()
         # get_visible_maddrs blocks on the DHT process: ask once, while it is surely alive
         maddrs = self._maddrs = tuple(str(a) for a in self.dht.get_visible_maddrs())
-        self.events = EventLog(self.opt.events_path, peer=self.peer_id)
+        if self.metrics is not None:
+            self.metrics_port = self._serve_metrics(self.metrics)
+        self.events = EventLog(self.opt.events_path, sink=self.metrics.observe if self.metrics else None,
+                               peer=self.peer_id)
         memory = self.opt.max_memory or device_memory(self.opt.device)
         backup_rpc = await self._backups(p2p)
         ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
@@ -146,6 +156,14 @@ class Peer:
             rates = await asyncio.get_running_loop().run_in_executor(
                 None, stage_rates, self.m, self.model, self.opt.device, self.opt.slowdown)
         return ctx, costs, rates
+
+    def _serve_metrics(self, metrics: PeerMetrics) -> int:
+        host, port = self.opt.metrics_host, self.opt.metrics_port
+        assert port is not None
+        try:
+            return metrics.serve(host, port)
+        except OSError as e:
+            raise RuntimeError(f"--metrics-port {port}: cannot serve metrics on {host}: {e.strerror or e}") from None
 
     async def _backups(self, p2p) -> FramedRPC:
         """Serve the backups this peer holds for other stages (peer/backup.py)."""
@@ -180,7 +198,8 @@ class Peer:
                                    f"smallest stage needs {need / 2**30:.1f} GiB): raise --max-memory")
             stage = choice
         self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
-                         manifest_hash=self.m.hash, stage_rates=list(rates), memory=memory)
+                         manifest_hash=self.m.hash, stage_rates=list(rates), memory=memory,
+                         metrics_port=self.metrics_port)
         return stage
 
     async def _serve(self, replica: Replica, rebalancer: Rebalancer | None, stop: asyncio.Event) -> None:
@@ -257,3 +276,5 @@ class Peer:
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
                          bytes_recv=self.traffic.recv)
         self.events.close()
+        if self.metrics is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics.close)

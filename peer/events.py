@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+"""Called with every event's record (`event`, `time`, the fixed fields, the event's fields) as it
+is emitted, in the emitting thread, before it is written; e.g. PeerMetrics.observe."""
 
 
 def _clean(value: Any) -> Any:
@@ -21,10 +28,14 @@ def _clean(value: Any) -> Any:
 
 class EventLog:
     """Appends one JSON object per line, flushed at once so a reader can follow the file live.
-    Every line has `event`, `time` (unix seconds) and the fixed fields given at construction."""
+    Every line has `event`, `time` (unix seconds) and the fixed fields given at construction.
 
-    def __init__(self, path: str | Path | None, **fixed: Any):
+    `sink`, if given, sees every event too, with or without a file; an exception in it is logged
+    and does not reach the emitter (metrics must not stop a round)."""
+
+    def __init__(self, path: str | Path | None, *, sink: EventSink | None = None, **fixed: Any):
         self.fixed = dict(fixed)
+        self.sink = sink
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._owner = True
@@ -35,14 +46,21 @@ class EventLog:
     def view(self, **fixed: Any) -> "EventLog":
         """The same file with more (or other) fixed fields, e.g. the stage of one replica while a
         peer moves between stages; closing a view does not close the file."""
-        other = EventLog(None, **{**self.fixed, **fixed})
+        other = EventLog(None, sink=self.sink, **{**self.fixed, **fixed})
         other._file, other._lock, other._owner = self._file, self._lock, False
         return other
 
     def emit(self, event: str, **fields: Any) -> None:
-        if self._file is None:
+        if self._file is None and self.sink is None:
             return
         record = {"event": event, "time": round(time.time(), 3), **self.fixed, **fields}
+        if self.sink is not None:  # before the file: whoever reads the line finds the metrics updated
+            try:
+                self.sink(record)
+            except Exception:
+                logger.exception("event sink failed on a %r event", event)
+        if self._file is None:
+            return
         line = json.dumps(_clean(record), sort_keys=False)
         with self._lock:
             if not self._file.closed:

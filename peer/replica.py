@@ -128,7 +128,9 @@ class Replica:
         if not is_last:  # a client of the next stage's handlers
             next_rpc = FramedRPC(ctx.p2p, stage_namespace(m.run_id, stage + 1), ctx.traffic, ctx.max_message_bytes,
                                  **limits)
-            downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, BanList(t.ban_base, t.ban_max),
+            bans = BanList(t.ban_base, t.ban_max, on_ban=lambda peer, seconds, failures: self.events.emit(
+                "banned", failed_peer=peer, seconds=seconds, failures=failures))
+            downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec))
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)

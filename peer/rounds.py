@@ -169,7 +169,8 @@ class RoundRunner:
                          avg_bytes_recv=self.traffic.recv - recv0, complete=result.complete,
                          reason=result.reason, group_size=len(result.group), group=list(result.group),
                          digest=self.state.digest, applied_rounds=self.state.applied_rounds,
-                         samples_per_s=samples / elapsed, averaging_s=round_ms(time.monotonic() - started),
+                         samples_per_s=samples / elapsed, round_s=round_ms(elapsed),
+                         averaging_s=round_ms(time.monotonic() - started),
                          lr=lr, lr_start=lr_start, swarm_samples=self.state.trained_samples, rate=self.worker.rate.rate,
                          skipped_steps=self.worker.skipped_steps)
         stats = self.presence.stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,11 @@ def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], b
 
 @dataclass
 class BanList:
-    """Peers that failed us, avoided for base·2^(failures−1) seconds, capped at `max_seconds`."""
+    """Peers that failed us, avoided for base·2^(failures−1) seconds, capped at `max_seconds`.
+    `on_ban(peer_id, seconds, failures)`, if given, hears of every ban (the `banned` event)."""
     base_seconds: float
     max_seconds: float
+    on_ban: Callable[[str, float, int], None] | None = None
     _until: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)
 
@@ -44,6 +46,8 @@ class BanList:
         self._failures[peer_id] = failures
         duration = min(self.max_seconds, self.base_seconds * 2 ** (failures - 1))
         self._until[peer_id] = now + duration
+        if self.on_ban is not None:
+            self.on_ban(peer_id, duration, failures)
         return duration
 
     def defer(self, peer_id: str, now: float, seconds: float) -> None:

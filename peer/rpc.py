@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 
 from google.protobuf.message import Message
@@ -31,11 +31,37 @@ Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
 
+TRAFFIC_KINDS = ("activations", "gradients", "averaging", "state", "other")
+"""What a message carries, for byte counts: pipeline forward requests (activations) and their
+answers (gradients), the rounds' reduce-scatter parts, state downloads and backups; "other" for a
+method this table does not know."""
+
+
+def traffic_kind(method: str, response: bool) -> str:
+    """The kind of a request (response=False) or a response of `method`, one of TRAFFIC_KINDS.
+    A refusal counts as the kind of the answer it replaces."""
+    if method == "forward":
+        return "gradients" if response else "activations"
+    return {"average": "averaging", "state": "state", "put": "state", "get": "state"}.get(method, "other")
+
+
 @dataclass
 class Traffic:
-    """Bytes of swarmgrad messages this peer sent and received (payload, not libp2p overhead)."""
+    """Bytes of swarmgrad messages this peer sent and received (payload, not libp2p overhead),
+    in all and by kind (TRAFFIC_KINDS). The by-kind dicts hold every kind from the start, so
+    another thread (a metrics scrape) may read them while they are being added to."""
     sent: int = 0
     recv: int = 0
+    sent_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRAFFIC_KINDS, 0))
+    recv_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRAFFIC_KINDS, 0))
+
+    def add_sent(self, kind: str, n: int) -> None:
+        self.sent += n
+        self.sent_by_kind[kind] += n
+
+    def add_recv(self, kind: str, n: int) -> None:
+        self.recv += n
+        self.recv_by_kind[kind] += n
 
 
 class RPCFailed(Exception):
@@ -105,10 +131,10 @@ class FramedRPC:
         return await read_stream_message(reader, message_type, self.max_message_bytes, max_frames=self.max_frames,
                                          max_frame_bytes=MAX_FRAME_BYTES, reserve=reserve)
 
-    async def _write(self, writer: asyncio.StreamWriter, message: Message) -> None:
+    async def _write(self, writer: asyncio.StreamWriter, message: Message, kind: str) -> None:
         chunks, size = encode_stream(message)
         await write_chunks(writer, chunks)
-        self.traffic.sent += size
+        self.traffic.add_sent(kind, size)
 
     # ------------------------------------------------------------------ serving
 
@@ -132,10 +158,11 @@ class FramedRPC:
                      refusal: Callable[[int, str], Message], peer: PeerID,
                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         who = str(peer)[-8:]
+        answer_kind = traffic_kind(method, response=True)
         if self._open.get(peer, 0) >= self.max_streams_per_peer or self.open_streams >= self.max_streams:
             logger.info("refused %s from %s: too many open streams", method, who)
             await self._write(writer, refusal(pb.BUSY, f"too many open streams (at most {self.max_streams_per_peer} "
-                                                      f"per peer, {self.max_streams} in all)"))
+                                                      f"per peer, {self.max_streams} in all)"), answer_kind)
             await self._drain(reader)
             return
         self._open[peer] = self._open.get(peer, 0) + 1
@@ -165,11 +192,11 @@ class FramedRPC:
             else:
                 self.buffered_bytes -= held
                 held = 0
-                self.traffic.recv += size
-                await self._write(writer, await self._answer(method, handler, refusal, request, peer))
+                self.traffic.add_recv(traffic_kind(method, response=False), size)
+                await self._write(writer, await self._answer(method, handler, refusal, request, peer), answer_kind)
                 return
             logger.info("refused %s from %s: %s", method, who, error)
-            await self._write(writer, refusal(error.status, error.reason))
+            await self._write(writer, refusal(error.status, error.reason), answer_kind)
             await self._drain(reader)
         finally:
             self.buffered_bytes -= held
@@ -225,7 +252,7 @@ class FramedRPC:
 
         async def send(writer: asyncio.StreamWriter) -> None:
             await write_chunks(writer, chunks)
-            self.traffic.sent += size
+            self.traffic.add_sent(traffic_kind(method, response=False), size)
 
         async def exchange() -> Resp:
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self._name(method))
@@ -240,7 +267,7 @@ class FramedRPC:
                 except (asyncio.CancelledError, Exception) as e:  # a broken pipe once the server answered
                     logger.debug("%s to %s: request not sent whole (%s)", method, who, type(e).__name__)
                 writer.close()
-            self.traffic.recv += received
+            self.traffic.add_recv(traffic_kind(method, response=True), received)
             return response
 
         try:

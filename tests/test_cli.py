@@ -16,6 +16,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-gpt.toml"
     (["--stage", "7"], "--stage 7"),
     (["--max-rounds", "-1"], "--max-rounds"),
     (["--linger", "inf"], "--linger"),
+    (["--metrics-port", "70000"], "--metrics-port"),
+    (["--metrics-port", "http"], "--metrics-port"),
 ])
 def test_bad_peer_flags_fail_fast(flags: list[str], word: str) -> None:
     out = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "peer", "--manifest", str(EXAMPLE), *flags],
