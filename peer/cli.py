@@ -419,13 +419,6 @@ def _address_arg(text: str) -> str:
     return text
 
 
-def _port_arg(text: str) -> int:
-    value = _nonneg_int(text, "must be a port number")
-    if value > 65535:
-        raise argparse.ArgumentTypeError("must be a port number (0..65535)")
-    return value
-
-
 def _positive_int(text: str) -> int:
     value = _nonneg_int(text)
     if value < 1:

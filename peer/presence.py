@@ -34,6 +34,11 @@ class ReplicaStats:
     """Samples this replica trained so far."""
     bytes_sent: int = 0
     """Bytes this peer sent so far (all kinds)."""
+    bytes_activations: int = 0
+    bytes_gradients: int = 0
+    bytes_averaging: int = 0
+    bytes_state: int = 0
+    """Bytes this peer sent so far, by kind (peer/rpc.py TRAFFIC_KINDS)."""
 
     def to_value(self) -> dict:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.__dict__.items()}

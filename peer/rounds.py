@@ -179,6 +179,9 @@ class RoundRunner:
         stats.samples_per_s = samples / elapsed
         stats.samples += samples
         stats.bytes_sent = self.traffic.sent
+        by_kind = self.traffic.sent_by_kind
+        stats.bytes_activations, stats.bytes_gradients = by_kind["activations"], by_kind["gradients"]
+        stats.bytes_averaging, stats.bytes_state = by_kind["averaging"], by_kind["state"]
         logger.info("stage %d round %d: loss %s | %.1f samples/s | lr %.2e | sent %.2f MB recv %.2f MB | group %d %s",
                     self.stage, round, f"{train_loss:.3f}" if losses else "-", samples / elapsed, lr,
                     sent / 1e6, recv / 1e6, len(result.group),

@@ -119,7 +119,8 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
 
 
 STATS_BOUNDS = {"train_loss": 1e6, "val_loss": 1e6, "round_s": 1e7, "group_size": 1e6, "samples_per_s": 1e9,
-                "samples": 1e15, "bytes_sent": 1e18}
+                "samples": 1e15, "bytes_sent": 1e18, "bytes_activations": 1e18, "bytes_gradients": 1e18,
+                "bytes_averaging": 1e18, "bytes_state": 1e18}
 """The fields of a record's `stats` and the largest value each may have (all >= 0)."""
 
 

@@ -8,7 +8,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmgrad.peer.admission import Admission
-from swarmgrad.peer.coordinator.credentials import (ADMIT_PROOF, REVOCATIONS, Authority, CredentialError,
+from swarmgrad.peer.coordinator.credentials import (ADMIT_PROOF, REVOCATIONS, CredentialError,
                                                     Issuer, make_invitation, parse_duration, parse_invitation,
                                                     proof_message, revoke_order, sign)
 from swarmgrad.peer.coordinator.service import CoordinatorService, Refused

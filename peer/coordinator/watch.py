@@ -61,8 +61,6 @@ class History:
         self.loss: deque[dict[str, Any]] = deque(maxlen=max_len)
         self._seen_round: dict[tuple[str, int], int] = {}
         self._seen_val: dict[str, float | None] = {}
-        self._bytes: dict[str, tuple[int, int]] = {}
-        """peer -> (bytes sent, samples) at the last look: bytes per sample come from their growth."""
 
     def observe(self, view: dict[int, list[PeerRecord]], now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -78,7 +76,6 @@ class History:
                 self.rounds.append({"stage": stage, "round": max(0, r.round - 1), "time": now, "peer_id": r.peer_id,
                                     "duration_s": _stat(r, "round_s"), "group_size": _num(_stat(r, "group_size")),
                                     "train_loss": _stat(r, "train_loss"), "samples_per_s": _stat(r, "samples_per_s")})
-                self._bytes[r.peer_id] = (int(_stat(r, "bytes_sent") or 0), int(_stat(r, "samples") or 0))
                 if stage == len(view) - 1 or _stat(r, "val_loss") is not None:
                     samples = int(sum(_stat(x, "samples") or 0 for x in view.get(0, [])))
                     val = None
@@ -91,13 +88,13 @@ class History:
                                           "val_loss": val})
 
     def bytes_per_sample(self, view: dict[int, list[PeerRecord]]) -> dict[str, float]:
-        """Bytes the swarm sent per sample trained (all kinds together under `averaging` until
-        records carry bytes by kind): total bytes of every replica over the drivers' samples."""
-        sent = sum(int(_stat(r, "bytes_sent") or 0) for records in view.values() for r in records)
+        """Bytes the swarm sent per sample trained, by kind: what every replica announces it sent,
+        over the samples the drivers trained."""
         samples = sum(int(_stat(r, "samples") or 0) for r in view.get(0, []))
-        out = {k: 0.0 for k in KINDS}
-        if samples:
-            out["averaging"] = sent / samples
+        out = {}
+        for kind in KINDS:
+            sent = sum(int(_stat(r, f"bytes_{kind}") or 0) for records in view.values() for r in records)
+            out[kind] = sent / samples if samples else 0.0
         return out
 
     def to_json(self, view: dict[int, list[PeerRecord]]) -> dict[str, Any]:
