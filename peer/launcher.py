@@ -152,6 +152,64 @@ class LocalSwarm:
                 pass
 
 
+@dataclass
+class PrivateSwarm(LocalSwarm):
+    """A LocalSwarm of a private run: a coordinator (`start_coordinator`), and peers that each join
+    with an invitation of their own (their --manifest must be the coordinator's)."""
+    key: Path | None = None
+    state_dir: Path | None = None
+    coordinator: PeerProcess | None = None
+    address: str = ""
+    coordinator_maddrs: list[str] = field(default_factory=list)
+    http_port: int | None = None
+    metrics_port: int | None = None
+
+    def _cli(self, *args: str, timeout: float = 60.0) -> str:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+        done = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"swarmgrad {args[0]} failed ({done.returncode}): {done.stderr[-2000:]}")
+        return done.stdout
+
+    def start_coordinator(self, *extra: str, timeout: float = 90.0, name: str = "coordinator") -> PeerProcess:
+        """Start (or restart: same key and state dir) the coordinator; returns once it serves."""
+        if self.key is None:
+            self.key = self.workdir / "coordinator.key"
+            self._cli("keygen", "--out", str(self.key))
+        self.state_dir = self.state_dir or self.workdir / "coordinator-state"
+        n = sum(p.name.startswith(name) for p in self.peers)
+        label = name if n == 0 else f"{name}{n}"
+        events, log = self.workdir / f"{label}.events.jsonl", self.workdir / f"{label}.log"
+        cmd = [sys.executable, "-m", "swarmgrad.peer.cli", "coordinator", "--manifest", str(self.manifest),
+               "--key", str(self.key), "--state-dir", str(self.state_dir), "--listen", "127.0.0.1:0",
+               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--events", str(events), *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        self.coordinator = PeerProcess(label, proc, events, log, None)
+        self.peers.append(self.coordinator)
+        started = self.wait_for(self.coordinator, lambda e: e["event"] == "coordinator_started", timeout,
+                                "coordinator_started")
+        self.address = started["grpc"]
+        self.coordinator_maddrs = started["maddrs"]
+        self.http_port, self.metrics_port = started.get("http_port"), started.get("metrics_port")
+        return self.coordinator
+
+    def invite(self, stage: int | None = None, expires: str = "1h") -> str:
+        args = ["invite", "--key", str(self.key), "--coordinator", self.address, "--expires", expires]
+        if stage is not None:
+            args += ["--stage", str(stage)]
+        return self._cli(*args).strip()
+
+    def revoke(self, peer_id: str) -> str:
+        return self._cli("revoke", "--key", str(self.key), "--coordinator", self.address, peer_id)
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        return ["--join", self.invite()] if self.address else []
+
+
 def _daemon_sockets(pid: int) -> list[str]:
     """The -listen unix sockets of the p2pd daemons under a peer process."""
     import psutil

@@ -146,8 +146,10 @@ class FramedRPC:
                 await self._serve(method, request_type, handler, refusal, info.peer_id, reader, writer)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a broken stream while answering: the caller sees a failed call
+            except (ConnectionError, asyncio.IncompleteReadError, EOFError) as e:  # a caller gone mid-answer
                 logger.debug("%s stream from %s ended: %s: %s", method, str(info.peer_id)[-8:], type(e).__name__, e)
+            except Exception:  # our bug: the caller only sees its stream end, so say it here, loudly
+                logger.exception("%s stream from %s failed", method, str(info.peer_id)[-8:])
             finally:
                 writer.close()
 
@@ -180,7 +182,8 @@ class FramedRPC:
                 why = await self.gate(peer)
                 if why is not None:
                     logger.info("refused %s from %s: %s", method, who, why)
-                    await self._write(writer, refusal(pb.UNAUTHORIZED, f"not admitted to this run: {why}"))
+                    await self._write(writer, refusal(pb.UNAUTHORIZED, f"not admitted to this run: {why}"),
+                                      answer_kind)
                     await self._drain(reader)
                     return
             try:

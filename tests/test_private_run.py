@@ -1,0 +1,234 @@
+"""A private run, end to end, with real processes: a coordinator, four admitted peers, an
+outsider that knows every address, a revocation, the dashboard in Chromium, the metrics, the
+coordinator killed mid-run, and the whole swarm killed and resumed from its checkpoint."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmgrad.peer.launcher import PrivateSwarm
+from swarmgrad.peer.manifest import dumps
+from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.validation import RunIdentity, envelope
+
+from browser import SKIP_REASON, chromium_available, dump_dom, parse_dashboard, screenshot
+from conftest import small_manifest
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" ([0-9.e+-]+)"
+    found = re.findall(pattern, text)
+    return float(found[-1]) if found else 0.0
+
+
+def _requests(m, stage: int) -> dict[str, tuple[object, type]]:
+    """One well-formed request of every kind a peer serves (the content does not matter: an
+    outsider must be refused before any of it is read)."""
+    env = envelope(RunIdentity(m.run_id, m.hash), stage)
+    out = {"average": (pb.AverageRequest(envelope=env), pb.AverageResponse),
+           "state": (pb.StateRequest(envelope=env), pb.StateResponse)}
+    if stage > 0:
+        out["forward"] = (pb.ForwardRequest(envelope=env, microbatch_id=1, eval_only=True), pb.ForwardResponse)
+    return out
+
+
+async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_maddrs: list[str]) -> dict:
+    """Everything an outsider without a certificate can try, with every address in hand."""
+    import hivemind
+    from hivemind.p2p import P2P
+
+    from swarmgrad.peer.identity import ephemeral_key_file
+    from swarmgrad.peer.record_signing import SignedRecordValidator
+    from swarmgrad.peer.swarm import PeerRecord, stage_key
+
+    results: dict = {"accepted": [], "refused": [], "dht_join": None, "dht_store": None}
+    maddrs = [a for _, addrs in peers.values() for a in addrs]
+    p2p = await P2P.create(initial_peers=maddrs)
+    try:
+        for peer_id, (stage, _) in peers.items():
+            calls = {f"stage{stage}/{name}": (stage_namespace(m.run_id, stage), name, req, resp)
+                     for name, (req, resp) in _requests(m, stage).items()}
+            backup_ns = f"swarmgrad/{m.run_id}/backup"
+            calls["backup/put"] = (backup_ns, "put", pb.BackupPut(envelope=envelope(RunIdentity(m.run_id, m.hash),
+                                                                                    stage)), pb.BackupAck)
+            calls["backup/get"] = (backup_ns, "get", pb.BackupGet(envelope=envelope(RunIdentity(m.run_id, m.hash),
+                                                                                    stage)), pb.StateResponse)
+            for label, (namespace, method, request, response_type) in calls.items():
+                rpc = FramedRPC(p2p, namespace, Traffic(), 1 << 20)
+                try:
+                    resp = await rpc.call(peer_id, method, request, response_type, timeout=20)
+                except Exception as e:
+                    results["refused"].append((label, f"failed: {e}"))
+                    continue
+                (results["refused"] if resp.status == pb.UNAUTHORIZED else results["accepted"]).append(
+                    (label, pb.Status.Name(resp.status)))
+    finally:
+        await p2p.shutdown()
+    # the DHT: an outsider's node cannot join, and what it stores reaches nobody
+    try:
+        dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30)
+        results["dht_join"] = "joined"
+        dht.shutdown()
+    except Exception as e:
+        results["dht_join"] = f"refused: {type(e).__name__}"
+    key = Ed25519PrivateKey.generate()
+    with ephemeral_key_file(key) as (path, _):
+        dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30,
+                           ensure_bootstrap_success=False, identity_path=str(path), check_if_identity_free=False,
+                           record_validators=[SignedRecordValidator(key)])
+    try:
+        record = PeerRecord(peer_id=str(dht.peer_id), stage=0, state="online", throughput=1e5, round=999,
+                            applied_rounds=999, digest="evil", manifest_hash=m.hash, driver=True)
+        from hivemind.utils import get_dht_time
+        results["outsider_id"] = str(dht.peer_id)
+        results["dht_store"] = dht.store(stage_key(m.run_id, 0), record.to_value(), get_dht_time() + 60,
+                                         subkey=str(dht.peer_id))
+    finally:
+        dht.shutdown()
+    return results
+
+
+async def _admitted_caller_until_revoked(swarm: PrivateSwarm, m, target: str, heartbeat: float) -> dict:
+    """An admitted peer (this test process) calls a replica; it is revoked; how long until the
+    replica refuses it?"""
+    import hivemind
+
+    from swarmgrad.peer.identity import ephemeral_key_file, peer_id_of
+    from swarmgrad.peer.private import join
+    from swarmgrad.peer.record_signing import SignedRecordValidator
+
+    key = Ed25519PrivateKey.generate()
+    loop = asyncio.get_running_loop()
+    private = await loop.run_in_executor(None, lambda: join(key, invitation=swarm.invite()))
+    with ephemeral_key_file(key) as (path, _):
+        dht = hivemind.DHT(initial_peers=swarm.coordinator_maddrs, start=True, startup_timeout=30,
+                           identity_path=str(path), check_if_identity_free=False,
+                           record_validators=[SignedRecordValidator(key)], authorizer=private.authorizer())
+    try:
+        admission = private.admission(dht)
+        await admission.step()  # publish our certificate
+        p2p = await dht.replicate_p2p()
+        rpc = FramedRPC(p2p, stage_namespace(m.run_id, 1), Traffic(), 1 << 24)
+        request, response_type = _requests(m, 1)["state"]
+
+        async def status() -> int:
+            return (await rpc.call(target, "state", request, response_type, timeout=20)).status
+
+        before = await status()
+        await loop.run_in_executor(None, swarm.revoke, peer_id_of(key))
+        revoked_at = time.monotonic()
+        after = before
+        while after != pb.UNAUTHORIZED and time.monotonic() - revoked_at < 60:
+            await asyncio.sleep(0.1)
+            after = await status()
+        return {"before": before, "after": after, "lag": time.monotonic() - revoked_at}
+    finally:
+        dht.shutdown()
+        private.close()
+
+
+def _rounds(peer) -> int:
+    return len(peer.events("round"))
+
+
+@pytest.mark.timeout(600)
+def test_private_run(tmp_path: Path) -> None:
+    m = small_manifest(run_id="private-test")
+    path = tmp_path / "manifest.toml"
+    path.write_text(dumps(m))
+    heartbeat = m.timeouts.heartbeat
+    with PrivateSwarm(path, tmp_path / "swarm") as swarm:
+        swarm.start_coordinator("--http", "127.0.0.1:0", "--metrics-port", "0", "--checkpoint-every", "2")
+        peers = [swarm.start(stage) for stage in (0, 1, 0, 1)]
+        started = {p.name: swarm.wait_for(p, lambda e: e["event"] == "started", 90, "started") for p in peers}
+        for p in peers:
+            swarm.wait_for(p, lambda e: e["event"] == "round" and e["samples"] > 0, 120, "a trained round")
+        ids = {p.name: started[p.name]["peer"] for p in peers}
+
+        # ---- an outsider with every address and no certificate: nothing accepted, no DHT record
+        targets = {ids[p.name]: (p.stage, started[p.name]["maddrs"]) for p in peers}
+        outsider = asyncio.run(_outsider(m, targets, swarm.coordinator_maddrs))
+        assert outsider["accepted"] == [], outsider["accepted"]
+        kinds = {label.split("/")[-1] for label, _ in outsider["refused"]}
+        assert kinds == {"forward", "average", "state", "put", "get"}, kinds
+        assert all(status == "UNAUTHORIZED" for _, status in outsider["refused"]), outsider["refused"]
+        assert outsider["dht_join"].startswith("refused"), outsider["dht_join"]
+        # its node keeps what it stored in its own storage (hivemind counts that a success); no admitted
+        # node took it: the coordinator, which reads the stage records every heartbeat, never sees it
+        time.sleep(2 * heartbeat)
+        snapshot = json.loads(_get(f"http://127.0.0.1:{swarm.http_port}/api/swarm"))
+        listed = {r["peer_id"] for s in snapshot["stages"] for r in s["replicas"]}
+        assert outsider["outsider_id"] not in listed and listed <= set(ids.values())
+
+        # ---- an admitted caller is served, then refused once revoked
+        revocation = asyncio.run(_admitted_caller_until_revoked(swarm, m, ids[peers[1].name], heartbeat))
+        assert revocation["before"] != pb.UNAUTHORIZED and revocation["after"] == pb.UNAUTHORIZED, revocation
+        # one heartbeat to read the list, plus one DHT lookup (its deadline) and a call in flight
+        assert revocation["lag"] <= heartbeat + m.timeouts.dht + 1.0, revocation
+        print(f"revoked peer refused {revocation['lag']:.2f}s after `swarmgrad revoke` (heartbeat {heartbeat}s)")
+
+        # ---- the dashboard in a real browser matches the JSON API
+        if chromium_available():
+            url = f"http://127.0.0.1:{swarm.http_port}/"
+            view = parse_dashboard(dump_dom(url, budget_ms=6000))
+            api = json.loads(_get(url + "api/swarm"))
+            assert view.js_error is None and view.api_state == "ok", (view.js_error, view.api_state)
+            assert sorted(view.stages) == [s["stage"] for s in api["stages"]]
+            for stage in api["stages"]:
+                assert set(view.stages[stage["stage"]]) == {r["peer_id"] for r in stage["replicas"]}
+            assert abs(int(view.latest_round) - api["latest_round"]) <= 1
+            # SWARMGRAD_SCREENSHOTS=docs/img keeps the picture the README shows
+            shots = Path(os.environ.get("SWARMGRAD_SCREENSHOTS", tmp_path))
+            screenshot(url, shots / "dashboard-live.png")
+        else:
+            print("dashboard check skipped:", SKIP_REASON)
+
+        # ---- the coordinator's metrics move
+        metrics_url = f"http://127.0.0.1:{swarm.metrics_port}/metrics"
+        first = _get(metrics_url)
+        assert _metric(first, "swarmgrad_coordinator_grpc_calls_total", 'method="Admit"') >= 5
+        swarm.wait_for(swarm.coordinator, lambda e: e["event"] == "checkpoint", 120, "a checkpoint")
+        time.sleep(3 * heartbeat)
+        second = _get(metrics_url)
+        assert _metric(second, "swarmgrad_coordinator_latest_round") > _metric(first, "swarmgrad_coordinator_latest_round")
+        assert _metric(second, "swarmgrad_coordinator_checkpoint_round") >= 2
+
+        # ---- the coordinator dies: training goes on
+        checkpoint = [e for e in swarm.coordinator.events("checkpoint")][-1]
+        swarm.coordinator.kill_group()
+        driver = peers[0]
+        mark = _rounds(driver)
+        swarm.wait_for(driver, lambda e: e["event"] == "round" and _rounds(driver) >= mark + 2 and e["complete"],
+                       90, "two more rounds without the coordinator")
+        last_val = [e["val_loss"] for e in driver.events("eval") if e["val_loss"] is not None]
+        first_val = last_val[0]
+
+        # ---- everything dies; the swarm comes back from the newest checkpoint
+        for p in peers:
+            p.kill_group()
+        swarm.start_coordinator("--checkpoint-every", "2")
+        resumed = [swarm.start(stage) for stage in (0, 1)]
+        for p, stage in zip(resumed, (0, 1)):
+            restored = swarm.wait_for(p, lambda e: e["event"] in ("state_restored", "state_initialised",
+                                                                 "state_loaded"), 120, "state")
+            assert restored["event"] == "state_restored" and restored["source"] == "coordinator", restored
+            assert restored["applied_rounds"] >= checkpoint["round"]
+        val = swarm.wait_for(resumed[0], lambda e: e["event"] == "eval" and e["val_loss"] is not None, 120, "eval")
+        # the loss continues from the checkpoint: far from where a fresh start would be
+        assert val["val_loss"] < first_val - 0.5 * (first_val - last_val[-1]), (first_val, last_val, val)
+        print(f"val bits/byte: first {first_val:.3f}, before the stop {last_val[-1]:.3f}, resumed "
+              f"{val['val_loss']:.3f} (checkpoint of round {checkpoint['round']})")
