@@ -206,8 +206,17 @@ class PrivateSwarm(LocalSwarm):
     def revoke(self, peer_id: str) -> str:
         return self._cli("revoke", "--key", str(self.key), "--coordinator", self.address, peer_id)
 
+    _invite_next: bool = True
+
+    def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None,
+              invitation: bool = True) -> PeerProcess:
+        """A peer that joins with a new invitation, or (invitation=False) one that rejoins with the
+        certificate saved beside its --identity, given in `extra` with --coordinator."""
+        self._invite_next = invitation
+        return super().start(stage, *extra, name=name)
+
     def peer_args(self, index: int, name: str) -> list[str]:
-        return ["--join", self.invite()] if self.address else []
+        return ["--join", self.invite()] if self.address and self._invite_next else []
 
 
 def _daemon_sockets(pid: int) -> list[str]:

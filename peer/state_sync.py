@@ -127,6 +127,8 @@ class StateSync:
         self.checkpoints = checkpoints
         """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
         stage restores from (the newer of the two wins)."""
+        self._checkpoint_unknown = False
+        """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
         self.serving = False
         """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
 
@@ -171,6 +173,15 @@ class StateSync:
             if not donors:
                 if await self.restore_backup():
                     await self.worker.run(self.state.copy_to, self.worker.module)
+                elif self._checkpoint_unknown:
+                    # a private run whose coordinator did not answer: its newest checkpoint may be far
+                    # ahead of the seed, so wait for it (or for a replica) rather than start over
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"stage {self.stage} is empty and the coordinator, which holds its "
+                                           "checkpoints, did not answer within timeouts.state_download; not "
+                                           "starting the stage from the seed")
+                    await asyncio.sleep(2.0)
+                    continue
                 else:
                     self.clock.adopt(0, get_dht_time())
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
@@ -212,6 +223,7 @@ class StateSync:
                                           self.max_numel, self.t.state_download)
                 if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
                     best = (holder, snap)
+        self._checkpoint_unknown = False
         if self.checkpoints is not None:
             try:
                 snap = await self.checkpoints(self.stage)
@@ -219,6 +231,7 @@ class StateSync:
                 logger.warning("stage %d: no checkpoint from the coordinator: %s: %s", self.stage,
                                type(e).__name__, e)
                 snap = None
+                self._checkpoint_unknown = True
             if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
                 best = ("coordinator", snap)
         if best is None:

@@ -153,7 +153,8 @@ def test_private_run(tmp_path: Path) -> None:
     heartbeat = m.timeouts.heartbeat
     with PrivateSwarm(path, tmp_path / "swarm") as swarm:
         swarm.start_coordinator("--http", "127.0.0.1:0", "--metrics-port", "0", "--checkpoint-every", "2")
-        peers = [swarm.start(stage) for stage in (0, 1, 0, 1)]
+        identity = str(tmp_path / "peer-a.key")  # this one keeps its certificate and rejoins without invitation
+        peers = [swarm.start(0, "--identity", identity)] + [swarm.start(stage) for stage in (1, 0, 1)]
         started = {p.name: swarm.wait_for(p, lambda e: e["event"] == "started", 90, "started") for p in peers}
         for p in peers:
             swarm.wait_for(p, lambda e: e["event"] == "round" and e["samples"] > 0, 120, "a trained round")
@@ -221,7 +222,8 @@ def test_private_run(tmp_path: Path) -> None:
         for p in peers:
             p.kill_group()
         swarm.start_coordinator("--checkpoint-every", "2")
-        resumed = [swarm.start(stage) for stage in (0, 1)]
+        resumed = [swarm.start(0, "--identity", identity, "--coordinator", swarm.address, invitation=False),
+                   swarm.start(1)]
         for p, stage in zip(resumed, (0, 1)):
             restored = swarm.wait_for(p, lambda e: e["event"] in ("state_restored", "state_initialised",
                                                                  "state_loaded"), 120, "state")
@@ -230,5 +232,15 @@ def test_private_run(tmp_path: Path) -> None:
         val = swarm.wait_for(resumed[0], lambda e: e["event"] == "eval" and e["val_loss"] is not None, 120, "eval")
         # the loss continues from the checkpoint: far from where a fresh start would be
         assert val["val_loss"] < first_val - 0.5 * (first_val - last_val[-1]), (first_val, last_val, val)
+        assert resumed[0].events("started")[0]["peer"] == ids[peers[0].name]  # the same peer, recertified
+
+        # ---- the whole model of the newest checkpoint in one file
+        from safetensors import safe_open
+        out = tmp_path / "model.safetensors"
+        swarm._cli("export", "--state-dir", str(swarm.state_dir), "--out", str(out))
+        with safe_open(str(out), framework="pt") as f:
+            names = list(f.keys())
+            assert f.metadata()["run_id"] == m.run_id
+        assert any(n.startswith("stage0.") for n in names) and any(n.startswith("stage1.") for n in names)
         print(f"val bits/byte: first {first_val:.3f}, before the stop {last_val[-1]:.3f}, resumed "
               f"{val['val_loss']:.3f} (checkpoint of round {checkpoint['round']})")

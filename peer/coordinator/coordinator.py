@@ -86,6 +86,9 @@ class Coordinator:
         self.started = time.time()
         self.history = History()
         self._view: dict[int, list] = {}
+        self._published: tuple[dict[str, Any], dict[str, Any]] | None = None
+        """The dashboard's two documents, rebuilt by the event loop at each look and only read by
+        the HTTP server's threads (a reference swap: they never see a half-built one)."""
         self._tasks: list[asyncio.Task] = []
 
     # DHT (before any event loop or torch thread: hivemind forks) ----------------------------------
@@ -156,7 +159,8 @@ class Coordinator:
         if self.http:
             from swarmgrad.peer.coordinator.web import DashboardServer
             http_host, http_port = self.http.rsplit(":", 1)
-            web = DashboardServer(http_host, int(http_port), self.snapshot, self.history_json)
+            web = DashboardServer(http_host, int(http_port), lambda: self._documents()[0],
+                                  lambda: self._documents()[1])
             self.http_port = web.start()
         if self.metrics_port is not None:
             from swarmgrad.peer.coordinator.metrics import CoordinatorMetrics
@@ -217,10 +221,18 @@ class Coordinator:
         self._view = await self.swarm.swarm()
         self.history.observe(self._view)
         await self.collector.maybe_collect(self._view)
+        self._published = (self.snapshot(), self.history_json())
         if self.metrics is not None:
-            self.metrics.update(self.snapshot(), self.history_json(), self.service.calls, self.service.refusals)
+            self.metrics.update(*self._published, self.service.calls, self.service.refusals)
 
-    # dashboard (called from the HTTP server's thread: read-only over plain data) ------------------
+    # dashboard -----------------------------------------------------------------------------------
+    def _documents(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        published = self._published
+        if published is None:  # before the first look: an empty swarm, from plain data
+            return swarm_snapshot(self.m.run_id, {}, self.store.state, [], {"peer_id": self.peer_id}), \
+                {"loss": [], "rounds": [], "bytes_per_sample": {}}
+        return published
+
     def snapshot(self) -> dict[str, Any]:
         rounds = self.store.checkpoint_rounds()
         index = {r: self.store.checkpoint(r) for r in rounds}
