@@ -306,7 +306,11 @@ RECORD = dict(stage=1, state="online", throughput=3.5, round=4, applied_rounds=3
 
 
 def test_record_fields() -> None:
-    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False}  # optional fields default
+    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "stats": None}  # defaults
+    stats = bounded_record_fields({**RECORD, "stats": {"train_loss": 2.5, "samples": 10, "from_the_future": 1}})
+    assert stats["stats"]["train_loss"] == 2.5 and "from_the_future" not in stats["stats"]
+    for bad in ({"train_loss": math.nan}, {"samples": -1}, {"bytes_sent": 1e300}, "lots", {str(i): 0 for i in range(40)}):
+        assert "stats" in refused(bounded_record_fields, {**RECORD, "stats": bad}).reason
     assert bounded_record_fields({**RECORD, "memory": 8 << 30, "moving": True})["memory"] == 8 << 30
     assert bounded_record_fields({**RECORD, "maddrs": ()})["maddrs"] == []
     for change, needle in [({"throughput": math.inf}, "throughput"), ({"throughput": -0.1}, "throughput"),

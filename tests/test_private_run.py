@@ -153,6 +153,12 @@ def test_private_run(tmp_path: Path) -> None:
     heartbeat = m.timeouts.heartbeat
     with PrivateSwarm(path, tmp_path / "swarm") as swarm:
         swarm.start_coordinator("--http", "127.0.0.1:0", "--metrics-port", "0", "--checkpoint-every", "2")
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(swarm.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="swarmgrad.coordinator.Coordinator"), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
         identity = str(tmp_path / "peer-a.key")  # this one keeps its certificate and rejoins without invitation
         peers = [swarm.start(0, "--identity", identity)] + [swarm.start(stage) for stage in (1, 0, 1)]
         started = {p.name: swarm.wait_for(p, lambda e: e["event"] == "started", 90, "started") for p in peers}
@@ -203,8 +209,12 @@ def test_private_run(tmp_path: Path) -> None:
         first = _get(metrics_url)
         assert _metric(first, "swarmgrad_coordinator_grpc_calls_total", 'method="Admit"') >= 5
         swarm.wait_for(swarm.coordinator, lambda e: e["event"] == "checkpoint", 120, "a checkpoint")
-        time.sleep(3 * heartbeat)
+        deadline = time.monotonic() + 60
         second = _get(metrics_url)
+        while (_metric(second, "swarmgrad_coordinator_latest_round") <= _metric(first, "swarmgrad_coordinator_latest_round")
+               and time.monotonic() < deadline):
+            time.sleep(heartbeat)
+            second = _get(metrics_url)
         assert _metric(second, "swarmgrad_coordinator_latest_round") > _metric(first, "swarmgrad_coordinator_latest_round")
         assert _metric(second, "swarmgrad_coordinator_checkpoint_round") >= 2
 
