@@ -196,3 +196,57 @@ def test_dht_authorizer_tokens(issuer: Issuer, tmp_path) -> None:
     assert not authorizer.is_token_valid(forged)
     files.write_revoked([peer_id_of(peer)])
     assert not authorizer.is_token_valid(token)
+
+
+def test_renewal(issuer: Issuer, tmp_path) -> None:
+    from swarmgrad.peer.coordinator.credentials import RENEW_PROOF
+    service = _service(issuer, tmp_path)
+    peer = Ed25519PrivateKey.generate()
+    admitted = service.admit(_admit_request(make_invitation(issuer.key, RUN, "h:1", expires_in=60), peer))
+    old = issuer.authority.certificate(admitted.certificate)
+
+    def request(key=peer, at=None, dht_key=b"rsa2"):
+        at = time.time() if at is None else at
+        proof = key.sign(proof_message(RENEW_PROOF, admitted.certificate.body, at, dht_key))
+        return cpb.RenewRequest(certificate=admitted.certificate, time=at, dht_public_key=dht_key, proof=proof)
+
+    new = issuer.authority.certificate(service.renew(request()).certificate, peer_id=peer_id_of(peer))
+    assert new.serial > old.serial and new.dht_public_key == b"rsa2" and new.expires_at >= old.expires_at
+    with pytest.raises(CredentialError, match="proof"):  # someone holding a copy of the certificate, not the key
+        service.renew(request(key=Ed25519PrivateKey.generate()))
+    with pytest.raises(Refused, match="clock"):  # an old renewal replayed
+        service.renew(request(at=time.time() - 3600))
+    service.revoke(revoke_order(issuer.key, RUN, peer_id_of(peer)))
+    with pytest.raises(Refused, match="revoked"):
+        service.renew(request())
+
+
+def test_checkpoint_plan_waits_for_every_stage_and_the_majority() -> None:
+    from swarmgrad.peer.coordinator.checkpoints import checkpoint_plan
+    from swarmgrad.peer.swarm import PeerRecord
+
+    def rec(peer: str, stage: int, digest: str, applied: int, state: str = "online") -> PeerRecord:
+        return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=applied, applied_rounds=applied,
+                          digest=digest, manifest_hash="h", driver=stage == 0)
+
+    view = {0: [rec("a", 0, "x", 4), rec("b", 0, "x", 4), rec("c", 0, "evil", 99)],
+            1: [rec("d", 1, "y", 5), rec("e", 1, "y", 5, state="joining")]}
+    round, plan = checkpoint_plan(view, 2, None, every=2)
+    assert round == 4  # the least advanced stage's majority; the lone claim of 99 rounds counts for nothing
+    assert plan == {0: ("x", ["a", "b"]), 1: ("y", ["d"])}
+    assert checkpoint_plan(view, 2, last_round=3, every=2) is None  # not 2 rounds since the last one
+    assert checkpoint_plan(view, 2, last_round=2, every=2)[0] == 4
+    assert checkpoint_plan({0: view[0]}, 2, None, every=2) is None  # a stage with nobody online
+    assert checkpoint_plan(view, 2, None, every=5) is None
+
+
+def test_checkpoint_store_keeps_the_newest(tmp_path) -> None:
+    store = StateDir(tmp_path, RUN, keep_checkpoints=2)
+    info = {"round": 1, "applied_rounds": 1, "trained_samples": 8, "digest": "d"}
+    for round in (2, 4, 6):
+        store.write_checkpoint(round, {0: (b"zero", info), 1: (b"one", info)}, "run_id = 'x'", 2)
+    assert store.checkpoint_rounds() == [4, 6]
+    assert store.newest(1).round == 1 and store.newest(1).path.read_bytes() == b"one"
+    (tmp_path / "checkpoints" / "round-00000008").mkdir()  # a crash before the index: not a checkpoint
+    assert store.checkpoint_rounds() == [4, 6]
+    assert store.newest(7) is None
