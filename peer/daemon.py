@@ -25,7 +25,7 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement import MoveDecision, PeerFigures, Policy, choose_stage_for_newcomer
-from swarmgrad.peer.rebalance import Rebalancer, snapshot_from_view
+from swarmgrad.peer.rebalance import DEFAULT_BANDWIDTH, Rebalancer, snapshot_from_view
 from swarmgrad.peer.replica import PeerContext, Replica
 from swarmgrad.peer.backup import BackupStore
 from swarmgrad.peer.pipeline import refusal
@@ -126,7 +126,8 @@ class Peer:
             await replica.start()
             rebalancer = Rebalancer(swarm=self.swarm, peer_id=self.peer_id, costs=costs, bench_rates=rates,
                                     memory=ctx.memory, interval_s=self.m.timeouts.rebalance_check,
-                                    policy=DAEMON_POLICY) \
+                                    policy=DAEMON_POLICY,
+                                    bandwidth=lambda: self.traffic.link.estimate(DEFAULT_BANDWIDTH)) \
                 if self.opt.rebalancing else None
             await self._serve(replica, rebalancer, stop)
         finally:
@@ -190,7 +191,8 @@ class Peer:
             stage = self.opt.stage
         else:
             view = await self.swarm.swarm()
-            me = PeerFigures(peer_id=self.peer_id, rates=rates, memory=memory, bandwidth=10e6, tenure=3600.0)
+            me = PeerFigures(peer_id=self.peer_id, rates=rates, memory=memory, bandwidth=DEFAULT_BANDWIDTH,
+                             tenure=3600.0)
             choice = choose_stage_for_newcomer(snapshot_from_view(view, costs), me)
             if choice is None:
                 need = min(c.memory_bytes for c in costs)
@@ -260,7 +262,8 @@ class Peer:
         self.moves += 1
         self.events.emit("moved", stage=decision.target, from_stage=decision.source, to_stage=decision.target,
                          reason=decision.reason, expected_gain=decision.gain, throughput=decision.throughput,
-                         new_throughput=decision.new_throughput, reachable=decision.reachable)
+                         new_throughput=decision.new_throughput, reachable=decision.reachable,
+                         bandwidth=rebalancer.bandwidth())
         return new
 
     async def _shutdown(self) -> None:

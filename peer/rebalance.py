@@ -7,7 +7,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, Snapshot, check_interval,
                                       estimate_rates, expected_tenure, should_move)
@@ -27,7 +27,8 @@ def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageC
 
 class Rebalancer:
     def __init__(self, *, swarm: SwarmView, peer_id: str, costs: Sequence[StageCost], bench_rates: Sequence[float],
-                 memory: int, interval_s: float, policy: Policy = Policy(), seed: int | None = None):
+                 memory: int, interval_s: float, policy: Policy = Policy(), seed: int | None = None,
+                 bandwidth: Callable[[], float] = lambda: DEFAULT_BANDWIDTH):
         self.swarm = swarm
         self.peer_id = peer_id
         self.costs = tuple(costs)
@@ -38,12 +39,13 @@ class Rebalancer:
         self.policy = policy
         self.rng = random.Random(seed)
         self.started = time.monotonic()
-        self.bandwidth = DEFAULT_BANDWIDTH
+        self.bandwidth = bandwidth
+        """This peer's measured link rate in bytes/s (rpc.LinkMeter), for a move's switch time."""
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
         rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
                  else self.bench_rates)
-        return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth,
+        return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
                            tenure=expected_tenure(time.monotonic() - self.started))
 
     async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 
@@ -45,6 +46,28 @@ def traffic_kind(method: str, response: bool) -> str:
     return {"average": "averaging", "state": "state", "put": "state", "get": "state"}.get(method, "other")
 
 
+class LinkMeter:
+    """This peer's measured transfer rate (bytes/s), from calls that moved at least `min_bytes`
+    (state downloads, backups: big enough that latency does not dominate), as an EMA. What a
+    move's switch time is computed with (peer/placement.py: the gain must repay the download)."""
+
+    def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.3):
+        self.min_bytes = min_bytes
+        self.alpha = alpha
+        self.rate: float | None = None
+        self.samples = 0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes < self.min_bytes or not seconds > 0:
+            return
+        rate = nbytes / seconds
+        self.rate = rate if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * rate
+        self.samples += 1
+
+    def estimate(self, default: float) -> float:
+        return self.rate if self.rate is not None else default
+
+
 @dataclass
 class Traffic:
     """Bytes of swarmgrad messages this peer sent and received (payload, not libp2p overhead),
@@ -54,6 +77,7 @@ class Traffic:
     recv: int = 0
     sent_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRAFFIC_KINDS, 0))
     recv_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRAFFIC_KINDS, 0))
+    link: LinkMeter = field(default_factory=LinkMeter)
 
     def add_sent(self, kind: str, n: int) -> None:
         self.sent += n
@@ -258,6 +282,7 @@ class FramedRPC:
             self.traffic.add_sent(traffic_kind(method, response=False), size)
 
         async def exchange() -> Resp:
+            started = time.monotonic()
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self._name(method))
             sending = asyncio.create_task(send(writer))
             try:
@@ -271,6 +296,7 @@ class FramedRPC:
                     logger.debug("%s to %s: request not sent whole (%s)", method, who, type(e).__name__)
                 writer.close()
             self.traffic.add_recv(traffic_kind(method, response=True), received)
+            self.traffic.link.observe(size + received, time.monotonic() - started)
             return response
 
         try:

@@ -122,3 +122,16 @@ def test_matchmaking_patience_grows_with_step_rounds_only() -> None:
     assert policy.matchmaking_patience(5.0, 100.0, step_rounds=True) == 50.0
     assert policy.matchmaking_patience(5.0, 4.0, step_rounds=True) == 5.0
     assert policy.matchmaking_patience(5.0, 1e9, step_rounds=True) == 600.0
+
+
+def test_link_meter_learns_from_big_transfers_only() -> None:
+    from swarmgrad.peer.rpc import LinkMeter
+    meter = LinkMeter(min_bytes=1 << 20, alpha=0.5)
+    assert meter.estimate(10e6) == 10e6  # nothing measured yet: the default
+    meter.observe(4096, 0.001)  # a microbatch: latency-bound, says nothing about the link
+    meter.observe(8 << 20, 0.0)  # no duration: ignored
+    assert meter.estimate(10e6) == 10e6 and meter.samples == 0
+    meter.observe(64 << 20, 2.0)
+    assert meter.estimate(10e6) == (64 << 20) / 2.0
+    meter.observe(64 << 20, 8.0)
+    assert meter.estimate(10e6) == 0.5 * (64 << 20) / 2.0 + 0.5 * (64 << 20) / 8.0
