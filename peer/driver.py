@@ -41,6 +41,8 @@ class DriverStats:
     retries: int = 0
     lost: int = 0
     not_ready_waits: int = 0
+    commit_failures: int = 0
+    """Replicas a commit did not reach: they dropped that microbatch (lost there, not trained twice)."""
     failed_peers: set[str] = field(default_factory=set)
 
 
@@ -60,6 +62,8 @@ class Driver:
         self.deadlines = DeadlineEstimator(minimum=t.min_microbatch, maximum=t.microbatch)
         self.stats = DriverStats()
         self._ids = itertools.count()
+        self._commits: set[asyncio.Task] = set()
+        """Commits on their way (owned here: finished or cancelled when the driver stops)."""
         self.running = False
         """True once the driver is sending training microbatches."""
 
@@ -74,6 +78,12 @@ class Driver:
             for lane in lanes:
                 lane.cancel()
             await asyncio.gather(*lanes, return_exceptions=True)
+            await self.flush_commits()
+
+    async def flush_commits(self) -> None:
+        """Let commits on their way finish (each has its timeouts.commit deadline)."""
+        if self._commits:
+            await asyncio.gather(*list(self._commits), return_exceptions=True)
 
     async def _lane(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -102,7 +112,29 @@ class Driver:
                 assert hop.grad is not None
                 await self.worker.backward(x, h, hop.grad, inputs.shape[0])
                 self.worker.record_loss(hop.loss)
+                self._commit(hop.route, mb, attempt)
             return pb.OK, hop.loss, "", ""
+
+    def _commit(self, route: str, mb: int, attempt: int) -> None:
+        """The answer came back and our backward ran: let every replica of the route train on it
+        (peer/worker.py, commit on acknowledgement). In the background: the lane goes on."""
+        assert self.downstream is not None
+        peers = tuple(p for p in route.split(",") if p)
+        task = asyncio.create_task(self.downstream.commit(peers, 1, mb, attempt, self.m.timeouts.commit),
+                                   name=f"commit-{mb}")
+        self._commits.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._commits.discard(t)
+            if t.cancelled():
+                return
+            if t.exception() is not None:  # a bug, not a network failure (those are counted)
+                logger.error("commit of microbatch %d failed: %r", mb, t.exception())
+                self.stats.commit_failures += len(peers)
+            else:
+                self.stats.commit_failures += len(peers) - t.result()
+
+        task.add_done_callback(done)
 
     async def _through(self, inputs: torch.Tensor, targets: torch.Tensor, eval_only: bool,
                        stop: asyncio.Event | None) -> float | None:

@@ -88,7 +88,8 @@ class DrivingLoop:
             self.stats.val_loss = bpb if math.isfinite(bpb) else None
         stats = self.driver.stats
         self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
-                         completed=stats.completed, retries=stats.retries, lost=stats.lost)
+                         completed=stats.completed, retries=stats.retries, lost=stats.lost,
+                         commit_failures=stats.commit_failures)
         logger.info("stage 0 eval at round %d: validation %.3f bits/byte", self.clock.current, bpb)
 
     async def finish(self) -> None:

@@ -161,6 +161,9 @@ class TimeoutsConfig:
     """Mean interval between a replica's rebalancing checks (jittered ±50 %)."""
     move: float = 300.0
     """How long a moving peer waits for its old stage's last round before it leaves anyway."""
+    commit: float = 5.0
+    """How long a stage replica holds a microbatch's gradients after answering, for the driver's
+    commit; uncommitted (the answer was lost, the driver re-sent it elsewhere) they are dropped."""
 
 
 @dataclass(frozen=True, kw_only=True)

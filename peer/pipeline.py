@@ -8,7 +8,9 @@ activations cross each boundary once, gradients come back along the same route, 
 always runs on the replica that ran the forward (replicas drift between DiLoCo rounds).
 A stage that cannot reach its next stage answers DOWNSTREAM_FAILED naming the failed peer; the
 driver re-sends the microbatch along another route. A stage does not retry itself: one owner
-(the driver) decides, so no microbatch is trained twice by two retry loops.
+(the driver) decides, so no microbatch is trained twice by two retry loops. And a stage trains on
+a microbatch only when the driver commits it (peer/worker.py): if an answer is lost and the
+driver re-sends the microbatch elsewhere, the first route's gradients are dropped, not added.
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.routing import BanList, Candidate, choose_replica
-from swarmgrad.peer.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.rpc import FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError, status_name
 from swarmgrad.protocol.responses import validate_forward_response
 from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_to_proto, envelope, raw_from_tensor,
-                                           validate_forward)
+                                           validate_commit, validate_forward)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Downstream:
         self.in_flight: dict[str, int] = {}
         self.rng = random.Random(seed)
         self._cache: dict[int, tuple[float, list[Candidate]]] = {}
+        self._stage_rpcs: dict[int, FramedRPC] = {}
 
     async def candidates(self, stage: int) -> list[Candidate]:
         now = time.monotonic()
@@ -108,6 +111,36 @@ class Downstream:
         finally:
             self.in_flight[peer] -= 1
         return self._check(peer, response, tuple(output.shape), eval_only)
+
+    async def commit(self, route: tuple[str, ...], first_stage: int, microbatch_id: int, attempt: int,
+                     timeout: float) -> int:
+        """Commit a microbatch on every replica of its route (route[i] serves stage first_stage + i),
+        in parallel. Returns how many replicas trained on it; a failed commit is logged (that
+        replica drops the microbatch after timeouts.commit: lost there, never trained twice)."""
+        async def one(stage: int, peer: str) -> int:
+            request = pb.CommitRequest(envelope=envelope(self.identity, stage), microbatch_ids=[microbatch_id],
+                                       attempts=[attempt])
+            try:
+                response = await self._rpc_for(stage).call(peer, "commit", request, pb.CommitResponse, timeout)
+            except RPCFailed as e:
+                logger.info("commit of microbatch %d on %s failed: %s", microbatch_id, peer[-8:], e)
+                return 0
+            if response.status != pb.OK or response.committed != 1:
+                logger.info("commit of microbatch %d on %s: %s %s (committed %d)", microbatch_id, peer[-8:],
+                            status_name(response.status), response.reason[:120], response.committed)
+            return int(response.status == pb.OK and response.committed == 1)
+        results = await asyncio.gather(*(one(first_stage + i, peer) for i, peer in enumerate(route)))
+        return sum(results)
+
+    def _rpc_for(self, stage: int) -> FramedRPC:
+        """A client of `stage`'s handlers (commits go to every stage of a route, not only the next)."""
+        if stage not in self._stage_rpcs:
+            rpc = self.rpc
+            if rpc.namespace == stage_namespace(self.identity.run_id, stage):  # the next stage: ours
+                return rpc
+            self._stage_rpcs[stage] = FramedRPC(rpc.p2p, stage_namespace(self.identity.run_id, stage), rpc.traffic,
+                                                rpc.max_message_bytes)
+        return self._stage_rpcs[stage]
 
     def _check(self, peer: str, response: pb.ForwardResponse, shape: tuple[int, ...], eval_only: bool) -> Hop:
         now = time.monotonic()
@@ -186,13 +219,24 @@ class StageServer:
             return pb.ForwardResponse(status=pb.INTERNAL, reason=str(e))
         if train and response.status == pb.OK:
             self.served += 1
-            await self.worker.maybe_step()
         return response
+
+    async def commit(self, request: pb.CommitRequest, caller: PeerID) -> pb.CommitResponse:
+        """The driver got these microbatches' answers: train on them here (peer/worker.py)."""
+        keys = validate_commit(request, self.identity, self.contract.stage, str(caller))
+        committed = await self.worker.commit(keys)
+        if committed:
+            await self.worker.maybe_step()
+        return pb.CommitResponse(status=pb.OK, committed=committed)
 
     async def _serve(self, inp, train: bool) -> pb.ForwardResponse:
         batch = inp.activations.shape[0]
+        key = (inp.driver, inp.microbatch_id, inp.attempt)
         if self.last:
-            loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, train)
+            if train:
+                loss, grad_x = await self.worker.forward_loss_held(key, inp.activations, inp.targets)
+            else:
+                loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, False)
             response = pb.ForwardResponse(status=pb.OK, loss=loss, n_targets=inp.targets.numel())
             if grad_x is not None:
                 response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
@@ -207,9 +251,8 @@ class StageServer:
         response = pb.ForwardResponse(status=pb.OK, loss=hop.loss, n_targets=hop.n_targets, route=hop.route)
         if train:
             assert hop.grad is not None
-            grad_x = await self.worker.backward(x, y, hop.grad, batch)
+            grad_x = await self.worker.backward_held(key, x, y, hop.grad, batch, hop.loss)
             assert grad_x is not None
-            self.worker.record_loss(hop.loss)  # middle stages learn the loss from the answer, for progress
             response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
         return response
 

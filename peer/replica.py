@@ -115,7 +115,7 @@ class Replica:
         module = ctx.model.build_stage(stage)
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
-                                           slowdown=ctx.slowdown)
+                                           slowdown=ctx.slowdown, commit_timeout=t.commit)
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         # a request must arrive whole within a microbatch's deadline; each remote peer may hold a
@@ -167,6 +167,7 @@ class Replica:
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
                                  max_deadline_s=t.microbatch)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
+            await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))
         await rpc.add_handler("state", pb.StateRequest, sync.handle, refusal(pb.StateResponse))
         sync.serving = True

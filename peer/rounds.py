@@ -172,7 +172,7 @@ class RoundRunner:
                          samples_per_s=samples / elapsed, round_s=round_ms(elapsed),
                          averaging_s=round_ms(time.monotonic() - started),
                          lr=lr, lr_start=lr_start, swarm_samples=self.state.trained_samples, rate=self.worker.rate.rate,
-                         skipped_steps=self.worker.skipped_steps)
+                         skipped_steps=self.worker.skipped_steps, uncommitted=self.worker.uncommitted)
         stats = self.presence.stats
         stats.train_loss = train_loss if losses else None
         stats.round_s, stats.group_size = round_ms(elapsed), len(result.group)

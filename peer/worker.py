@@ -9,6 +9,13 @@ one replica per stage equal a plain step of the whole model.
 
 All torch work runs on one worker thread per peer, so compute never blocks the event loop
 that serves RPCs, and forward/backward of different microbatches never interleave mid-op.
+
+Commit on acknowledgement: a stage ≥ 1 does not add a microbatch's parameter gradients when it
+answers, but holds them under (driver, microbatch id, attempt) until the driver commits that
+attempt (it got the answer and ran its own backward), or drops them after `commit_timeout`. So a
+microbatch whose answer was lost, and that the driver re-sent along another route, is trained on
+once at every stage. Held microbatches count against the step's quota, and no step runs while any
+is held, so a gradient is never added after the step it was computed for.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import torch
@@ -38,10 +46,22 @@ class NonFiniteLoss(Exception):
     """The last stage computed a non-finite loss; the microbatch was not trained on."""
 
 
+HoldKey = tuple[str, int, int]
+"""(driver peer id, microbatch id, attempt): one trip of one microbatch."""
+
+
+@dataclass
+class _Held:
+    grads: list[torch.Tensor | None]
+    batch: int
+    loss: float | None
+    expiry: asyncio.TimerHandle
+
+
 class StageWorker:
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0):
+                 clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0):
         self.module = module.to(device)
         self.device = device
         self.loss_fn = loss_fn
@@ -75,6 +95,11 @@ class StageWorker:
         self._samples_since_rate = 0
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
+        self.commit_timeout = commit_timeout
+        self._held: dict[HoldKey, _Held] = {}
+        self._notifies: set[asyncio.Future] = set()
+        self.uncommitted = 0
+        """Microbatches whose gradients were dropped because no commit came (reported in round events)."""
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         c = self.cfg
@@ -104,7 +129,8 @@ class StageWorker:
         """
         quota = self.cfg.microbatches_per_step
         async with self._cond:
-            while self._paused or self._stepping or (train and self.accumulated + self._in_flight_train >= quota):
+            while self._paused or self._stepping or (
+                    train and self.accumulated + len(self._held) + self._in_flight_train >= quota):
                 if self._paused and not wait:
                     raise NotReady("between rounds")
                 await self._cond.wait()
@@ -151,6 +177,103 @@ class StageWorker:
         grad_x = await self.run(self._timed, self._backward, x, y, grad_y)
         self._finished(batch)
         return grad_x
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _grads_of(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None
+                  ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Parameter gradients and the input's, computed without adding them to .grad."""
+        params = self._params()
+        wrt = params + ([x] if x.requires_grad else [])
+        grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+        grad_x = grads[len(params)] if x.requires_grad else None
+        return [None if g is None else g.detach() for g in grads[:len(params)]], \
+            (None if grad_x is None else grad_x.detach().to("cpu", torch.float32))
+
+    def _backward_held(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor
+                       ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        return self._grads_of(y, x, grad_y.to(y.device, y.dtype))
+
+    def _forward_loss_held(self, x: torch.Tensor, targets: torch.Tensor
+                           ) -> tuple[float, list[torch.Tensor | None], torch.Tensor | None]:
+        assert self.loss_fn is not None
+        x, y = self._forward(x, True)
+        loss = self.loss_fn(y, targets.to(self.device))
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
+        grads, grad_x = self._grads_of(loss, x, None)
+        return loss.detach().item(), grads, grad_x
+
+    async def backward_held(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
+                            batch: int, loss: float | None = None) -> torch.Tensor | None:
+        """Like `backward`, but the parameter gradients wait for `commit(key)` (module docstring).
+        `loss`: the microbatch's loss from the answer (middle stages report it, for progress)."""
+        return await asyncio.shield(self._hold_after(key, batch, False, self.run(self._timed, self._backward_held,
+                                                                                x, y, grad_y), loss))
+
+    async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor
+                                ) -> tuple[float, torch.Tensor | None]:
+        """Last stage, training: forward, loss, backward; the gradients wait for `commit(key)`."""
+        async def compute():
+            loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets)
+            return (loss, grads), grad_x
+        return await asyncio.shield(self._hold_after(key, x.shape[0], True, compute()))
+
+    async def _hold_after(self, key: HoldKey, batch: int, with_loss: bool, work, loss: float | None = None):
+        out = await work
+        if with_loss:
+            (loss, grads), grad_x = out
+        else:
+            grads, grad_x = out
+        old = self._held.pop(key, None)
+        if old is not None:  # the same attempt twice: keep the newer gradients only
+            old.expiry.cancel()
+        expiry = asyncio.get_running_loop().call_later(self.commit_timeout, self._expire, key)
+        self._held[key] = _Held(grads, batch, loss, expiry)
+        return (loss, grad_x) if with_loss else grad_x
+
+    def _expire(self, key: HoldKey) -> None:
+        if self._held.pop(key, None) is not None:
+            self.uncommitted += 1
+            logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
+            task = asyncio.ensure_future(self._notify())  # wake admissions waiting on the quota
+            self._notifies.add(task)
+            task.add_done_callback(self._notifies.discard)
+
+    def _add_held(self, held: list[_Held]) -> None:
+        params = self._params()
+        for h in held:
+            for p, g in zip(params, h.grads):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+
+    async def commit(self, keys: list[HoldKey]) -> int:
+        """Train on the held microbatches `keys` names (unknown or dropped ones are skipped).
+        Returns how many were held. Shielded: the counts and .grad change together."""
+        return await asyncio.shield(self._commit(keys))
+
+    async def _commit(self, keys: list[HoldKey]) -> int:
+        held = [h for h in (self._held.pop(k, None) for k in keys) if h is not None]
+        if not held:
+            return 0
+        for h in held:
+            h.expiry.cancel()
+        await self.run(self._add_held, held)
+        for h in held:
+            self._finished(h.batch)
+            if h.loss is not None:
+                self.losses.append(h.loss)
+        await self._notify()
+        return len(held)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
 
     def _forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
         assert self.loss_fn is not None
@@ -214,7 +337,9 @@ class StageWorker:
                 return False
             self._stepping = True
             try:
-                await self._cond.wait_for(lambda: self._in_flight == 0)
+                # nothing between its forward and its backward, and nothing computed but uncommitted:
+                # a held gradient belongs to the parameters it was computed with
+                await self._cond.wait_for(lambda: self._in_flight == 0 and not self._held)
                 if not await self.run(self._step):
                     self.skipped_steps += 1
                     logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
@@ -239,7 +364,8 @@ class StageWorker:
         """Stop taking microbatches, let the in-flight ones finish, take a last (partial) inner step."""
         async with self._cond:
             self._paused = True
-            await self._cond.wait_for(lambda: self._in_flight == 0 and not self._stepping)
+            # held microbatches are committed or dropped within timeouts.commit
+            await self._cond.wait_for(lambda: self._in_flight == 0 and not self._stepping and not self._held)
         await self.maybe_step(force=True)
 
     async def resume(self, carry_over: bool = False) -> None:
@@ -258,4 +384,7 @@ class StageWorker:
         return self._paused
 
     def close(self) -> None:
+        for held in self._held.values():
+            held.expiry.cancel()
+        self._held.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -260,3 +260,19 @@ def validate_average(req: pb.AverageRequest, identity: RunIdentity, stage: int,
     tensors = decode_named(req.tensors, expected, max_numel, f"part {req.part}", allowed_codecs=allowed_codecs)
     return AverageInput(round=req.round, group_hash=req.group_hash, state_digest=req.state_digest,
                         weight=req.weight, part=req.part, tensors=tensors)
+
+
+MAX_COMMITS = 1024
+"""Microbatches one commit request may name (a driver has a handful in flight)."""
+
+
+def validate_commit(req: pb.CommitRequest, identity: RunIdentity, stage: int, caller: str
+                    ) -> list[tuple[str, int, int]]:
+    """The (driver, microbatch id, attempt) keys a commit names. The driver is the caller itself:
+    nobody commits another driver's microbatches."""
+    check_envelope(req.envelope, identity, [stage])
+    if len(req.microbatch_ids) != len(req.attempts):
+        raise ProtocolError(pb.BAD_REQUEST, "commit: microbatch_ids and attempts differ in length")
+    if len(req.microbatch_ids) > MAX_COMMITS:
+        raise ProtocolError(pb.BAD_REQUEST, f"commit names more than {MAX_COMMITS} microbatches")
+    return [(caller, int(mb), int(a)) for mb, a in zip(req.microbatch_ids, req.attempts)]

@@ -32,8 +32,8 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when [schedule], robust averaging, backups and timeouts.rebalance_check/move were added
-PINNED_HASH = "709481daf8822158400cd09733f5e608"
+# changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move and timeouts.commit were added
+PINNED_HASH = "3c645b378c3c608f143037e3fb5dc250"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

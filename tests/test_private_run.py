@@ -43,6 +43,7 @@ def _requests(m, stage: int) -> dict[str, tuple[object, type]]:
            "state": (pb.StateRequest(envelope=env), pb.StateResponse)}
     if stage > 0:
         out["forward"] = (pb.ForwardRequest(envelope=env, microbatch_id=1, eval_only=True), pb.ForwardResponse)
+        out["commit"] = (pb.CommitRequest(envelope=env, microbatch_ids=[1], attempts=[0]), pb.CommitResponse)
     return out
 
 
@@ -171,7 +172,7 @@ def test_private_run(tmp_path: Path) -> None:
         outsider = asyncio.run(_outsider(m, targets, swarm.coordinator_maddrs))
         assert outsider["accepted"] == [], outsider["accepted"]
         kinds = {label.split("/")[-1] for label, _ in outsider["refused"]}
-        assert kinds == {"forward", "average", "state", "put", "get"}, kinds
+        assert kinds == {"forward", "commit", "average", "state", "put", "get"}, kinds
         assert all(status == "UNAUTHORIZED" for _, status in outsider["refused"]), outsider["refused"]
         assert outsider["dht_join"].startswith("refused"), outsider["dht_join"]
         # its node keeps what it stored in its own storage (hivemind counts that a success); no admitted

@@ -1,0 +1,155 @@
+"""Commit on acknowledgement, in one event loop (a driver, two replicas of the last stage, a
+loopback RPC): a microbatch whose answer is lost and that the driver re-sends elsewhere is trained
+once, not twice; held gradients equal what a plain backward would have added."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from swarmgrad.compression import parse_codec_spec
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.driver import Driver
+from swarmgrad.peer.model import from_manifest
+from swarmgrad.peer.pipeline import Downstream, StageServer
+from swarmgrad.peer.routing import BanList
+from swarmgrad.peer.rpc import RPCFailed, stage_namespace
+from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.worker import StageWorker
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.validation import RunIdentity, StageContract
+
+from conftest import small_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+DRIVER, A, B = "QmDriver0", "QmReplicaA", "QmReplicaB"
+
+
+class Net:
+    """Loopback calls to in-process servers; `lose_answer` names a peer whose next answer to a
+    forward is computed and then lost on the way back (the caller sees a failed call)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.servers: dict[str, StageServer] = {}
+        self.lose_answer: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
+        self.calls.append((peer, method))
+        server = self.servers[peer]
+        handler = server.handle if method == "forward" else server.commit
+        wire = type(request).FromString(request.SerializeToString())
+        try:
+            response = await handler(wire, DRIVER)
+        except ProtocolError as e:
+            response = response_type(status=e.status, reason=e.reason)
+        if method == "forward" and peer in self.lose_answer:
+            self.lose_answer.discard(peer)
+            raise RPCFailed(f"forward to {peer}: stream reset")
+        return response_type.FromString(response.SerializeToString())
+
+
+class Swarm:
+    async def stage_records(self, stage: int) -> list[PeerRecord]:
+        # A looks much faster: the first attempt goes to it
+        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=t, round=0, applied_rounds=0,
+                           digest="d", manifest_hash="h", driver=False) for p, t in ((A, 1e5), (B, 1e-3))]
+
+
+def _worker(module, m, loss_fn, clock) -> StageWorker:
+    return StageWorker(module, m.inner, torch.device("cpu"), loss_fn, clock, TrainingProgress(m.schedule),
+                       commit_timeout=0.3)
+
+
+def _setup():
+    m = small_manifest(inner={"microbatches_per_step": 4}, timeouts={"commit": 0.3})
+    model = from_manifest(m)
+    identity = RunIdentity(m.run_id, m.hash)
+    clocks = {p: RoundClock(m.rounds, counts_steps=p == DRIVER, max_rounds=0, epoch=None) for p in (DRIVER, A, B)}
+    torch.manual_seed(0)
+    stage1 = model.build_stage(1)
+    workers = {DRIVER: _worker(model.build_stage(0), m, None, clocks[DRIVER])}
+    for p in (A, B):
+        module = model.build_stage(1)
+        module.load_state_dict(stage1.state_dict())
+        workers[p] = _worker(module, m, model.loss_fn, clocks[p])
+    contract = StageContract(stage=1, n_stages=2, max_batch=m.inner.microbatch_size,
+                             input_spec=lambda b: model.input_spec(1, b), targets_spec=model.targets_spec,
+                             vocab_size=m.model.vocab_size)
+    net = Net(stage_namespace(m.run_id, 1))
+    for p in (A, B):
+        net.servers[p] = StageServer(identity, contract, workers[p], None, parse_codec_spec("fp32"), 1 << 24,
+                                     clocks[p], max_deadline_s=30.0)
+    downstream = Downstream(identity, net, Swarm(), BanList(5.0, 60.0), parse_codec_spec("fp32"), 1 << 24, seed=0)
+    driver = Driver(m, workers[DRIVER], downstream, DRIVER, 2, iter(()), lambda *a, **k: None, clocks[DRIVER])
+    batch = torch.randint(0, 256, (m.inner.microbatch_size, m.model.seq_len + 1))
+    return net, workers, driver, batch[:, :-1], batch[:, 1:]
+
+
+def test_a_lost_answer_is_trained_once() -> None:
+    async def main() -> None:
+        net, workers, driver, inputs, targets = _setup()
+        net.lose_answer.add(A)
+        loss = await driver.train_microbatch(inputs, targets)
+        assert loss is not None and driver.stats.retries == 1
+        assert [c for c in net.calls if c[1] == "forward"] == [(A, "forward"), (B, "forward")]
+        await driver.flush_commits()
+        assert workers[B].accumulated == 1 and workers[B].held == 0  # committed by the driver
+        assert workers[A].accumulated == 0 and workers[A].held == 1  # computed, answer lost: held
+        await asyncio.sleep(0.5)  # past timeouts.commit
+        assert workers[A].held == 0 and workers[A].uncommitted == 1 and workers[A].accumulated == 0
+        assert all(p.grad is None for p in workers[A].module.parameters())
+        assert workers[DRIVER].accumulated == 1  # the driver's own stage: once
+        for w in workers.values():
+            w.close()
+    asyncio.run(main())
+
+
+def test_held_gradients_equal_a_plain_backward() -> None:
+    async def main() -> None:
+        net, workers, driver, inputs, targets = _setup()
+        reference = workers[B]
+        # the last stage's input is the first stage's output
+        _, h = await workers[DRIVER].forward(inputs, train=False)
+        await reference.forward_loss(h, targets, True)  # plain: adds to .grad
+        plain = [p.grad.clone() for p in reference.module.parameters()]
+        other = workers[A]
+        loss, _ = await other.forward_loss_held((DRIVER, 1, 0), h, targets)
+        assert other.held == 1 and all(p.grad is None for p in other.module.parameters())
+        assert await other.commit([(DRIVER, 1, 0), (DRIVER, 99, 0)]) == 1  # unknown keys are skipped
+        for g, p in zip(plain, other.module.parameters()):
+            torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+        assert other.accumulated == 1 and other.losses == [loss]
+        for w in workers.values():
+            w.close()
+    asyncio.run(main())
+
+
+def test_only_the_driver_commits_and_a_step_waits_for_held() -> None:
+    async def main() -> None:
+        net, workers, driver, inputs, targets = _setup()
+        _, h = await workers[DRIVER].forward(inputs, train=False)
+        w = workers[A]
+        await w.forward_loss_held((DRIVER, 5, 0), h, targets)
+        server = net.servers[A]
+        request = pb.CommitRequest(envelope=pb.Envelope(run_id=server.identity.run_id,
+                                                        manifest_hash=server.identity.manifest_hash, stage=1),
+                                   microbatch_ids=[5], attempts=[0])
+        stranger = await server.commit(request, "QmSomebodyElse")
+        assert stranger.committed == 0 and w.held == 1  # keyed by the caller: not the driver's microbatch
+        # a forced step (the round boundary) waits for the held microbatch to be committed or dropped
+        pause = asyncio.create_task(w.pause())
+        await asyncio.sleep(0.05)
+        assert not pause.done()
+        assert (await server.commit(request, DRIVER)).committed == 1
+        await asyncio.wait_for(pause, 2.0)
+        assert w.inner_steps == 1 and w.accumulated == 0
+        for worker in workers.values():
+            worker.close()
+    asyncio.run(main())
