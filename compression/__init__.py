@@ -12,6 +12,9 @@ start); hadamard (rotated 2/4/8-bit) and lowrank (activation subspace) for pipel
 boundaries; chunktopk (per-chunk top-k, 2/4/8/16-bit values: pseudo-gradients far below int8).
 ``reduce_codec`` gives the codec a reducer sends an aggregate in (the union of sparse supports).
 ``ErrorFeedback`` carries residuals; ``SizeAdaptive`` picks a codec by tensor size.
+Hot loops reuse memory: ``codec.encode_borrowed(t)`` (read-only memoryviews into the codec's
+workspace; ``enc.owned()`` copies them into bytes for a protobuf field) and
+``decode(enc, out=buf)`` (writes into the caller's tensor).
 Every failure is a :class:`CodecError` (a ``ValueError``).
 """
 

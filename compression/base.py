@@ -65,18 +65,21 @@ class Encoded:
         dtype: the original tensor's dtype name, e.g. ``"float32"`` or ``"bfloat16"``.
         params: everything decode needs besides the buffers; JSON primitives only
             (int, float, str, bool), so ``json.loads(json.dumps(params))`` is equal to it.
-        buffers: raw payloads, codec-specific layout (see each codec's docstring).
+        buffers: raw payloads, codec-specific layout (see each codec's docstring): ``bytes``,
+            or read-only byte memoryviews from :meth:`Codec.encode_borrowed`.
 
-    The constructor only normalises types (a list shape becomes a tuple, bytearray/memoryview
-    buffers become bytes); it raises :class:`CodecError` on wrongly typed fields. Semantic checks
-    (non-negative dims, buffer lengths) happen in :func:`decode`.
+    The constructor only normalises types (a list shape becomes a tuple, bytearray and writable
+    memoryview buffers become bytes); it raises :class:`CodecError` on wrongly typed fields.
+    A read-only memoryview is kept without a copy (whoever made it must not change the memory
+    beneath it); :meth:`owned` turns one into bytes. Semantic checks (non-negative dims, buffer
+    lengths) happen in :func:`decode`.
     """
 
     codec: str
     shape: tuple[int, ...]
     dtype: str
     params: Mapping[str, ParamValue] = field(default_factory=dict)
-    buffers: tuple[bytes, ...] = ()
+    buffers: tuple[Union[bytes, memoryview], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str):
@@ -98,12 +101,25 @@ class Encoded:
         object.__setattr__(self, "params", dict(self.params))
         buffers = []
         for buf in self.buffers:
+            if isinstance(buf, memoryview) and buf.readonly and buf.format == "B" and buf.ndim == 1 \
+                    and buf.c_contiguous:
+                buffers.append(buf)
+                continue
             if isinstance(buf, (bytearray, memoryview)):
                 buf = bytes(buf)
             if not isinstance(buf, bytes):
                 raise CodecError(f"Encoded.buffers must hold bytes, got {type(buf).__name__}")
             buffers.append(buf)
         object.__setattr__(self, "buffers", tuple(buffers))
+
+    def owned(self) -> "Encoded":
+        """This Encoded with every buffer as ``bytes`` (``self`` when they already are).
+
+        A protobuf ``bytes`` field takes ``bytes`` only, so a borrowed Encoded pays this one
+        copy on its way to the wire; ``encode`` pays the same copy inside the codec."""
+        if all(isinstance(b, bytes) for b in self.buffers):
+            return self
+        return Encoded(self.codec, self.shape, self.dtype, self.params, tuple(bytes(b) for b in self.buffers))
 
     @property
     def nbytes(self) -> int:
@@ -157,11 +173,23 @@ class Codec(ABC):
         """Compress ``tensor``. ``key`` names a state slot for stateful codecs (PowerSGD's
         warm start); stateless codecs ignore it."""
 
+    def encode_borrowed(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
+        """Like :meth:`encode` (the same bytes), but the buffers may be read-only memoryviews
+        into memory this codec object reuses once nothing references them any more.
+
+        For callers that use the result in-process or copy it once themselves (``enc.owned()``
+        before a protobuf field, which takes ``bytes`` only): a codec with a workspace (int8,
+        int4) then neither page-faults a fresh output nor copies it into ``bytes``. Holding on to
+        the result is safe, only slower (the next call allocates afresh). The default is
+        :meth:`encode`."""
+        return self.encode(tensor, key=key)
+
     def decode(
-        self, enc: Encoded, dtype: torch.dtype | None = torch.float32, *, max_numel: int = DEFAULT_MAX_NUMEL
+        self, enc: Encoded, dtype: torch.dtype | None = torch.float32, *, max_numel: int = DEFAULT_MAX_NUMEL,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode any :class:`Encoded` (dispatch on ``enc.codec``; see :func:`decode`)."""
-        return decode(enc, dtype, max_numel=max_numel)
+        return decode(enc, dtype, max_numel=max_numel, out=out)
 
     @classmethod
     def decode_encoded(cls, enc: Encoded, max_numel: int) -> torch.Tensor:
@@ -169,6 +197,13 @@ class Codec(ABC):
 
         Must verify buffer count and lengths against the header before allocating."""
         raise NotImplementedError
+
+    @classmethod
+    def decode_into(cls, enc: Encoded, max_numel: int, out: torch.Tensor) -> None:
+        """Decode ``enc`` (header-checked) into ``out``: flat, contiguous, float32, ``enc.numel``
+        items. Every item is written. Codecs that can write in place override this default
+        (decode into a fresh tensor, then copy)."""
+        out.copy_(cls.decode_encoded(enc, max_numel).reshape(-1))
 
     def config(self) -> dict[str, ParamValue]:
         """Constructor keyword arguments that rebuild an equal codec."""
@@ -222,7 +257,8 @@ def registered_names() -> tuple[str, ...]:
 
 
 def decode(
-    enc: Encoded, dtype: torch.dtype | None = torch.float32, *, max_numel: int = DEFAULT_MAX_NUMEL
+    enc: Encoded, dtype: torch.dtype | None = torch.float32, *, max_numel: int = DEFAULT_MAX_NUMEL,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``enc`` with the codec it names.
 
@@ -230,24 +266,47 @@ def decode(
         enc: the Encoded, possibly rebuilt from untrusted wire fields.
         dtype: dtype of the result; ``None`` means the original dtype (``enc.dtype``).
         max_numel: refuse a declared shape with more elements than this.
+        out: optional destination, reused by the caller across calls: a contiguous CPU tensor
+            of shape ``enc.shape`` and the result's dtype. Every item is overwritten (int8/int4
+            write in place: no page faults of a fresh output); on an error its contents are
+            undefined.
 
     Returns:
-        A CPU tensor of shape ``enc.shape``.
+        A CPU tensor of shape ``enc.shape`` (``out`` itself when given).
 
     Raises:
         CodecError: unknown codec, bad shape/dtype/params, buffers that disagree with the
-            header, out-of-range indices, non-finite scales or factors. Nothing the header
-            declares is allocated before the buffer lengths have been checked.
+            header, out-of-range indices, non-finite scales or factors, an ``out`` of the wrong
+            shape, dtype or layout. Nothing the header declares is allocated before the buffer
+            lengths have been checked.
     """
     if not isinstance(enc, Encoded):
         raise CodecError(f"decode expects an Encoded, got {type(enc).__name__}")
     cls = codec_class(enc.codec)
     check_header(enc, max_numel)
+    target = _DTYPES[enc.dtype] if dtype is None else dtype
+    if out is not None:
+        check_out(enc, out, target)
+        if out.dtype == torch.float32:
+            cls.decode_into(enc, max_numel, out.view(-1))
+        else:
+            out.copy_(cls.decode_encoded(enc, max_numel).reshape(enc.shape))
+        return out
     out = cls.decode_encoded(enc, max_numel)
     if out.shape != torch.Size(enc.shape):
         out = out.reshape(enc.shape)
-    target = _DTYPES[enc.dtype] if dtype is None else dtype
     return out if out.dtype == target else out.to(target)
+
+
+def check_out(enc: Encoded, out: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a ``decode(out=...)`` destination that cannot take ``enc`` as ``dtype``."""
+    if not isinstance(out, torch.Tensor):
+        raise CodecError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != torch.Size(enc.shape) or out.dtype != dtype:
+        raise CodecError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                         f"decode needs shape {enc.shape} and dtype {dtype}")
+    if out.device.type != "cpu" or not out.is_contiguous() or out.requires_grad:
+        raise CodecError("out must be a contiguous CPU tensor that does not require grad")
 
 
 def check_header(enc: Encoded, max_numel: int) -> None:

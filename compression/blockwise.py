@@ -27,6 +27,7 @@ import torch
 
 from .base import Codec, CodecError, Encoded, ParamValue, dtype_name, expect_buffers, param_int, prepare
 from .base import register, check_positive_int, tensor_bytes, tensor_from_bytes
+from .workspace import Workspace, scratch
 
 __all__ = ["BlockwiseCodec", "Int8Codec", "Int4Codec", "MAX_BLOCK_SIZE"]
 
@@ -45,6 +46,10 @@ class BlockwiseCodec(Codec):
         stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
         seed: seeds this codec's own generator for stochastic rounding, so a sequence of
             encodes is reproducible; ``None`` uses torch's global generator.
+
+    Each codec object owns a :class:`Workspace`: codes, scales and chunk temporaries are
+    written into buffers kept between calls (no page faults of fresh outputs). ``encode``
+    copies codes and scales into ``bytes`` once; ``encode_borrowed`` lends them out instead.
     """
 
     levels: ClassVar[int]
@@ -58,6 +63,7 @@ class BlockwiseCodec(Codec):
         self.stochastic = stochastic
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._workspace = Workspace()
 
     def config(self) -> dict[str, ParamValue]:
         cfg: dict[str, ParamValue] = {"block_size": self.block_size}
@@ -70,19 +76,31 @@ class BlockwiseCodec(Codec):
     # ------------------------------------------------------------------ encode
 
     def encode(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
+        """Codes and scales as ``bytes``: quantised into the workspace, then copied once."""
+        return self._encode(tensor, borrowed=False)
+
+    def encode_borrowed(self, tensor: torch.Tensor, *, key: str | None = None) -> Encoded:
+        """The same bytes as :meth:`encode`, as read-only memoryviews into the workspace (no
+        copy); the workspace reuses them once the result and every view of it are gone."""
+        return self._encode(tensor, borrowed=True)
+
+    def _encode(self, tensor: torch.Tensor, *, borrowed: bool) -> Encoded:
         # Finiteness is checked on the per-block scales (NaN/Inf propagate into absmax),
         # which saves a full pass over the input.
         x = prepare(tensor, check_finite=False)
         if x.dtype != torch.float32:
             x = x.float()
-        codes, scales = self._quantize(x)
+        with self._workspace.claim() as ws:  # None while another thread encodes with this object
+            codes, scales = self._quantize(x, ws)
+            packed = self._pack(codes)
+            if borrowed and ws is not None:
+                buffers: tuple = (ws.lend(packed), ws.lend(scales))
+            else:
+                buffers = (tensor_bytes(packed), tensor_bytes(scales))
         params = {"block_size": self.block_size}
-        return Encoded(
-            self.name, tuple(tensor.shape), dtype_name(tensor.dtype), params,
-            (self._pack(codes), tensor_bytes(scales)),
-        )
+        return Encoded(self.name, tuple(tensor.shape), dtype_name(tensor.dtype), params, buffers)
 
-    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (int8, one per value) and fp32 scales for flat fp32 ``x``.
 
         Works through the tensor in cache-sized chunks of whole blocks, so that each value is
@@ -90,12 +108,12 @@ class BlockwiseCodec(Codec):
         ops, which are bound by memory traffic and page faults of large temporaries)."""
         n, bs, L = x.numel(), self.block_size, self.levels
         nfull, tail = divmod(n, bs)
-        scales = torch.empty(nfull + (tail > 0), dtype=torch.float32)
-        codes = torch.empty(n, dtype=torch.int8)
+        scales = scratch(ws, "scales", torch.float32, nfull + (tail > 0))
+        codes = scratch(ws, "codes", torch.int8, n)
         cb = max(1, _CHUNK // bs)  # blocks per chunk
-        tmp = torch.empty(min(nfull, cb) * bs, dtype=torch.float32)
-        aux = torch.empty(min(nfull, cb), dtype=torch.float32)
-        inv = torch.empty(min(nfull, cb), dtype=torch.float32)
+        tmp = scratch(ws, "tmp", torch.float32, min(nfull, cb) * bs)
+        aux = scratch(ws, "aux", torch.float32, min(nfull, cb))
+        inv = scratch(ws, "inv", torch.float32, min(nfull, cb))
         xv, qv = x[: nfull * bs].view(nfull, bs), codes[: nfull * bs].view(nfull, bs)
         for b0 in range(0, nfull, cb):
             m = min(cb, nfull - b0)
@@ -128,8 +146,9 @@ class BlockwiseCodec(Codec):
             t.round_()  # |x * L/absmax| <= L (1 + 1e-7), so round never exceeds L: no clamp
         qc.copy_(t)
 
-    def _pack(self, codes: torch.Tensor) -> bytes:
-        return tensor_bytes(codes)
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """The codes buffer's contents as a contiguous 1-byte tensor (int8: the codes)."""
+        return codes
 
     # ------------------------------------------------------------------ decode
 
@@ -138,11 +157,24 @@ class BlockwiseCodec(Codec):
         return n
 
     @classmethod
-    def _unpack(cls, buf: bytes, n: int) -> torch.Tensor:
+    def _unpack(cls, buf: bytes | memoryview, n: int) -> torch.Tensor:
         return tensor_from_bytes(buf, torch.int8, n)
 
     @classmethod
     def decode_encoded(cls, enc: Encoded, max_numel: int) -> torch.Tensor:
+        n, bs, scales = cls._check(enc)
+        out = torch.empty(n, dtype=torch.float32)
+        cls._dequantize(enc.buffers[0], scales, n, bs, out)
+        return out
+
+    @classmethod
+    def decode_into(cls, enc: Encoded, max_numel: int, out: torch.Tensor) -> None:
+        n, bs, scales = cls._check(enc)
+        cls._dequantize(enc.buffers[0], scales, n, bs, out)
+
+    @classmethod
+    def _check(cls, enc: Encoded) -> tuple[int, int, torch.Tensor]:
+        """numel, block size and scales of ``enc``, once params and buffer lengths check out."""
         n = enc.numel
         bs = param_int(enc, "block_size", 1, MAX_BLOCK_SIZE)
         if set(enc.params) != {"block_size"}:
@@ -152,8 +184,12 @@ class BlockwiseCodec(Codec):
         scales = tensor_from_bytes(enc.buffers[1], torch.float32, nb)
         if nb and not (bool(torch.isfinite(scales).all()) and bool((scales >= 0).all())):
             raise CodecError(f"{cls.name}: scales must be finite and >= 0")
-        codes = cls._unpack(enc.buffers[0], n)
-        out = torch.empty(n, dtype=torch.float32)
+        return n, bs, scales
+
+    @classmethod
+    def _dequantize(cls, buf: bytes | memoryview, scales: torch.Tensor, n: int, bs: int, out: torch.Tensor) -> None:
+        """``q * scale`` for all ``n`` values into flat fp32 ``out``; every item is written."""
+        codes = cls._unpack(buf, n)
         nfull = n // bs
         cb = max(1, _CHUNK // bs)
         ov, cv = out[: nfull * bs].view(nfull, bs), codes[: nfull * bs].view(nfull, bs)
@@ -164,7 +200,6 @@ class BlockwiseCodec(Codec):
             o.mul_(full_scales[b0 : b0 + cb, None])
         if n % bs:
             out[nfull * bs :].copy_(codes[nfull * bs :]).mul_(scales[nfull])
-        return out
 
 
 @register
@@ -182,19 +217,19 @@ class Int4Codec(BlockwiseCodec):
     name = "int4"
     levels = 7
 
-    def _pack(self, codes: torch.Tensor) -> bytes:
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         u = codes.add_(8).view(torch.uint8)  # codes are ours: shift -7..7 to 1..15 in place
         if u.numel() % 2:
             u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
         pairs = u.view(-1, 2)
-        return tensor_bytes(pairs[:, 0] | (pairs[:, 1] << 4))
+        return pairs[:, 0] | (pairs[:, 1] << 4)
 
     @classmethod
     def _codes_nbytes(cls, n: int) -> int:
         return (n + 1) // 2
 
     @classmethod
-    def _unpack(cls, buf: bytes, n: int) -> torch.Tensor:
+    def _unpack(cls, buf: bytes | memoryview, n: int) -> torch.Tensor:
         packed = tensor_from_bytes(buf, torch.uint8, (n + 1) // 2)
         codes = torch.empty(packed.numel(), 2, dtype=torch.int8)
         codes[:, 0] = (packed & 0x0F).to(torch.int8)
