@@ -10,12 +10,15 @@ Rules (``should_move``, for a peer ONLINE on stage a):
    has a mover (a LEAVING replica or one announced as moving);
 2. an empty stage is filled at once, by the mover that leaves the best pipeline behind, chosen
    the same way by every peer that reads the same snapshot (``fill_plan``);
-3. otherwise the target b is the bottleneck (lowest C_b, ties: lowest index) and only the best
-   mover of a goes: the replica whose move leaves the best pair min(C_a − r, C_b + r·c_a/c_b)
-   (ties: a hash of peer id and the caller's round/epoch salt), computed from snapshot figures
-   only, so every replica of a names the same one; the move must improve that pair (the donor
-   stays above the old bottleneck), which makes every move raise the sorted capacity vector
-   (leximin), so a static swarm cannot cycle;
+3. otherwise moves follow one plan per snapshot (``Snapshot.move_plan``), which every peer reading
+   the snapshot computes alike: repeatedly, the lowest stage b (ties: lowest index) gets the one
+   replica, from any stage that may give one, whose move leaves the best pair
+   min(C_a − r, C_b + r·c_a/c_b) (near-ties: a hash of peer id and the caller's round/epoch
+   salt), computed from snapshot figures only; the move is applied to the plan's capacities
+   before the next is chosen, and the plan stops when no move improves its pair. Every move
+   keeps the donor above the old lowest stage, so it raises the sorted capacity vector
+   (leximin) and a static swarm cannot cycle; and the movers of one snapshot do not pile into
+   one bottleneck (each stage sending its own best mover there overshot it);
 4. margin: the swarm must be out of balance, T / T_reach < q, T_reach being what placement can
    reach (``optimum``: exact for small swarms, the fluid bound Σ r·c / Σ c for large ones);
 5. repay: gain × expected tenure > T × switch time (state bytes / bandwidth + warm-up), gain
@@ -27,7 +30,8 @@ Rules (``should_move``, for a peer ONLINE on stage a):
 Against Petals' ``server/block_selection.py`` (``should_choose_other_blocks``): Petals compares
 the current min throughput with the one reached after simulating its own move *and* a local
 search that moves every other server (in random order: two servers reading one snapshot may
-disagree), then moves if the ratio is under ``balance_quality`` (0.75). We keep its margin on
+disagree), then moves if the ratio is under ``balance_quality`` (0.75). Our plan is that local
+search made deterministic, so every peer reading one snapshot agrees on who moves. We keep its margin on
 the swarm's *imbalance* (rule 4), not on one move's gain as DESIGN.md first wrote it: with N
 peers in S stages one move changes T by about S/N, so at 1000 peers a per-move margin of 1/q
 never passes and the swarm could not repair itself; a per-move margin only makes sense for a
@@ -125,6 +129,14 @@ class MoveDecision:
     """T_reach, what placement can reach (0 when a stage is empty)."""
     immediate: bool = False
     """Act without confirmation (filling an empty stage)."""
+
+
+@dataclass(frozen=True)
+class PlannedMove:
+    source: int
+    target: int
+    gain: float
+    """How much this move lifts the lowest stage of its pair, given the moves planned before it."""
 
 
 @dataclass(frozen=True)
@@ -258,7 +270,9 @@ class Snapshot:
         """Who fills which empty stage: peer id -> target. Empty stages in order; each takes the
         replica (of a stage keeping another live replica and without a mover) that leaves the
         best pair min(C_a − r, r·c_a/c_e); one mover per donor stage."""
-        return self._fill_plans.setdefault(salt, self._compute_fill_plan(salt))
+        if salt not in self._fill_plans:
+            self._fill_plans[salt] = self._compute_fill_plan(salt)
+        return self._fill_plans[salt]
 
     @cached_property
     def _fill_plans(self) -> dict[int, dict[str, int]]:
@@ -291,34 +305,52 @@ class Snapshot:
             caps[e] += best.rate * self.costs[a] / self.costs[e]
         return plan
 
-    def bottleneck_target(self, stage: int) -> int | None:
-        """The stage a mover from ``stage`` should go to: the lowest capacity (ties: lowest
-        index), or None when ``stage`` itself is a bottleneck."""
-        caps = self.capacities
-        b = min((s for s in range(self.n_stages) if s != stage), key=lambda s: (caps[s], s), default=None)
-        if b is None or caps[stage] <= caps[b]:
-            return None
-        return b
-
-    def best_mover(self, stage: int, salt: int) -> str | None:
-        """The one replica of ``stage`` allowed to move to its bottleneck target now."""
-        key = (stage, salt)
-        if key not in self._movers:
-            self._movers[key] = self._compute_best_mover(stage, salt)
-        return self._movers[key]
+    def move_plan(self, salt: int) -> dict[str, PlannedMove]:
+        """Who moves where now: peer id -> its move, the same for every peer that reads
+        the same snapshot. Greedy and sequential: take the lowest stage b (ties: lowest index),
+        send it the one replica, from any stage that may give one (another live replica stays,
+        no mover yet, above b), whose move leaves the best pair min(C_a − r, C_b + r·c_a/c_b)
+        (``_best``); apply that move to the capacities and repeat while a move improves its
+        pair. So each move is planned knowing the ones before it: S − 1 stages no longer each
+        send a replica to one bottleneck on the same snapshot (a herd that overshot it, left the
+        donors under it and kept the swarm moving). One mover per stage still holds, and a stage
+        that receives in this plan does not give."""
+        if salt not in self._move_plans:
+            self._move_plans[salt] = self._compute_move_plan(salt)
+        return self._move_plans[salt]
 
     @cached_property
-    def _movers(self) -> dict[tuple[int, int], str | None]:
+    def _move_plans(self) -> dict[int, dict[str, PlannedMove]]:
         return {}
 
-    def _compute_best_mover(self, a: int, salt: int) -> str | None:
-        b = self.bottleneck_target(a)
-        if b is None or self.has_mover[a] or self.live_counts[a] <= 1:
-            return None
-        caps, ratio = self.capacities, self.costs[a] / self.costs[b]
-        scored = [(min(caps[a] - r.rate, caps[b] + r.rate * ratio), r) for r in self.candidates(a, b)]
-        best = self._best(scored, caps[b], salt)
-        return None if best is None else best.peer_id
+    def _compute_move_plan(self, salt: int) -> dict[str, PlannedMove]:
+        caps, counts = list(self.capacities), list(self.live_counts)
+        blocked = list(self.has_mover)
+        plan: dict[str, PlannedMove] = {}
+        for _ in range(self.n_stages):
+            b = min(range(self.n_stages), key=lambda s: (caps[s], s))
+            scored, donor = [], {}
+            for a in range(self.n_stages):
+                if a == b or blocked[a] or counts[a] <= 1 or not caps[a] > caps[b]:
+                    continue
+                ratio = self.costs[a] / self.costs[b]
+                for r in self.candidates(a, b):
+                    scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
+                    donor[r.peer_id] = a
+            best = self._best(scored, caps[b], salt)
+            if best is None:
+                break
+            a = donor[best.peer_id]
+            moved = best.rate * self.costs[a] / self.costs[b]
+            if not min(caps[a] - best.rate, caps[b] + moved) > caps[b]:
+                break  # no move improves the lowest stage's pair: balanced as far as one move goes
+            plan[best.peer_id] = PlannedMove(a, b, min(caps[a] - best.rate, caps[b] + moved) - caps[b])
+            blocked[a] = blocked[b] = True
+            counts[a] -= 1
+            counts[b] += 1
+            caps[a] -= best.rate
+            caps[b] += moved
+        return plan
 
 
 def _own_replica(snapshot: Snapshot, peer_id: str, stage: int) -> Replica | None:
@@ -363,16 +395,12 @@ def should_move(snapshot: Snapshot, me: PeerFigures, stage: int, *, salt: int = 
         nonempty = [c for s, c in enumerate(after) if snapshot.live_counts[s] > 0 or s == target]
         return MoveDecision(me.peer_id, a, target, "fill-empty", gain=min(nonempty), throughput=T,
                             new_throughput=min(after), reachable=0.0, immediate=True)
-    if snapshot.best_mover(a, salt) != me.peer_id:
+    planned = snapshot.move_plan(salt).get(me.peer_id)
+    if planned is None or planned.source != a:
         return None
-    b = snapshot.bottleneck_target(a)
-    assert b is not None  # best_mover returns None without a target
+    b, gain = planned.target, planned.gain
     if not _fits(me.memory, snapshot.need(b)):
         return None
-    pair_after = min(caps[a] - mine.rate, caps[b] + me.rates[b])
-    gain = pair_after - caps[b]
-    if gain <= 0:
-        return None  # the donor would become the worse bottleneck
     reach = snapshot.reachable.throughput
     if not T < policy.q * reach:
         return None
