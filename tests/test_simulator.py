@@ -51,3 +51,13 @@ def test_cli_prints_the_figures(capsys, tmp_path) -> None:
     assert main(["simulate", "--peers", "40", "--hours", "0.3", "--policy", "no-margin"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "throughput_ratio=" in last and "moves_per_peer_hour=" in last
+
+
+def test_reaction_limit_counts_departures_only_until_repaired() -> None:
+    r = simulate(small())
+    assert r.reaction_s > 0 and 0.5 < r.reaction_limit <= 1.0
+    assert r.reaction_limit < 1.0  # departures happened, the mass one included
+    calm = simulate(small(mass_fraction=0.0, tenure_median_h=1e6))  # nobody leaves
+    assert calm.leaves == 0 and calm.reaction_limit == 1.0
+    slower = simulate(small(warmup_s=300.0))  # a longer repair leaves more unrepaired
+    assert slower.reaction_limit < r.reaction_limit
