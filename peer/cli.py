@@ -114,6 +114,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     options = PeerOptions(stage=stage, device=args.device,
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
+                          byzantine=args.byzantine,
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
                           rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     # Until the event loop takes over the signals, SIGTERM ends the process through SystemExit, so
@@ -456,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=_slowdown_arg, default=1.0, metavar="F",
                    help="TESTING AID: make this peer's compute F times slower (a sleep of (F-1) x each measured "
                         "forward/backward), to emulate unequal devices on one machine")
+    p.add_argument("--byzantine", choices=("scale", "random"), default=None,
+                   help="TESTING AID: send hostile pseudo-gradients (scale: 100 x the honest one; random: noise "
+                        "of 10 x its RMS), to measure robust averaging (benchmarks/byzantine.py)")
     p.add_argument("--max-memory", type=_memory_arg, default=None, metavar="SIZE",
                    help="memory this peer offers for a stage, e.g. 8G (default: what the device has)")
     p.add_argument("--rebalance", choices=("auto", "on", "off"), default="auto",

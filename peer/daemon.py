@@ -60,6 +60,8 @@ class PeerOptions:
     """After its last round, a non-driver keeps serving (drivers evaluate) until no driver is
     online or this many seconds passed."""
     slowdown: float = 1.0
+    byzantine: str | None = None
+    """TESTING AID: send corrupted pseudo-gradients ("scale" or "random"; benchmarks/byzantine.py)."""
     """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
     max_memory: int | None = None
     """Bytes this peer offers for a stage; None: what the device has."""
@@ -150,7 +152,7 @@ class Peer:
                           slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
                           backup_rpc=backup_rpc,
                           gate=self.admission.check if self.admission is not None else None,
-                          checkpoints=self.checkpoints)
+                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine)
         costs = stage_costs(self.m, self.model)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:

@@ -74,6 +74,8 @@ class PeerContext:
     checkpoints: Callable[[int], Awaitable[Any]] | None = None
     """Private runs: the coordinator's newest checkpoint of a stage (a StateSnapshot or None),
     which an empty stage restores when it is newer than any backup."""
+    byzantine: str | None = None
+    """TESTING AID (--byzantine): this peer's replicas send corrupted pseudo-gradients."""
 
     @property
     def max_numel(self) -> int:
@@ -151,6 +153,7 @@ class Replica:
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
                                   save_dir=ctx.save_dir, peer_id=ctx.peer_id,
                                   after_round=self.driving.after_round if self.driving else None,
+                                  byzantine=ctx.byzantine,
                                   backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
                                                        m.averaging.backup_every, t.state_download, self.tasks))
 

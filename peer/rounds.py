@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.peer import policy
@@ -40,8 +41,11 @@ class RoundRunner:
                  averager: Averager, sync: StateSync, presence: Presence, swarm: SwarmView,
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
                  save_dir: str | None, peer_id: str, after_round: Callable[[], Awaitable[None]] | None = None,
-                 backups: BackupPusher | None = None):
+                 backups: BackupPusher | None = None, byzantine: str | None = None):
         self.stage = stage
+        self.byzantine = byzantine
+        """TESTING AID (--byzantine): corrupt this replica's pseudo-gradient before it is sent
+        (benchmarks/byzantine.py measures what robust averaging makes of it)."""
         self.clock = clock
         self.worker = worker
         self.state = state
@@ -112,6 +116,8 @@ class RoundRunner:
             self.averager.m.timeouts.matchmaking, time.monotonic() - self._round_started, self.clock.cfg.inner_steps > 0)
         try:
             delta = await worker.run(state.pseudo_gradient, worker.module)
+            if self.byzantine:
+                delta = corrupt(delta, self.byzantine, round)
             result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)
         except Exception as e:  # a round that raised is an incomplete round, never a dead peer
             logger.exception("stage %d round %d failed", self.stage, round)
@@ -186,6 +192,22 @@ class RoundRunner:
                     self.stage, round, f"{train_loss:.3f}" if losses else "-", samples / elapsed, lr,
                     sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
+
+
+BYZANTINE_MODES = ("scale", "random")
+
+
+def corrupt(delta: dict[str, torch.Tensor], mode: str, round: int) -> dict[str, torch.Tensor]:
+    """A hostile replica's pseudo-gradient (testing aid): `scale` sends 100 x the honest one,
+    `random` Gaussian noise with 10 x its RMS, tensor by tensor (seeded by the round)."""
+    if mode == "scale":
+        return {n: d * 100.0 for n, d in delta.items()}
+    generator = torch.Generator().manual_seed(1_000_003 * round + 17)
+    out = {}
+    for n, d in delta.items():
+        rms = float(d.pow(2).mean().sqrt()) if d.numel() else 0.0
+        out[n] = torch.randn(d.shape, generator=generator) * (10.0 * rms + 1e-6)
+    return out
 
 
 def round_ms(seconds: float) -> float:

@@ -70,3 +70,16 @@ def test_robust_path_can_be_switched_off_and_is_deterministic() -> None:
     assert all(torch.equal(off[n], ref[n]) for n in ref)
     a, b = centered_clip(members), centered_clip([(w, {n: t.clone() for n, t in m.items()}) for w, m in members])
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_byzantine_testing_aid_corrupts_as_documented() -> None:
+    from swarmgrad.peer.rounds import corrupt
+    torch.manual_seed(0)
+    delta = {"w": torch.randn(64, 64) * 0.01, "b": torch.zeros(8)}
+    scaled = corrupt(delta, "scale", round=3)
+    assert torch.equal(scaled["w"], delta["w"] * 100.0)
+    noise = corrupt(delta, "random", round=3)
+    rms = float(delta["w"].pow(2).mean().sqrt())
+    assert noise["w"].shape == delta["w"].shape and 7 * rms < float(noise["w"].pow(2).mean().sqrt()) < 13 * rms
+    assert torch.equal(noise["w"], corrupt(delta, "random", round=3)["w"])  # seeded by the round
+    assert not torch.equal(noise["w"], corrupt(delta, "random", round=4)["w"])
