@@ -105,6 +105,9 @@ def encoded_from_proto(msg: pb.EncodedTensor, max_numel: int, what: str = "tenso
 
 
 def encoded_to_proto(enc: Encoded) -> pb.EncodedTensor:
+    """The wire form of an encoded tensor. A borrowed Encoded (codec.encode_borrowed) is copied
+    into bytes here: protobuf takes nothing else, and a codec may reuse the buffers it lent."""
+    enc = enc.owned()
     return pb.EncodedTensor(codec=enc.codec, shape=list(enc.shape), dtype=enc.dtype,
                             params_json=enc.params_json(), buffers=list(enc.buffers))
 
