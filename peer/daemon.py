@@ -262,6 +262,7 @@ class Peer:
         await old.close()
         self.replicas.remove(old)
         self.moves += 1
+        rebalancer.moved()
         self.events.emit("moved", stage=decision.target, from_stage=decision.source, to_stage=decision.target,
                          reason=decision.reason, expected_gain=decision.gain, throughput=decision.throughput,
                          new_throughput=decision.new_throughput, reachable=decision.reachable,

@@ -18,6 +18,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH = 10e6
 """Bytes/s assumed for a state download before one was measured (an ordinary volunteer link)."""
+DWELL_CHECKS = 4
+"""After a move, a peer lets this many check intervals pass before it considers the next one: its
+rate on the new stage is an estimate until it has measured itself there, and acting on the
+estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
 
 
 def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost]) -> Snapshot:
@@ -40,6 +44,7 @@ class Rebalancer:
         self.rng = random.Random(seed)
         self.started = time.monotonic()
         self.bandwidth = bandwidth
+        self._dwell_until = 0.0
         """This peer's measured link rate in bytes/s (rpc.LinkMeter), for a move's switch time."""
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
@@ -53,10 +58,17 @@ class Rebalancer:
         snap = snapshot_from_view(await self.swarm.swarm(), self.costs)
         return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
 
+    def moved(self) -> None:
+        """The peer just moved: stay put for DWELL_CHECKS intervals."""
+        self._dwell_until = time.monotonic() + DWELL_CHECKS * self.interval_s
+
     async def next_move(self, stage: int, rate_fn, salt_fn) -> MoveDecision:
         """Check until a move is confirmed (same decision twice in a row), then return it.
         `rate_fn()` gives the replica's measured rate, `salt_fn()` its round (the tie-break salt
         that all replicas of a stage share)."""
+        dwell = self._dwell_until - time.monotonic()
+        if dwell > 0:
+            await asyncio.sleep(dwell)
         confirm = Confirmation(self.policy.confirmations)
         while True:
             wait = check_interval(self.interval_s / (3 if confirm.pending else 1), self.rng)
