@@ -83,3 +83,19 @@ def test_byzantine_testing_aid_corrupts_as_documented() -> None:
     assert noise["w"].shape == delta["w"].shape and 7 * rms < float(noise["w"].pow(2).mean().sqrt()) < 13 * rms
     assert torch.equal(noise["w"], corrupt(delta, "random", round=3)["w"])  # seeded by the round
     assert not torch.equal(noise["w"], corrupt(delta, "random", round=4)["w"])
+
+
+def test_a_scaled_honest_update_weighs_like_an_honest_one() -> None:
+    """x 100 of an honest pseudo-gradient points the right way: clipping alone would let it add up to
+    its share of the radius along that direction; the norm cap leaves it one honest member's pull."""
+    from swarmgrad.peer.aggregate import NORM_FACTOR, cap_norms
+    good = honest(3, seed=4)
+    clean = mean_of([(1.0, m) for m in good])
+    scaled = {n: 100 * t for n, t in good[0].items()}
+    robust = reduce_part([(1.0, m) for m in good] + [(1.0, scaled)], robust_min_members=3, max_weight_ratio=8.0)
+    as_if_honest = mean_of([(1.0, m) for m in good] + [(1.0, {n: NORM_FACTOR * t for n, t in good[0].items()})])
+    assert dist(robust, clean) <= 1.05 * dist(as_if_honest, clean)
+    # a member that trained on twice the median samples may send a proportionally larger update
+    norm = dist(good[0], {n: torch.zeros_like(t) for n, t in good[0].items()})
+    capped = cap_norms([(1.0, good[1]), (1.0, good[2]), (2.0, {n: 2 * t for n, t in good[0].items()})], ["b", "w"])
+    assert abs(dist(capped[2][1], {n: torch.zeros_like(t) for n, t in good[0].items()}) - 2 * norm) < 1e-3
