@@ -196,7 +196,9 @@ class Coordinator:
         next heartbeat, so peers see it within one of theirs."""
         self.admission.adopt_revocations(self.issuer.authority.revocations(signed))
         self.events.emit("revoked", revoked=sorted(self.store.state.revoked))
-        self._tasks.append(asyncio.create_task(self._publish_revocations(), name="publish-revocations"))
+        task = asyncio.create_task(self._publish_revocations(), name="publish-revocations")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _publish_revocations(self) -> None:
         assert self.dht is not None
