@@ -66,6 +66,7 @@ class Admission:
         self.known: dict[str, Certificate] = {certificate.peer_id: certificate}
         self.revocations = revocations
         self._looked_up: dict[str, float] = {}
+        self._lookup_lock = asyncio.Lock()
         self.refused = 0
         """Requests refused so far (a metric: an outsider's calls land here)."""
 
@@ -98,13 +99,17 @@ class Admission:
             self.refused += 1
             return why
         now = time.monotonic()
-        if now - self._looked_up.get(peer_id, -1e9) >= self.lookup_backoff and is_peer_id(peer_id):
+        # a lookup per unknown caller at most every lookup_backoff s, and one at a time for all of
+        # them together: strangers with many ids cannot turn refusals into DHT traffic
+        if (now - self._looked_up.get(peer_id, -1e9) >= self.lookup_backoff and is_peer_id(peer_id)
+                and not self._lookup_lock.locked()):
             self._looked_up[peer_id] = now
             if len(self._looked_up) > 10_000:  # forget the oldest lookups: strangers are many
                 for stale in sorted(self._looked_up, key=self._looked_up.get)[:5_000]:
                     del self._looked_up[stale]
             try:
-                await self.refresh_certificates()
+                async with self._lookup_lock:
+                    await self.refresh_certificates()
             except Exception as e:
                 logger.debug("certificate lookup for %s failed: %s: %s", peer_id[-8:], type(e).__name__, e)
             why = self.reason(peer_id)
