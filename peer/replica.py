@@ -180,7 +180,11 @@ class Replica:
 
     # run --------------------------------------------------------------------------------------
     def launch(self, stop: asyncio.Event) -> asyncio.Task:
-        """Start the replica's tasks; returns `main`, which ends when its run ends."""
+        """Start the replica's tasks; returns `main`, which ends when its run ends. Idempotent: a
+        moving peer launches its new replica at once (make-before-break) and its serve loop asks
+        again; a second round runner on one replica would average and step every round twice."""
+        if self.main is not None:
+            return self.main
         assert self.presence is not None and self.rounds is not None
         self._own(self.presence.run(), "heartbeat")
         rounds = self._own(self.rounds.run(stop), "rounds")
