@@ -59,6 +59,10 @@ def test_six_unequal_peers_reach_a_good_placement_and_stop_moving(local_swarm) -
     assert not later, f"moved again within {QUIET_ROUNDS} rounds of settling: {later}"
     for p in swarm.peers:
         assert p.alive, p.log_tail()
+    # one round runner per replica: a moved peer reports each round of its new stage once
+    for p in swarm.peers:
+        seen = Counter((e["stage"], e["round"]) for e in p.events("round"))
+        assert max(seen.values(), default=1) == 1, f"{p.name} reported a round twice: {seen.most_common(3)}"
     # replicas still agree and training goes on
     by_round: dict[tuple[int, int], set[str]] = {}
     for p in swarm.peers:
