@@ -21,7 +21,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import torch
 from hivemind.p2p import PeerID
@@ -170,8 +170,12 @@ class StageServer:
 
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
                  downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
-                 activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0):
+                 activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
+                 drivers: Callable[[str], Awaitable[bool]] | None = None):
         self.identity = identity
+        self.drivers = drivers
+        """Whether a peer id is a driver listed in the stage-0 records (DriverList.listed): only
+        such a driver's round may end ours. None: any (tests without a swarm)."""
         self.activation_codecs = activation_codecs
         """Codecs the previous stage may send activations in (the manifest's); None: any."""
         self.max_deadline_s = max_deadline_s
@@ -205,6 +209,11 @@ class StageServer:
             # not make us skip rounds (and everyone who follows us)
             raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is more than one round ahead of ours "
                                                 f"({self.clock.current})")
+        if inp.round > self.clock.current and self.drivers is not None and not await self.drivers(inp.driver):
+            # a later round ends ours only on the word of a driver the swarm lists: anyone else
+            # could otherwise cut every replica's rounds short with one request each
+            raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is ahead of ours ({self.clock.current}) and "
+                                                f"{inp.driver[-8:]} is not a driver of this run")
         if self.clock.observe(inp.round):
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
@@ -255,6 +264,27 @@ class StageServer:
             assert grad_x is not None
             response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
         return response
+
+
+class DriverList:
+    """The drivers (stage-0 replicas) the DHT lists, cached for `refresh_s`; a peer not in the
+    cache triggers one re-read, at most every `refresh_s` (a driver that just joined is listed
+    before it sends anything: it announces, then waits for the pipeline)."""
+
+    def __init__(self, swarm: SwarmView, refresh_s: float = 2.0):
+        self.swarm = swarm
+        self.refresh_s = refresh_s
+        self._ids: frozenset[str] = frozenset()
+        self._read_at = -1e9
+
+    async def listed(self, peer_id: str) -> bool:
+        if peer_id not in self._ids and time.monotonic() - self._read_at >= self.refresh_s:
+            self._read_at = time.monotonic()
+            try:
+                self._ids = frozenset(r.peer_id for r in await self.swarm.stage_records(0))
+            except Exception as e:  # a slow DHT: keep the last list
+                logger.info("could not read the drivers: %s: %s", type(e).__name__, e)
+        return peer_id in self._ids
 
 
 def refusal(response_type: type[M]) -> Callable[[int, str], M]:

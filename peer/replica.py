@@ -29,7 +29,7 @@ from swarmgrad.peer.driving import DrivingLoop, data_seed
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.model import StagedModel
-from swarmgrad.peer.pipeline import Downstream, StageServer, refusal
+from swarmgrad.peer.pipeline import Downstream, DriverList, StageServer, refusal
 from swarmgrad.peer.presence import Presence
 from swarmgrad.peer.rounds import RoundRunner
 from swarmgrad.peer.routing import BanList
@@ -168,7 +168,7 @@ class Replica:
             server = StageServer(ctx.identity, contract, worker, downstream,
                                  parse_codec_spec(m.pipeline.gradient_codec), ctx.max_numel, clock,
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
-                                 max_deadline_s=t.microbatch)
+                                 max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))

@@ -153,3 +153,36 @@ def test_only_the_driver_commits_and_a_step_waits_for_held() -> None:
         for worker in workers.values():
             worker.close()
     asyncio.run(main())
+
+
+def test_only_a_listed_driver_moves_a_replica_a_round_ahead() -> None:
+    from swarmgrad.compression import get_codec
+    from swarmgrad.protocol.validation import encoded_to_proto, envelope, raw_from_tensor
+    from hivemind.utils import get_dht_time
+
+    async def main() -> None:
+        net, workers, driver, inputs, targets = _setup()
+        server = net.servers[A]
+        listed = {DRIVER}
+
+        async def is_driver(peer_id: str) -> bool:
+            return peer_id in listed
+
+        server.drivers = is_driver
+        _, h = await workers[DRIVER].forward(inputs, train=False)
+
+        def request(driver_id: str) -> pb.ForwardRequest:
+            return pb.ForwardRequest(envelope=envelope(server.identity, 1), microbatch_id=1, driver=driver_id,
+                                     activations=encoded_to_proto(get_codec("fp32").encode(h)),
+                                     targets=raw_from_tensor(targets), deadline=get_dht_time() + 30, eval_only=True,
+                                     round=server.clock.current + 1)
+
+        with pytest.raises(ProtocolError) as refused:
+            await server.handle(request("QmNotADriver"), "QmNotADriver")
+        assert refused.value.status == pb.WRONG_ROUND and "not a driver" in refused.value.reason
+        assert server.clock.seen <= server.clock.current  # our round was not cut short
+        answer = await server.handle(request(DRIVER), DRIVER)
+        assert answer.status == pb.NOT_READY and server.clock.seen == server.clock.current + 1
+        for w in workers.values():
+            w.close()
+    asyncio.run(main())
