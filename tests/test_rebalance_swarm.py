@@ -70,3 +70,10 @@ def test_six_unequal_peers_reach_a_good_placement_and_stop_moving(local_swarm) -
             if e["complete"]:
                 by_round.setdefault((e["stage"], e["round"]), set()).add(e["digest"])
     assert all(len(d) == 1 for d in by_round.values()), "replicas of a stage disagree after a round"
+    # and the loss falls: the last stage's train loss, early rounds against the latest ones
+    losses = sorted((e["time"], e["train_loss"]) for p in swarm.peers for e in p.events("round")
+                    if e["stage"] == 2 and e["train_loss"] is not None)
+    assert len(losses) >= 6, losses
+    early = sum(x for _, x in losses[:3]) / 3
+    late = sum(x for _, x in losses[-3:]) / 3
+    assert late < early, f"the loss did not fall: {early:.3f} -> {late:.3f}"
