@@ -197,11 +197,7 @@ class StageWorker:
 
     def _forward_loss_held(self, x: torch.Tensor, targets: torch.Tensor
                            ) -> tuple[float, list[torch.Tensor | None], torch.Tensor | None]:
-        assert self.loss_fn is not None
-        x, y = self._forward(x, True)
-        loss = self.loss_fn(y, targets.to(self.device))
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
+        x, loss = self._loss(x, targets, True)
         grads, grad_x = self._grads_of(loss, x, None)
         return loss.detach().item(), grads, grad_x
 
@@ -209,29 +205,31 @@ class StageWorker:
                             batch: int, loss: float | None = None) -> torch.Tensor | None:
         """Like `backward`, but the parameter gradients wait for `commit(key)` (module docstring).
         `loss`: the microbatch's loss from the answer (middle stages report it, for progress)."""
-        return await asyncio.shield(self._hold_after(key, batch, False, self.run(self._timed, self._backward_held,
-                                                                                x, y, grad_y), loss))
+        return await asyncio.shield(self._backward_then_hold(key, x, y, grad_y, batch, loss))
+
+    async def _backward_then_hold(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
+                                  batch: int, loss: float | None) -> torch.Tensor | None:
+        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y)
+        self._hold(key, batch, grads, loss)
+        return grad_x
 
     async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor
                                 ) -> tuple[float, torch.Tensor | None]:
         """Last stage, training: forward, loss, backward; the gradients wait for `commit(key)`."""
-        async def compute():
-            loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets)
-            return (loss, grads), grad_x
-        return await asyncio.shield(self._hold_after(key, x.shape[0], True, compute()))
+        return await asyncio.shield(self._forward_loss_then_hold(key, x, targets))
 
-    async def _hold_after(self, key: HoldKey, batch: int, with_loss: bool, work, loss: float | None = None):
-        out = await work
-        if with_loss:
-            (loss, grads), grad_x = out
-        else:
-            grads, grad_x = out
+    async def _forward_loss_then_hold(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor
+                                      ) -> tuple[float, torch.Tensor | None]:
+        loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets)
+        self._hold(key, x.shape[0], grads, loss)
+        return loss, grad_x
+
+    def _hold(self, key: HoldKey, batch: int, grads: list[torch.Tensor | None], loss: float | None) -> None:
         old = self._held.pop(key, None)
         if old is not None:  # the same attempt twice: keep the newer gradients only
             old.expiry.cancel()
         expiry = asyncio.get_running_loop().call_later(self.commit_timeout, self._expire, key)
         self._held[key] = _Held(grads, batch, loss, expiry)
-        return (loss, grad_x) if with_loss else grad_x
 
     def _expire(self, key: HoldKey) -> None:
         if self._held.pop(key, None) is not None:
@@ -275,14 +273,19 @@ class StageWorker:
     def held(self) -> int:
         return len(self._held)
 
-    def _forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input as used, loss); a non-finite training loss raises NonFiniteLoss (not trained on)."""
         assert self.loss_fn is not None
         x, y = self._forward(x, train)
         loss = self.loss_fn(y, targets.to(self.device))
+        if train and not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
+        return x, loss
+
+    def _forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
+        x, loss = self._loss(x, targets, train)
         if not train:
             return loss.item(), None
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
         loss.backward()
         return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
 
