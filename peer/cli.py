@@ -267,14 +267,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ private runs
 
 def _load_key(path: str):
-    from swarmgrad.peer.identity import IdentityError, MAX_KEY_FILE_BYTES, key_from_file_bytes
-    try:
-        data = Path(path).read_bytes()[:MAX_KEY_FILE_BYTES + 1]
-        return key_from_file_bytes(data)
-    except OSError as e:
-        raise IdentityError(f"{path}: {e.strerror}") from None
-    except IdentityError as e:
-        raise IdentityError(f"{path}: {e}") from None
+    from swarmgrad.peer.identity import load_key
+    return load_key(Path(path))
 
 
 def _run_id_from(coordinator: str, key, run_id: str | None) -> str:

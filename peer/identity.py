@@ -97,21 +97,26 @@ def write_key_file(path: Path, key: Ed25519PrivateKey) -> None:
         f.write(key_file_bytes(key))
 
 
+def load_key(path: Path) -> Ed25519PrivateKey:
+    """The Ed25519 key in an existing key file. Raises IdentityError (naming the path) if it cannot
+    be read or holds no usable Ed25519 key (e.g. hivemind's RSA)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as e:
+        raise IdentityError(f"{path}: {e.strerror}") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise IdentityError(f"{path}: not a key file (over {MAX_KEY_FILE_BYTES} bytes)")
+    try:
+        return key_from_file_bytes(data)
+    except IdentityError as e:
+        raise IdentityError(f"{path}: {e}") from None
+
+
 def load_or_create(path: Path) -> Ed25519PrivateKey:
-    """The key in `path`, or a new Ed25519 key written there if the file does not exist yet.
-    Raises IdentityError if the file exists but holds no usable Ed25519 key (e.g. hivemind's RSA)."""
+    """The key in `path` (load_key), or a new Ed25519 key written there if the file does not exist yet."""
     if path.exists():
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_KEY_FILE_BYTES + 1)
-        except OSError as e:
-            raise IdentityError(f"{path}: {e.strerror}") from None
-        if len(data) > MAX_KEY_FILE_BYTES:
-            raise IdentityError(f"{path}: not a key file (over {MAX_KEY_FILE_BYTES} bytes)")
-        try:
-            return key_from_file_bytes(data)
-        except IdentityError as e:
-            raise IdentityError(f"{path}: {e}") from None
+        return load_key(path)
     if not path.parent.is_dir():
         raise IdentityError(f"{path}: the folder {path.parent} does not exist")
     key = Ed25519PrivateKey.generate()
