@@ -118,14 +118,14 @@ class Coordinator:
         assert self.dht is not None, "start_dht() first"
         m, t = self.m, self.m.timeouts
         self.swarm = SwarmView(self.dht, m.run_id, m.hash, m.stages.count, t.dht, t.announce_ttl)
-        self.admission = Admission(authority=self.issuer.authority, certificate=self.certificate, dht=self.dht,
-                                   files=self.files, client=None, dht_public_key=b"", heartbeat=t.heartbeat,
-                                   dht_timeout=t.dht)
-        self.admission.adopt_revocations(self.issuer.authority.revocations(self._revocations()))
-        self.swarm.admitted = self.admission.admitted
         self.service = CoordinatorService(self.issuer, self.store, self.manifest_toml, m.hash,
                                           certificate_ttl=self.certificate_ttl, initial_peers=lambda: self.maddrs,
                                           on_revoke=self._revoked)
+        self.admission = Admission(authority=self.issuer.authority, certificate=self.certificate, dht=self.dht,
+                                   files=self.files, client=None, dht_public_key=b"", heartbeat=t.heartbeat,
+                                   dht_timeout=t.dht)
+        self.admission.adopt_revocations(self.issuer.authority.revocations(self.service.revocations()))
+        self.swarm.admitted = self.admission.admitted
         server = grpc.aio.server(options=channel_options())
         cgrpc.add_CoordinatorServicer_to_server(self.service, server)
         self.health = health.aio.HealthServicer()
@@ -187,10 +187,6 @@ class Coordinator:
             self.events.emit("coordinator_stopped")
             self.events.close()
 
-    def _revocations(self):
-        return self.service.revocations() if hasattr(self, "service") else \
-            self.issuer.revocations(self.store.state.revoked, self.store.state.revocations_version)
-
     def _revoked(self, signed) -> None:
         """A revoke order went through: take it ourselves at once and publish it now, not at the
         next heartbeat, so peers see it within one of theirs."""
@@ -202,7 +198,7 @@ class Coordinator:
 
     async def _publish_revocations(self) -> None:
         assert self.dht is not None
-        signed = self._revocations()
+        signed = self.service.revocations()
         await asyncio.wait_for(self.dht.store(revocations_key(self.m.run_id), signed.SerializeToString(),
                                               get_dht_time() + MAX_RECORD_TTL, subkey=self.peer_id,
                                               return_future=True), self.m.timeouts.dht)
