@@ -213,7 +213,15 @@ class PrivateSwarm(LocalSwarm):
         """A peer that joins with a new invitation, or (invitation=False) one that rejoins with the
         certificate saved beside its --identity, given in `extra` with --coordinator."""
         self._invite_next = invitation
+        self._private_tmp()
         return super().start(stage, *extra, name=name)
+
+    def _private_tmp(self) -> None:
+        """Peers keep their certificate for their DHT process in a temp folder they remove on exit;
+        one that is SIGKILLed cannot, so its temp folders live in the workdir."""
+        tmp = self.workdir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.env.setdefault("TMPDIR", str(tmp))
 
     def peer_args(self, index: int, name: str) -> list[str]:
         return ["--join", self.invite()] if self.address and self._invite_next else []
