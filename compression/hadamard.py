@@ -26,6 +26,10 @@ Wire layout (params ``{"bits": b, "block_size": B}``; n = numel, nb = ceil(n / B
 ``(codes, scales)``: codes = ``nb * B * b / 8`` bytes; scales = 4 nb bytes fp32 LE.
 ``nbytes = nb * (B * b / 8 + 4)``.
 
+Decode cost: the codes buffer must hold every block's ``B * b / 8`` bytes, so the output is at
+most ``8 / b`` (<= 4) values per payload byte and the transform ``log2 B`` (<= 16) butterfly
+passes over it: bounded by the payload, whatever header a remote sends.
+
 Error (relative L2, Gaussian data, B = 128, measured): bits 8: 0.5%; bits 4: 10% (round to
 nearest), 14% (stochastic); bits 2: 50% (round), 74% (stochastic).
 """

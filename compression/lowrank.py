@@ -33,7 +33,11 @@ figure) ``+ sqrt(m) |scale|_2 / 2`` (rounding of C, about 0.4% of |M| for Gaussi
 
 Untrusted input: as with topk and powersgd a low-rank message is legitimately much smaller
 than its output (``mr`` bytes for ``mn`` values), so decode's output size is bounded only by
-``max_numel``; check ``enc.shape`` against the expected shape first where it is known.
+``max_numel``; check ``enc.shape`` against the expected shape first where it is known (protocol/
+does on every path). Decode cost: the rank on the wire must be below n (an encoder never sends
+rank >= n: that payload is larger than the fallback's, so it sends the fallback), so the
+``m n r`` product of decode is at most n multiply-adds per payload byte (``mr`` of them), the
+same order as the stage's own matmuls on the decoded tensor.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ class LowRankCodec(Codec):
             raise CodecError(f"{cls.name}: params must be exactly ['rank'], got {sorted(enc.params)}")
         n = enc.shape[-1]
         m = enc.numel // n if n else 0
-        r = param_int(enc, "rank", 0, n)
+        # r < n: see "Decode cost" above (rank 0 is an all-zero tensor, sent as no payload)
+        r = param_int(enc, "rank", 0, max(0, n - 1))
         expect_buffers(enc, (2 * n * r, 4 * r, m * r))
         basis = tensor_from_bytes(enc.buffers[0], torch.float16, n * r).float().view(n, r)
         scales = tensor_from_bytes(enc.buffers[1], torch.float32, r)

@@ -228,3 +228,31 @@ def test_topk_index_unpacking_matches_packing_across_chunks() -> None:
     for count, bits in [(1, 1), (7, 3), (_UNPACK_CHUNK + 5, 13), (2 * _UNPACK_CHUNK, 1), (3 * _UNPACK_CHUNK - 1, 33)]:
         values = rng.integers(0, 1 << bits, size=count, dtype=np.int64)
         assert np.array_equal(_unpack_bits(_pack_bits(values, bits), count, bits), values), (count, bits)
+
+
+def test_lowrank_rank_must_be_below_width() -> None:
+    # a rank-n "low-rank" code costs more than the fallback, so no encoder sends one; refusing it
+    # bounds decode's m*n*r product at n multiply-adds per payload byte
+    m, n = 40, 30
+    for r in (n, n + 1):
+        forged = Encoded("lowrank", (m, n), "float32", {"rank": r}, (b"\0" * (2 * n * r), b"\0" * (4 * r), b"\0" * (m * r)))
+        refused(forged, match="out of range")
+    r = n - 1
+    ok = Encoded("lowrank", (m, n), "float32", {"rank": r}, (b"\0" * (2 * n * r), b"\0" * (4 * r), b"\0" * (m * r)))
+    assert torch.equal(decode(ok), torch.zeros(m, n))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    for rank in (1, 8, 31, 64):  # an encoder asked for any rank still decodes (it caps or falls back)
+        enc = get_codec("lowrank", rank=rank).encode(x)
+        assert decode(enc).shape == x.shape
+
+
+def test_hadamard_output_bounded_by_payload() -> None:
+    # the largest block and fewest bits a header may name still need every block's codes on the wire
+    bits, bs = 2, 2**16
+    short = Encoded("hadamard", (1,), "float32", {"bits": bits, "block_size": bs}, (b"\0" * 16, b"\0" * 4))
+    refused(short)
+    full = Encoded("hadamard", (1,), "float32", {"bits": bits, "block_size": bs}, (b"\0" * (bs * bits // 8), b"\0" * 4))
+    assert decode(full).shape == (1,)
+    for n in (1000, 5000):
+        enc = get_codec("hadamard", bits=2, block_size=128).encode(torch.randn(n))
+        assert n <= 4 * sum(len(b) for b in enc.buffers)
