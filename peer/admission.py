@@ -32,6 +32,7 @@ from swarmgrad.peer.coordinator.credentials import Authority, Certificate, Crede
 from swarmgrad.peer.dht_auth import AuthFiles
 from swarmgrad.peer.identity import is_peer_id
 from swarmgrad.peer.record_signing import MAX_RECORD_TTL
+from swarmgrad.peer.swarm import signed_entries
 from swarmgrad.protocol import coordinator_pb2 as cpb
 
 logger = logging.getLogger(__name__)
@@ -136,14 +137,12 @@ class Admission:
         return None if found is None else found.value
 
     async def refresh_certificates(self) -> None:
-        raw = await self._get(certificates_key(self.authority.run_id))
-        if not isinstance(raw, dict):
-            return
+        key = certificates_key(self.authority.run_id)
+        entries = signed_entries(await self._get(key), MAX_RECORD_TTL, key)
         now = time.time()
         fresh = {self.peer_id: self.certificate}
-        for subkey, item in raw.items():
-            value = getattr(item, "value", None)
-            if not is_peer_id(subkey) or not isinstance(value, bytes) or len(value) > MAX_CERTIFICATE_BYTES:
+        for subkey, value in entries:
+            if not isinstance(value, bytes) or len(value) > MAX_CERTIFICATE_BYTES:
                 continue
             try:
                 cert = self.authority.certificate(cpb.Signed.FromString(value), peer_id=subkey, now=now)
@@ -158,11 +157,8 @@ class Admission:
         self.known = fresh
 
     async def refresh_revocations(self) -> None:
-        raw = await self._get(revocations_key(self.authority.run_id))
-        if not isinstance(raw, dict):
-            return
-        for subkey, item in raw.items():
-            value = getattr(item, "value", None)
+        key = revocations_key(self.authority.run_id)
+        for subkey, value in signed_entries(await self._get(key), MAX_RECORD_TTL, key):
             if subkey != self.authority.coordinator_id or not isinstance(value, bytes):
                 continue
             try:

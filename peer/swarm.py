@@ -150,21 +150,7 @@ class SwarmView:
         return None if found is None else found.value
 
     async def _entries(self, key: str, ttl: float) -> list[tuple[str, Any]]:
-        """(peer id, value) of each entry under `key` whose subkey is a peer id (the validator
-        checked that its peer signed it) and whose expiry is at most READ_TTL_FACTOR x `ttl`
-        from now. A plain value, or any other subkey, is skipped."""
-        raw = await self._get(key)
-        if not isinstance(raw, dict):
-            return []
-        latest = get_dht_time() + READ_TTL_FACTOR * min(ttl, MAX_RECORD_TTL)
-        out = []
-        for subkey, item in raw.items():
-            expiration = getattr(item, "expiration_time", None)
-            if not is_peer_id(subkey) or not isinstance(expiration, (int, float)) or not expiration <= latest:
-                logger.debug("ignored an entry under %s from %.16s: not a peer id or expires too late", key, subkey)
-                continue
-            out.append((subkey, getattr(item, "value", None)))
-        return out
+        return signed_entries(await self._get(key), ttl, key)
 
     async def announce(self, record: PeerRecord) -> bool:
         return await self._store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), self.ttl)
@@ -241,3 +227,21 @@ class SwarmView:
             if isinstance(value, str) and len(value) <= 64:
                 out[peer_id] = value
         return out
+
+
+def signed_entries(raw: Any, ttl: float, key: str = "") -> list[tuple[str, Any]]:
+    """(peer id, value) of each entry of a DHT dictionary value whose subkey is a peer id (the
+    validator checked that its peer signed it) and whose expiry is at most READ_TTL_FACTOR x `ttl`
+    from now. A plain value, or any other subkey, is skipped. Every reader of peer-written entries
+    (this view, peer/admission.py) goes through here."""
+    if not isinstance(raw, dict):
+        return []
+    latest = get_dht_time() + READ_TTL_FACTOR * min(ttl, MAX_RECORD_TTL)
+    out = []
+    for subkey, item in raw.items():
+        expiration = getattr(item, "expiration_time", None)
+        if not is_peer_id(subkey) or not isinstance(expiration, (int, float)) or not expiration <= latest:
+            logger.debug("ignored an entry under %s from %.16s: not a peer id or expires too late", key, subkey)
+            continue
+        out.append((subkey, getattr(item, "value", None)))
+    return out
