@@ -98,6 +98,9 @@ class StateDir:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / CHECKPOINTS).mkdir(exist_ok=True)
         self.keep = keep_checkpoints
+        self._indexes: dict[int, dict[int, CheckpointEntry]] | None = None
+        """Checkpoint indexes by round, read from disk once and then kept in step by
+        write_checkpoint (the dashboard and admission read them every heartbeat)."""
         path = self.root / STATE_FILE
         if path.exists():
             state = CoordinatorState.from_json(json.loads(path.read_text()))
@@ -128,22 +131,33 @@ class StateDir:
             index["stages"][str(stage)] = {**info, "file_sha256": hashlib.sha256(data).hexdigest()}
         atomic_write(folder / "manifest.toml", manifest_toml.encode())
         atomic_write(folder / "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
+        indexes = self._load_indexes()
+        indexes[round] = self._read_index(round)
         for old in self.checkpoint_rounds()[:-self.keep] if self.keep > 0 else []:
+            indexes.pop(old, None)
             shutil.rmtree(self._round_dir(old), ignore_errors=True)
         return folder
 
     def checkpoint_rounds(self) -> list[int]:
         """Rounds with a complete checkpoint (an index), oldest first."""
-        rounds = []
-        for folder in (self.root / CHECKPOINTS).glob("round-*"):
-            if (folder / "index.json").exists():
-                try:
-                    rounds.append(int(folder.name.removeprefix("round-")))
-                except ValueError:
-                    continue
-        return sorted(rounds)
+        return sorted(self._load_indexes())
 
     def checkpoint(self, round: int) -> dict[int, CheckpointEntry]:
+        return dict(self._load_indexes()[round])
+
+    def _load_indexes(self) -> dict[int, dict[int, CheckpointEntry]]:
+        if self._indexes is None:
+            self._indexes = {}
+            for folder in (self.root / CHECKPOINTS).glob("round-*"):
+                try:
+                    round = int(folder.name.removeprefix("round-"))
+                except ValueError:
+                    continue
+                if (folder / "index.json").exists():
+                    self._indexes[round] = self._read_index(round)
+        return self._indexes
+
+    def _read_index(self, round: int) -> dict[int, CheckpointEntry]:
         folder = self._round_dir(round)
         index = json.loads((folder / "index.json").read_text())
         return {int(s): CheckpointEntry(stage=int(s), round=int(v["round"]), applied_rounds=int(v["applied_rounds"]),

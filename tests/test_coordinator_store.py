@@ -1,0 +1,30 @@
+"""The coordinator's state dir keeps the newest K checkpoints and its in-memory index in step with disk."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from swarmgrad.peer.coordinator.store import StateDir
+
+
+def info(round: int) -> dict:
+    return {"round": round, "applied_rounds": round, "trained_samples": 10 * round, "digest": f"d{round}"}
+
+
+def test_checkpoints_kept_and_indexed(tmp_path: Path) -> None:
+    store = StateDir(tmp_path, "run", keep_checkpoints=2)
+    assert store.checkpoint_rounds() == [] and store.newest(0) is None
+    for r in (3, 6, 9):
+        store.write_checkpoint(r, {0: (b"s0-%d" % r, info(r)), 1: (b"s1-%d" % r, info(r))}, "run_id = 'run'", 2)
+    assert store.checkpoint_rounds() == [6, 9]
+    assert not (tmp_path / "checkpoints" / "round-00000003").exists()
+    newest = store.newest(1)
+    assert newest is not None and newest.round == 9 and newest.path.read_bytes() == b"s1-9"
+    # a half-written round (files, no index yet) is not a checkpoint, for a fresh reader either
+    (tmp_path / "checkpoints" / "round-00000012").mkdir()
+    (tmp_path / "checkpoints" / "round-00000012" / "stage-0.safetensors").write_bytes(b"partial")
+    again = StateDir(tmp_path, "run", keep_checkpoints=2)
+    assert again.checkpoint_rounds() == [6, 9]
+    assert again.checkpoint(6) == store.checkpoint(6)
+    # the returned index is a copy: a caller cannot edit the store's
+    again.checkpoint(9).clear()
+    assert set(again.checkpoint(9)) == {0, 1}
