@@ -275,19 +275,12 @@ def _run_id_from(coordinator: str, key, run_id: str | None) -> str:
     """The run id: --run-id, or the one in the manifest the coordinator serves signed by `key`."""
     if run_id:
         return run_id
-    from swarmgrad.peer.coordinator.credentials import Authority
+    from swarmgrad.peer.coordinator.client import CoordinatorUnavailable, served_run_id
     from swarmgrad.peer.identity import peer_id_of
-    from swarmgrad.protocol import coordinator_pb2 as cpb
-    from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
-    import grpc
-    with grpc.insecure_channel(coordinator) as channel:
-        try:
-            signed = cgrpc.CoordinatorStub(channel).GetManifest(cpb.Empty(), timeout=10)
-        except grpc.RpcError as e:
-            raise RuntimeError(f"coordinator {coordinator} did not answer ({e.code().name}); give --run-id") from None
-    body = cpb.ManifestBody.FromString(signed.body)
-    Authority(peer_id_of(key), body.run_id).manifest(signed)  # signed by our key, or refused
-    return body.run_id
+    try:
+        return served_run_id(coordinator, peer_id_of(key))
+    except CoordinatorUnavailable as e:
+        raise RuntimeError(f"{e}; give --run-id") from None
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

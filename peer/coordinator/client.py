@@ -42,6 +42,23 @@ def channel_options() -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE), ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
 
 
+def served_run_id(address: str, coordinator_id: str, timeout: float = 10.0) -> str:
+    """The run id of the manifest the coordinator at `address` serves, checked to be signed by
+    `coordinator_id` (before a client exists: an Authority needs the run id). Raises
+    CoordinatorUnavailable or CredentialError."""
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        try:
+            signed = cgrpc.CoordinatorStub(channel).GetManifest(cpb.Empty(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise CoordinatorUnavailable(f"coordinator {address}: GetManifest: {e.code().name}") from None
+    try:
+        run_id = cpb.ManifestBody.FromString(signed.body).run_id
+    except Exception:  # DecodeError: not a manifest body
+        raise CredentialError("the coordinator's manifest does not parse") from None
+    Authority(coordinator_id, run_id).manifest(signed)  # signed by that key, or CredentialError
+    return run_id
+
+
 class CoordinatorClient:
     def __init__(self, address: str, authority: Authority, key: Ed25519PrivateKey, timeout: float = 10.0):
         self.address = address
