@@ -37,6 +37,9 @@ from swarmgrad.protocol import coordinator_pb2 as cpb
 logger = logging.getLogger(__name__)
 
 CERT_SUFFIX = ".cert"
+AUTH_SUFFIX = ".auth"
+"""Beside the identity key: the folder through which the peer hands its certificate and the
+revocations to its DHT process (peer/dht_auth.py)."""
 
 
 @dataclass
@@ -118,10 +121,13 @@ def join(key: Ed25519PrivateKey, *, invitation: str | None = None, coordinator: 
     if cert_path is not None:
         cert_path.write_bytes(admitted.certificate.signed.SerializeToString())
         cert_path.with_suffix(".coordinator").write_text(authority.coordinator_id + "\n")
-    folder = Path(tempfile.mkdtemp(prefix="swarmgrad-auth-"))
+    # With a key file the folder for our DHT process lives beside it and is reused at the next
+    # start, so a SIGKILLed peer leaves nothing in /tmp; an ephemeral key gets a temp folder.
+    owned = identity_path is None
+    folder = Path(tempfile.mkdtemp(prefix="swarmgrad-auth-")) if owned else Path(str(identity_path) + AUTH_SUFFIX)
     files = AuthFiles(folder)
     files.write_certificate(admitted.certificate.signed)
     if admitted.revocations is not None:
         files.write_revoked(admitted.revocations.peer_ids)
     return PrivateRun(authority=authority, client=client, admitted=admitted, manifest=manifest, rsa=rsa,
-                      files=files, folder_owned=True)
+                      files=files, folder_owned=owned)
