@@ -60,11 +60,15 @@ class PeerRecord:
     stats: dict[str, Any] | None = None
     """What the replica last measured (presence.ReplicaStats, bounded by protocol/records.py): for
     people and dashboards only, never for decisions."""
+    backups: tuple[tuple[int, int], ...] = ()
+    """(stage, applied_rounds) of the backups this peer holds (peer/backup.py): placement prefers
+    a holder of a stage's current state to repair it (it joins without a download)."""
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
         value.pop("peer_id")
         value["maddrs"] = list(self.maddrs)
+        value["backups"] = [list(pair) for pair in self.backups]
         if value["stats"] is None:
             del value["stats"]
         return value
@@ -82,7 +86,7 @@ class PeerRecord:
         return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
                    applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
                    driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"],
-                   stats=f["stats"])
+                   stats=f["stats"], backups=f["backups"])
 
 
 def stage_key(run_id: str, stage: int) -> str:

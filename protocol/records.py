@@ -25,6 +25,9 @@ MAX_MADDR_CHARS = 256
 MAX_STATE_CHARS = 32
 MAX_MEMORY = 1 << 50
 """Bytes a peer may offer: a petabyte is no device's."""
+MAX_BACKUPS = 16
+"""(stage, applied_rounds) pairs one record may list: a holder keeps one copy per stage, and a
+record is read by every peer's placement, so it stays small whatever the writer claims."""
 
 
 def _fail(what: str, reason: str) -> ProtocolError:
@@ -90,7 +93,7 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
     stage: int in [0, max_stage]; state: str of at most MAX_STATE_CHARS; throughput: finite, in
     [0, max_throughput]; round, applied_rounds: int in [0, MAX_ROUND]; digest, manifest_hash:
     str of at most MAX_ID_CHARS; driver: bool; maddrs (optional): a list of at most MAX_MADDRS
-    str of at most MAX_MADDR_CHARS each; stats (optional): see _stats. Returns a new dict with exactly these keys; raises
+    str of at most MAX_MADDR_CHARS each; stats (optional): see _stats; backups (optional): see _backups. Returns a new dict with exactly these keys; raises
     ProtocolError(BAD_REQUEST) naming the first bad field. Whether `state` is a known state and
     the manifest hash ours stay the caller's checks.
     """
@@ -115,7 +118,24 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
         "memory": _int(value.get("memory", 0), 0, MAX_MEMORY, "record memory"),
         "moving": _bool(value.get("moving", False), "record moving"),
         "stats": _stats(value.get("stats")),
+        "backups": _backups(value.get("backups", ()), max_stage),
     }
+
+
+def _backups(value: Any, max_stage: int) -> tuple[tuple[int, int], ...]:
+    """A record's optional `backups`: the copies its peer holds (peer/backup.py), a list of at
+    most MAX_BACKUPS [stage, applied_rounds] pairs, stages distinct; sorted by stage."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_BACKUPS:
+        raise _fail("record backups", f"must be a list of at most {MAX_BACKUPS} [stage, applied_rounds] pairs")
+    pairs = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise _fail("record backups", "each entry must be a [stage, applied_rounds] pair")
+        pairs.append((_int(item[0], 0, max_stage, "record backups stage"),
+                      _int(item[1], 0, MAX_ROUND, "record backups applied_rounds")))
+    if len({s for s, _ in pairs}) != len(pairs):
+        raise _fail("record backups", "a stage is listed twice")
+    return tuple(sorted(pairs))
 
 
 STATS_BOUNDS = {"train_loss": 1e6, "val_loss": 1e6, "round_s": 1e7, "group_size": 1e6, "samples_per_s": 1e9,

@@ -306,7 +306,8 @@ RECORD = dict(stage=1, state="online", throughput=3.5, round=4, applied_rounds=3
 
 
 def test_record_fields() -> None:
-    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "stats": None}  # defaults
+    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "stats": None,
+                                             "backups": ()}  # defaults
     stats = bounded_record_fields({**RECORD, "stats": {"train_loss": 2.5, "samples": 10, "from_the_future": 1}})
     assert stats["stats"]["train_loss"] == 2.5 and "from_the_future" not in stats["stats"]
     for bad in ({"train_loss": math.nan}, {"samples": -1}, {"bytes_sent": 1e300}, "lots", {str(i): 0 for i in range(40)}):
@@ -322,6 +323,18 @@ def test_record_fields() -> None:
                            ({"memory": -1}, "memory"), ({"memory": 2**60}, "memory"), ({"moving": "no"}, "moving")]:
         assert needle in refused(bounded_record_fields, {**RECORD, **change}).reason, change
     assert refused(bounded_record_fields, ["not", "a", "dict"]).status == pb.BAD_REQUEST
+
+
+def test_record_backups() -> None:
+    from swarmgrad.protocol.records import MAX_BACKUPS
+    assert bounded_record_fields({**RECORD, "backups": [[3, 7], [0, 2]]})["backups"] == ((0, 2), (3, 7))
+    for bad, needle in [("many", "backups"), ([[1, 2]] * 2, "twice"), ([[1, 2, 3]], "pair"), ([7], "pair"),
+                        ([[-1, 2]], "stage"), ([[1, 2**41]], "applied_rounds"), ([["1", 2]], "stage"),
+                        ([[1, 2.5]], "applied_rounds"), ([[i, 0] for i in range(MAX_BACKUPS + 1)], "at most")]:
+        assert needle in refused(bounded_record_fields, {**RECORD, "backups": bad}).reason, bad
+    from swarmgrad.peer.swarm import PeerRecord  # what a peer announces reads back the same
+    rec = PeerRecord(peer_id="p", **{**RECORD, "maddrs": tuple(RECORD["maddrs"])}, backups=((2, 5),))
+    assert PeerRecord.from_value("p", rec.to_value()) == rec
 
 
 # --------------------------------------------------------------------------- decode cost
@@ -468,7 +481,7 @@ def test_fuzz_decode_tensor_headers(codec: str, shape: list[int], dtype: str, pa
 
 def test_fuzz_registrations_and_records() -> None:
     @FUZZ
-    @given(st.dictionaries(st.sampled_from(list(RECORD) + ["weight", "extra"]),
+    @given(st.dictionaries(st.sampled_from(list(RECORD) + ["weight", "extra", "backups"]),
                            st.one_of(PARAM_VALUES, st.text(max_size=300)), max_size=10))
     def run(value: dict) -> None:
         only_protocol_errors(validate_registration, value)
