@@ -23,7 +23,14 @@ Rules (``should_move``, for a peer ONLINE on stage a):
    reach (``optimum``: exact for small swarms, the fluid bound Σ r·c / Σ c for large ones);
 5. repay: gain × expected tenure > T × switch time (state bytes / bandwidth + warm-up), gain
    being the pair's improvement, capped at T_reach − T;
-6. memory: a peer only goes where its memory offer covers the stage's need.
+6. memory: a peer only goes where its memory offer covers the stage's need;
+7. warm standbys: a peer that holds a *fresh* backup of the target stage (peer/backup.py: a copy
+   of the state the stage's majority announces now) joins from that copy, without a download,
+   so its switch time is the warm-up alone. Filling or repairing a stage, the plan prefers such a
+   holder when its move lifts the pair by at least FRESH_SHARE of the best mover's lift
+   (``Snapshot._best``), and the repay test counts its switch time without the download. A
+   departure at the bottleneck costs throughput until the repair serves; the simulator measured
+   that wait, not the choice of mover, as what kept it under 0.97 (``swarmgrad simulate``).
 ``Confirmation`` acts on a move only when the same decision came up on two checks in a row, and
 ``check_interval`` spreads the checks so peers do not decide in lockstep on one snapshot.
 
@@ -64,6 +71,11 @@ EXACT_LIMIT = 12
 """Swarms of at most this many peers get the exact optimum; larger ones the fluid bound."""
 NEAR_TIE = 0.2
 """Movers whose improvement is within this fraction of the best one's tie (see Snapshot._best)."""
+FRESH_SHARE = 0.5
+"""A fresh backup holder is preferred as mover when its improvement is at least this share of
+the best mover's: it serves after the warm-up alone, a downloader after state bytes / bandwidth
+more (about 100 s of a 1.3 GB stage at 100 Mbit/s against a 30 s warm-up), and the rest of the
+gap is filled by the next plan. Chosen on the simulator (docs/placement.md)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,9 @@ class Replica:
     """Bytes it offers; 0 when unknown (then it is assumed to fit)."""
     moving: bool = False
     """It announced a move away from this stage (the stage has a mover)."""
+    fresh: frozenset[int] = frozenset()
+    """Other stages whose current state it holds as a backup (it could join them without a
+    download; see ``fresh_backups``)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,13 @@ class Policy:
     """Require gain × tenure > T × switch time."""
     confirmations: int = 2
     """Consecutive checks that must agree before a move is acted on (see ``Confirmation``)."""
+    warm_repair: bool = True
+    """Holders of fresh backups also repair the stage serving least (``Snapshot.warm_plan``)."""
+    confirm_warm: bool = True
+    """Warm repairs wait for ``confirmations`` like any move (False: act on the first check)."""
+    warm_exempt: bool = True
+    """A mover holding a fresh backup of its target skips the margin q (rule 7): the margin is
+    there because a move costs a download, and this one does not (repay and confirmation stay)."""
     exact_limit: int = EXACT_LIMIT
 
 
@@ -175,6 +197,13 @@ def tie_hash(peer_id: str, salt: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{salt}:{peer_id}".encode()).digest()[:8], "big")
 
 
+def fresh_backups(held: Sequence[tuple[int, int]], current: Mapping[int, int]) -> frozenset[int]:
+    """Stages whose backup a peer holds of the round the stage is at: ``held`` its (stage,
+    applied_rounds) pairs as announced, ``current`` the applied rounds the stage's majority
+    announces. An older copy is stale (joining from it would lose rounds), so it is not fresh."""
+    return frozenset(s for s, applied in held if s in current and applied == current[s])
+
+
 def _fits(offer: int, need: int) -> bool:
     return offer <= 0 or offer >= need
 
@@ -201,12 +230,17 @@ class Snapshot:
 
     @classmethod
     def from_records(cls, view: Mapping[int, Sequence[Any]], costs: Sequence[Any],
-                     memory: Mapping[str, int] | None = None, moving: Collection[str] = ()) -> "Snapshot":
-        """From ``SwarmView.swarm()`` records (peer_id, state, throughput) and ``stage_costs()``;
-        ``memory`` and ``moving`` add what the records do not carry (yet)."""
-        memory = memory or {}
+                     memory: Mapping[str, int] | None = None, moving: Collection[str] = (),
+                     current: Mapping[int, int] | None = None) -> "Snapshot":
+        """From ``SwarmView.swarm()`` records (peer_id, state, throughput, backups) and
+        ``stage_costs()``; ``memory`` and ``moving`` add what the records do not carry (yet);
+        ``current``: each stage's applied rounds as its majority announces them (a backup of
+        that round is fresh; None: no backup counts as fresh)."""
+        memory, current = memory or {}, current or {}
         stages = tuple(tuple(Replica(r.peer_id, r.state, float(r.throughput), memory.get(r.peer_id, 0),
-                                     r.peer_id in moving) for r in view.get(s, ()))
+                                     r.peer_id in moving,
+                                     fresh_backups(getattr(r, "backups", ()), current) - {s})
+                             for r in view.get(s, ()))
                        for s in range(len(costs)))
         return cls(stages, tuple(c.cost for c in costs), tuple(c.memory_bytes for c in costs),
                    tuple(c.state_bytes for c in costs))
@@ -254,14 +288,20 @@ class Snapshot:
         return sorted((r for r in self.stages[stage] if r.state == ONLINE and not r.moving and _fits(r.memory, need)),
                       key=lambda r: r.peer_id)
 
-    def _best(self, scored: list[tuple[float, Replica]], base: float, salt: int) -> Replica | None:
+    def _best(self, scored: list[tuple[float, Replica]], base: float, salt: int, target: int) -> Replica | None:
         """The replica with the best score; scores whose improvement over ``base`` is within
         NEAR_TIE of the best count as tied (rates are measured with noise: without this the
         winner would change from one snapshot to the next and no move would be confirmed),
-        and the tie goes to the highest hash of (salt, peer id)."""
+        and the tie goes to the highest hash of (salt, peer id). Before that, a holder of a
+        fresh backup of ``target`` whose improvement is at least FRESH_SHARE of the best wins
+        (rule 7: it serves a download sooner); the best such holder, ties alike."""
         if not scored:
             return None
         top = max(score for score, _ in scored)
+        if top > base:
+            warm = [(score, r) for score, r in scored if target in r.fresh and score - base >= FRESH_SHARE * (top - base)]
+            if warm:
+                scored, top = warm, max(score for score, _ in warm)
         bar = base + (1 - NEAR_TIE) * (top - base) if top > base else top * (1 - 1e-12)
         tied = [r for score, r in scored if score >= bar]
         return max(tied, key=lambda r: (tie_hash(r.peer_id, salt), r.peer_id))
@@ -293,7 +333,7 @@ class Snapshot:
                     if r.peer_id not in plan:
                         scored.append((min(caps[a] - r.rate, r.rate * self.costs[a] / self.costs[e]), r))
                         donor[r.peer_id] = a
-            best = self._best(scored, caps[e], salt)
+            best = self._best(scored, caps[e], salt, e)
             if best is None:
                 continue
             a = donor[best.peer_id]
@@ -337,7 +377,7 @@ class Snapshot:
                 for r in self.candidates(a, b):
                     scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
                     donor[r.peer_id] = a
-            best = self._best(scored, caps[b], salt)
+            best = self._best(scored, caps[b], salt, b)
             if best is None:
                 break
             a = donor[best.peer_id]
@@ -351,6 +391,51 @@ class Snapshot:
             caps[a] -= best.rate
             caps[b] += moved
         return plan
+
+
+    @cached_property
+    def serving(self) -> tuple[float, ...]:
+        """Capacity per stage of the replicas that serve now (ONLINE, and LEAVING until they go);
+        a JOINING replica is still downloading or warming up."""
+        return tuple(math.fsum(r.rate for r in reps if r.state in (ONLINE, LEAVING)) for reps in self.stages)
+
+    def warm_plan(self, salt: int) -> dict[str, PlannedMove]:
+        """The one repair a fresh backup holder makes now (rule 7), at most one per snapshot:
+        the stage serving least now, b (ties: lowest index), takes the holder of a fresh backup
+        of b (another live replica stays on its stage a, no mover there, a serving more than b)
+        whose move leaves the best pair of *serving* capacities min(S_a − r, S_b + r·c_a/c_b),
+        if it beats S_b. Serving, not live, capacities: a newcomer JOINING b after a departure
+        makes b whole on paper at once but serves only after its download; the holder serves
+        after its warm-up, and the newcomers that follow go to the stage it left."""
+        if salt not in self._warm_plans:
+            self._warm_plans[salt] = self._compute_warm_plan(salt)
+        return self._warm_plans[salt]
+
+    @cached_property
+    def _warm_plans(self) -> dict[int, dict[str, PlannedMove]]:
+        return {}
+
+    def _compute_warm_plan(self, salt: int) -> dict[str, PlannedMove]:
+        caps = self.serving
+        b = min(range(self.n_stages), key=lambda s: (caps[s], s))
+        others = min((caps[s] for s in range(self.n_stages) if s != b), default=math.inf)
+        scored, donor = [], {}
+        for a in range(self.n_stages):
+            if a == b or self.has_mover[a] or self.live_counts[a] <= 1 or not caps[a] > caps[b]:
+                continue
+            ratio = self.costs[a] / self.costs[b]
+            for r in self.candidates(a, b):
+                if b in r.fresh:
+                    scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
+                    donor[r.peer_id] = a
+        best = self._best(scored, caps[b], salt, b)
+        if best is None:
+            return {}
+        a = donor[best.peer_id]
+        pair = min(caps[a] - best.rate, caps[b] + best.rate * self.costs[a] / self.costs[b])
+        if not pair > caps[b]:
+            return {}
+        return {best.peer_id: PlannedMove(a, b, min(pair, others) - caps[b])}
 
 
 def _own_replica(snapshot: Snapshot, peer_id: str, stage: int) -> Replica | None:
@@ -396,22 +481,45 @@ def should_move(snapshot: Snapshot, me: PeerFigures, stage: int, *, salt: int = 
         return MoveDecision(me.peer_id, a, target, "fill-empty", gain=min(nonempty), throughput=T,
                             new_throughput=min(after), reachable=0.0, immediate=True)
     planned = snapshot.move_plan(salt).get(me.peer_id)
+    if (planned is None or planned.source != a) and mine.fresh and policy.warm_repair:
+        planned = snapshot.warm_plan(salt).get(me.peer_id)
+        if planned is not None and planned.source == a and planned.gain > 0:
+            return _warm_decision(snapshot, me, mine, planned, policy)
     if planned is None or planned.source != a:
         return None
     b, gain = planned.target, planned.gain
     if not _fits(me.memory, snapshot.need(b)):
         return None
     reach = snapshot.reachable.throughput
-    if not T < policy.q * reach:
+    warm = b in mine.fresh
+    if not T < policy.q * reach and not (warm and policy.warm_exempt and T < reach):
         return None
     gain = min(gain, reach - T)
-    if policy.repay and not gain * me.tenure > mine.rate * switch_time(snapshot.state(b), me.bandwidth, me.warmup):
+    download = 0 if warm else snapshot.state(b)  # a fresh backup joins without one (rule 7)
+    if policy.repay and not gain * me.tenure > mine.rate * switch_time(download, me.bandwidth, me.warmup):
         return None
     after = list(caps)
     after[a] -= mine.rate
     after[b] += me.rates[b]
     return MoveDecision(me.peer_id, a, b, "bottleneck", gain=gain, throughput=T, new_throughput=min(after),
                         reachable=reach)
+
+
+def _warm_decision(snapshot: Snapshot, me: PeerFigures, mine: Replica, planned: PlannedMove,
+                   policy: Policy) -> MoveDecision | None:
+    """A repair from a fresh backup (``Snapshot.warm_plan``): no margin (it costs no download),
+    but it must repay its warm-up and is confirmed like any move."""
+    a, b, gain = planned.source, planned.target, planned.gain
+    if not _fits(me.memory, snapshot.need(b)):
+        return None
+    T = min(snapshot.serving)
+    if policy.repay and not gain * me.tenure > mine.rate * switch_time(0, me.bandwidth, me.warmup):
+        return None
+    after = list(snapshot.serving)
+    after[a] -= mine.rate
+    after[b] += me.rates[b]
+    return MoveDecision(me.peer_id, a, b, "warm-repair", gain=gain, throughput=T, new_throughput=min(after),
+                        reachable=snapshot.reachable.throughput, immediate=not policy.confirm_warm)
 
 
 class Confirmation:

@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, Snapshot, check_interval,
                                       estimate_rates, expected_tenure, should_move)
 from swarmgrad.peer.stage_cost import StageCost
-from swarmgrad.peer.swarm import PeerRecord, SwarmView
+from swarmgrad.peer.policy import majority_digest
+from swarmgrad.peer.swarm import ONLINE, PeerRecord, SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,21 @@ rate on the new stage is an estimate until it has measured itself there, and act
 estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
 
 
+def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
+    """Each stage's applied rounds as its majority announces them (policy.majority_digest): a
+    backup of that many rounds is the stage's current state."""
+    out = {}
+    for stage, records in view.items():
+        digest = majority_digest(records)
+        if digest is not None:
+            out[stage] = next(r.applied_rounds for r in records if r.state == ONLINE and r.digest == digest)
+    return out
+
+
 def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost]) -> Snapshot:
     return Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
-                                 moving={r.peer_id for rs in view.values() for r in rs if r.moving})
+                                 moving={r.peer_id for rs in view.values() for r in rs if r.moving},
+                                 current=current_rounds(view))
 
 
 class Rebalancer:

@@ -302,3 +302,78 @@ def test_converges_on_unequal_costs(policy: Policy) -> None:
     work = list(rates)  # rate·cost is the peer's speed here
     assert throughput_of(rates, costs, stage) >= 0.85 * optimum(work, list(costs)).throughput
     assert sum(moves[-15:]) == 0
+
+
+# --------------------------------------------------------------------------- warm standbys (rule 7)
+
+def warm_snap(h_fresh: frozenset[int] = frozenset({1}), h_rate: float = 6.0, joining: bool = False) -> Snapshot:
+    """Stage 0 has surplus (f, x fast; h holds a backup of stage 1); stage 1 is short. With
+    `joining`, a newcomer JOINING stage 1 makes it whole on paper but does not serve yet."""
+    s0 = (Replica("f", ONLINE, 10.0), Replica("x", ONLINE, 10.0), Replica("h", ONLINE, h_rate, fresh=h_fresh))
+    s1 = (Replica("d", ONLINE, 16.0), Replica("n", JOINING, 10.0)) if joining else (Replica("d", ONLINE, 5.0),)
+    return Snapshot((s0, s1), (1.0, 1.0))
+
+
+def test_fresh_backups_are_those_of_the_current_round() -> None:
+    assert P.fresh_backups([(1, 5), (2, 4), (3, 9)], {1: 5, 2: 5}) == frozenset({1})  # 2 stale, 3 unknown
+
+
+def test_plan_prefers_a_fresh_holder_within_its_share_of_the_best() -> None:
+    # f and x lift stage 1 by 10, h by 6 (0.6 of the best >= FRESH_SHARE): h holds stage 1's state
+    assert set(warm_snap().move_plan(0)) == {"h"}
+    for salt in range(8):  # a stale (or no) copy is no reason: one of the fastest goes, as before
+        assert set(warm_snap(h_fresh=frozenset()).move_plan(salt)) <= {"f", "x"}
+    # a holder of another stage's state is no better than anyone
+    assert set(warm_snap(h_fresh=frozenset({2})).move_plan(0)) <= {"f", "x"}
+    # too slow a holder (0.3 of the best lift) does not displace the fast movers
+    assert set(warm_snap(h_rate=3.0).move_plan(0)) <= {"f", "x"}
+
+
+def test_repay_counts_no_download_for_a_fresh_holder() -> None:
+    s = Snapshot(warm_snap().stages, (1.0, 1.0), state_bytes=(10 ** 12, 10 ** 12))
+    slow_link = dict(bandwidth=1e6, tenure=600.0)  # a download would take 11 days
+    d = should_move(s, figures(s, "h", 0, **slow_link), 0, policy=Policy(q=1.0))
+    assert d is not None and d.target == 1
+    stale = Snapshot(warm_snap(h_fresh=frozenset()).stages, (1.0, 1.0), state_bytes=(10 ** 12, 10 ** 12))
+    assert all(should_move(stale, figures(stale, p, 0, **slow_link), 0, policy=Policy(q=1.0)) is None
+               for p in ("f", "x", "h"))
+
+
+def test_warm_repair_serves_a_stage_a_newcomer_only_fills_on_paper() -> None:
+    s = warm_snap(joining=True)
+    assert s.capacities == (26.0, 26.0) and s.serving == (26.0, 16.0)
+    assert s.move_plan(0) == {}  # balanced on paper: no ordinary move
+    d = should_move(s, figures(s, "h", 0), 0)
+    assert d is not None and (d.source, d.target, d.reason) == (0, 1, "warm-repair") and d.gain == pytest.approx(4.0)
+    assert not d.immediate  # confirmed like any move
+    for pid in ("f", "x"):  # not holders: they wait for the newcomer
+        assert should_move(s, figures(s, pid, 0), 0) is None
+    assert should_move(warm_snap(h_fresh=frozenset(), joining=True), figures(s, "h", 0), 0) is None
+    assert should_move(s, figures(s, "h", 0), 0, policy=Policy(warm_repair=False)) is None
+
+
+def test_warm_repair_keeps_the_structural_rules() -> None:
+    base = warm_snap(joining=True)
+    moving = Snapshot(((base.stages[0][0], Replica("x", LEAVING, 10.0, moving=True), base.stages[0][2]),
+                       base.stages[1]), base.costs)
+    assert should_move(moving, figures(moving, "h", 0), 0) is None  # stage 0 already has a mover
+    alone = Snapshot(((Replica("h", ONLINE, 30.0, fresh=frozenset({1})),), base.stages[1]), base.costs)
+    assert should_move(alone, figures(alone, "h", 0), 0) is None  # never empties its stage
+    small = Snapshot(base.stages, base.costs, memory_need=(0, 10 * GB))
+    assert should_move(small, figures(small, "h", 0, memory=GB), 0) is None  # memory still binds
+
+
+def test_records_say_which_backups_are_fresh() -> None:
+    from swarmgrad.peer.rebalance import snapshot_from_view
+    from types import SimpleNamespace
+    from swarmgrad.peer.swarm import PeerRecord
+
+    def rec(pid: str, stage: int, applied: int, digest: str, backups=()) -> PeerRecord:
+        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=1.0, round=applied,
+                          applied_rounds=applied, digest=digest, manifest_hash="h", driver=stage == 0,
+                          backups=backups)
+    view = {0: [rec("a", 0, 7, "x"), rec("b", 0, 7, "x", backups=((1, 4),)), rec("c", 0, 7, "x", backups=((1, 3),))],
+            1: [rec("d", 1, 4, "y"), rec("e", 1, 4, "y"), rec("liar", 1, 9, "z")]}
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2  # what from_records reads of a StageCost
+    s = snapshot_from_view(view, costs)
+    assert {r.peer_id: r.fresh for r in s.stages[0]} == {"a": frozenset(), "b": frozenset({1}), "c": frozenset()}
