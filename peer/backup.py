@@ -55,6 +55,17 @@ class BackupStore:
         self.max_numel = max_numel
         self.copies: dict[int, StateSnapshot] = {}
 
+    def held(self, exclude: int | None = None) -> tuple[tuple[int, int], ...]:
+        """(stage, applied_rounds) of the copies held, for this peer's record (placement reads it
+        to prefer a holder of a stage's current state when the stage needs a replica)."""
+        return tuple(sorted((s, c.applied_rounds) for s, c in self.copies.items() if s != exclude))
+
+    def local_copy(self, stage: int, digest: str | None) -> StateSnapshot | None:
+        """The copy of `stage` if its digest is `digest` (the stage's majority's): then a replica
+        of that stage can start from it without downloading anything."""
+        held = self.copies.get(stage)
+        return held if held is not None and digest and held.digest == digest else None
+
     async def handle_put(self, request: pb.BackupPut, caller: PeerID) -> pb.BackupAck:
         check_envelope(request.envelope, self.identity, range(self.n_stages))
         stage = request.envelope.stage

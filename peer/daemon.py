@@ -150,7 +150,7 @@ class Peer:
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
                           slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
-                          backup_rpc=backup_rpc,
+                          backup_rpc=backup_rpc, backup_store=self._backup_store,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine)
         costs = stage_costs(self.m, self.model)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.state import StageState
@@ -47,7 +48,8 @@ class ReplicaStats:
 class Presence:
     def __init__(self, swarm: SwarmView, *, peer_id: str, stage: int, manifest_hash: str, maddrs: tuple[str, ...],
                  worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float, memory: int = 0,
-                 stats: ReplicaStats | None = None):
+                 stats: ReplicaStats | None = None,
+                 backups: Callable[[int], tuple[tuple[int, int], ...]] | None = None):
         self.swarm = swarm
         self.peer_id = peer_id
         self.stage = stage
@@ -59,6 +61,8 @@ class Presence:
         self.heartbeat = heartbeat
         self.memory = memory
         self.stats = stats if stats is not None else ReplicaStats()
+        self.backups = backups
+        """(stage, applied_rounds) of the backups this peer holds, other than of `stage`."""
         """Bytes this peer offers a stage (placement of others reads it)."""
         self.moving = False
         """Set when this replica decided to move away: its stage has a mover, nobody else leaves it."""
@@ -70,7 +74,8 @@ class Presence:
                           throughput=self.worker.rate.rate, round=self.clock.current,
                           applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                           manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4],
-                          memory=self.memory, moving=self.moving, stats=self.stats.to_value())
+                          memory=self.memory, moving=self.moving, stats=self.stats.to_value(),
+                          backups=self.backups(self.stage) if self.backups is not None else ())
 
     async def announce(self, status: str | None = None) -> bool:
         """Store our record now (optionally in a new status). A failed store is logged, not raised:

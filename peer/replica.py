@@ -76,6 +76,9 @@ class PeerContext:
     which an empty stage restores when it is newer than any backup."""
     byzantine: str | None = None
     """TESTING AID (--byzantine): this peer's replicas send corrupted pseudo-gradients."""
+    backup_store: Any = None
+    """The peer's BackupStore (peer/backup.py): its copies are announced, and a replica joining a
+    stage whose current state it holds starts from that copy instead of downloading it."""
 
     @property
     def max_numel(self) -> int:
@@ -138,11 +141,13 @@ class Replica:
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, worker=worker, state=state, clock=clock,
-                                            heartbeat=t.heartbeat, memory=ctx.memory)
+                                            heartbeat=t.heartbeat, memory=ctx.memory,
+                                            backups=ctx.backup_store.held if ctx.backup_store else None)
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
                          timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
-                         checkpoints=ctx.checkpoints)
+                         checkpoints=ctx.checkpoints,
+                         local_copy=ctx.backup_store.local_copy if ctx.backup_store else None)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,

@@ -109,7 +109,8 @@ class StateSync:
     def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
                  state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
                  events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None,
-                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None):
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
+                 local_copy: Callable[[int, str | None], StateSnapshot | None] | None = None):
         self.rpc = rpc
         self.swarm = swarm
         self.identity = identity
@@ -127,6 +128,8 @@ class StateSync:
         self.checkpoints = checkpoints
         """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
         stage restores from (the newer of the two wins)."""
+        self.local_copy = local_copy
+        """BackupStore.local_copy: this peer's backup of a stage, if it has the given digest."""
         self._checkpoint_unknown = False
         """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
         self.serving = False
@@ -187,6 +190,10 @@ class StateSync:
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
                 return
+            if await self.join_local(records):
+                await self.worker.run(self.state.copy_to, self.worker.module)
+                self.progress.expect_group(1 + len(donors))
+                return
             # two donors at once when there are two; else each in turn
             attempts = [donors[i:] + donors[:i] for i in range(len(donors))]
             for order in attempts:
@@ -202,6 +209,30 @@ class StateSync:
                 raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
                                    f"within timeouts.state_download")
             await asyncio.sleep(0.5)
+
+    async def join_local(self, records: Sequence) -> bool:
+        """A warm standby: this peer holds a backup of the stage (peer/backup.py) whose digest is
+        the one the stage's majority announces, so it is the stage's current state; adopt it and
+        download nothing. A stale or absent copy: False (download as usual)."""
+        if self.local_copy is None:
+            return False
+        digest = policy.majority_digest([r for r in records if r.peer_id != self.peer_id])
+        snap = self.local_copy(self.stage, digest)
+        if snap is None:
+            return False
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        if self.state.digest != digest:  # the copy was checked on arrival; a mismatch here is a bug
+            logger.warning("stage %d: local backup does not reproduce its digest; downloading instead", self.stage)
+            return False
+        self.progress.trained = snap.trained_samples
+        current = max([r.round for r in records if r.state == ONLINE and r.digest == digest] or [snap.round])
+        self.clock.adopt(max(snap.round, current), get_dht_time())
+        self.events.emit("state_loaded", source="local-backup", round=self.clock.current,
+                         applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                         trained_samples=self.state.trained_samples)
+        logger.info("stage %d: joined from this peer's own backup (round %d), no download", self.stage,
+                    snap.applied_rounds)
+        return True
 
     async def restore_backup(self) -> bool:
         """The stage is empty: restore the newest state that survives it, from the backups its
