@@ -1,7 +1,9 @@
-"""Placement policy against its ablation: `swarmgrad simulate` at 1000 peers, the full policy and
-no-margin (any improving move, at once), same seeds, side by side.
+"""Placement policy against its ablations: `swarmgrad simulate` at 1000 peers, same seeds, side by side:
+the full policy with warm standbys as the daemon pushes them (BACKUP_COPIES holders, one pusher), the
+same with 8 holders pushed in parallel (a what-if the daemon does not do yet), the full policy with no
+backups (every mover downloads: the policy before warm standbys) and no-margin (any improving move, at once).
 
-    .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2]
+    .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2]
 
 Prints one markdown row per policy and seed, then the mean over seeds.
 """
@@ -11,18 +13,36 @@ import argparse
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from swarmgrad.peer.simulator import SimConfig, SimResult, simulate
+
+VARIANTS = {
+    "full": dict(policy="full"),
+    "full, 8 parallel copies": dict(policy="full", backup_copies=8, parallel_push=True),
+    "full, no backups": dict(policy="full", backup_copies=0),
+    "no-margin": dict(policy="no-margin"),
+}
 
 
 def row(name: str, results: list[SimResult], seconds: float) -> str:
     recs = [r.recovery_s for r in results]
     rec = "never" if any(x is None for x in recs) else f"{statistics.mean(recs):.0f}"
-    return (f"| {name} | {statistics.mean(r.throughput_ratio for r in results):.4f} "
-            f"| {statistics.mean(r.moves_per_peer_hour for r in results):.4f} | {rec} "
-            f"| {statistics.mean(r.min_ratio_after_departure for r in results):.3f} "
-            f"| {sum(r.moves for r in results)} | {statistics.mean(r.reaction_limit for r in results):.4f} "
-            f"| {seconds:.1f} |")
+    mean = statistics.mean
+    return (f"| {name} | {mean(r.throughput_ratio for r in results):.4f} "
+            f"| {mean(r.moves_per_peer_hour for r in results):.4f} | {rec} "
+            f"| {mean(r.min_ratio_after_departure for r in results):.3f} "
+            f"| {sum(r.moves for r in results)} | {sum(r.warm_moves for r in results)} "
+            f"| {mean(r.reaction_limit for r in results):.4f} | {mean(r.reaction_limit_warm for r in results):.4f} "
+            f"| {mean(r.backup_bytes_per_round for r in results) / 1e9:.1f} "
+            f"| {mean(r.averaging_bytes_per_round for r in results) / 1e9:.0f} | {seconds:.1f} |")
+
+
+def _run(job: tuple[int, int, float, dict]) -> tuple[SimResult, float]:
+    seed, peers, hours, kw = job
+    t = time.perf_counter()
+    r = simulate(SimConfig(peers=peers, hours=hours, seed=seed, **kw))
+    return r, time.perf_counter() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,24 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--hours", type=float, default=3.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once (each is single-threaded and deterministic)")
     args = ap.parse_args(argv)
     print(f"{args.peers} peers, {args.hours} h, 30 % leave at mid-run; ratio = throughput / fluid optimum, "
           f"time-averaged; recovery = seconds until the ratio is back at 0.95; reaction limit = the ratio if every "
-          f"departure were repaired exactly one switch time after it (peer/simulator.py)")
-    print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves | reaction limit | run s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"departure were repaired exactly one switch time after it (download + warm-up; warm: warm-up only); "
+          f"GB/round: backups pushed and averaging sent per round, all stages (peer/simulator.py)")
+    print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves "
+          "| warm moves | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round | run s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    jobs = [(seed, args.peers, args.hours, kw) for kw in VARIANTS.values() for seed in args.seeds]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        done = list(pool.map(_run, jobs))
     summary = []
-    for policy in ("full", "no-margin"):
-        results, total = [], 0.0
-        for seed in args.seeds:
-            t = time.perf_counter()
-            r = simulate(SimConfig(peers=args.peers, hours=args.hours, seed=seed, policy=policy))
-            dt = time.perf_counter() - t
-            total += dt
-            results.append(r)
-            print(row(f"{policy} ({seed})", [r], dt), flush=True)
-        summary.append(row(f"**{policy}, mean**", results, total))
-    print("\n".join(summary))
+    for i, name in enumerate(VARIANTS):
+        chunk = done[i * len(args.seeds):(i + 1) * len(args.seeds)]
+        for seed, (r, dt) in zip(args.seeds, chunk):
+            print(row(f"{name} ({seed})", [r], dt))
+        summary.append(row(f"**{name}, mean**", [r for r, _ in chunk], sum(dt for _, dt in chunk)))
+    print("\n".join(summary), flush=True)
     return 0
 
 

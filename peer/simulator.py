@@ -31,6 +31,8 @@ stages do not fit a 12 GB card, so memory shapes placement.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import heapq
 import json
 import math
@@ -107,12 +109,29 @@ class SimConfig:
     memory_usable: float = 0.9
     """Share of a card's memory a stage may use (CUDA context, fragmentation)."""
     recover_ratio: float = 0.95
+    round_s: float = 600.0
+    """Seconds per averaging round (wall-clock rounds, aligned across stages). A 1.3B model's
+    DiLoCo round is minutes of inner steps (H ≈ 500); only the backups' freshness depends on it."""
+    backup_every: int = 1
+    """``averaging.backup_every``: a stage pushes its committed state every this many rounds."""
+    parallel_push: bool = False
+    """Copy i is pushed by the stage's member i (by peer id), all at once; False: the first member
+    pushes every copy in turn (as backup.BackupPusher did), so copy K lands K transfers late."""
+    confirm_warm: bool = True
+    """``Policy.confirm_warm``."""
+    fresh_check_s: float = 15.0
+    """Mean seconds between checks of a peer holding a fresh backup (0: like every peer): it is
+    the swarm's fastest repair, so it looks at every snapshot refresh."""
+    backup_copies: int = 2
+    """Holders per stage (``backup.BACKUP_COPIES``); 0: no backups, every mover downloads."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("full", "no-margin"):
             raise ValueError(f"SimConfig.policy must be 'full' or 'no-margin' (got {self.policy!r})")
         if self.peers < 1 or not self.hours > 0:
             raise ValueError("SimConfig.peers must be >= 1 and hours > 0")
+        if not self.round_s > 0 or self.backup_every < 0 or self.backup_copies < 0:
+            raise ValueError("SimConfig.round_s must be > 0, backup_every and backup_copies >= 0")
 
 
 @dataclass
@@ -132,6 +151,15 @@ class SimResult:
     reaction_limit: float = 1.0
     """The ratio if each departure were repaired exactly reaction_s after it (see the module doc)."""
     reaction_s: float = 0.0
+    reaction_limit_warm: float = 1.0
+    """The same with every repair after the warm-up alone (a fresh backup for every departure)."""
+    warm_moves: int = 0
+    """Moves that joined from a fresh local backup (no download)."""
+    backup_bytes_per_round: float = 0.0
+    """Mean bytes of backups pushed per round, all stages together."""
+    averaging_bytes_per_round: float = 0.0
+    """For scale: bytes one round of averaging sends, all stages (every serving replica sends
+    about 2 × its stage's parameters in int8: reduce-scatter plus all-gather)."""
     optimum_method: str = "bound"
     series: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, throughput, optimum) samples, in samples/s."""
@@ -151,7 +179,8 @@ def sim_manifest() -> Manifest:
 
 
 class _Peer:
-    __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf")
+    __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf",
+                 "copies")
 
     def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
                  confirmations: int) -> None:
@@ -161,6 +190,8 @@ class _Peer:
         self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
         self.token = 0
         self.conf = Confirmation(confirmations)
+        self.copies: dict[int, int] = {}
+        """Backups it holds: stage -> the round boundary whose committed state the copy is."""
 
 
 class Simulation:
@@ -168,6 +199,8 @@ class Simulation:
         self.cfg, self.costs = cfg, tuple(costs)
         self.policy: Policy = NO_MARGIN if cfg.policy == "no-margin" else (
             Policy() if cfg.q is None else Policy(q=cfg.q))
+        if not cfg.confirm_warm:
+            self.policy = dataclasses.replace(self.policy, confirm_warm=False)
         self.rng = random.Random(cfg.seed)
         self.c = tuple(sc.cost for sc in costs)
         self.flops = tuple(sc.flops_per_sample for sc in costs)
@@ -188,7 +221,18 @@ class Simulation:
         """(time, stage, samples/s it served) of every peer that left while serving."""
         self.reaction_s = cfg.snapshot_s / 2 + switch_time(
             round(sum(self.state_bytes) / len(self.state_bytes)), cfg.bandwidth_median_mbit * 1e6 / 8, cfg.warmup_s)
+        self.reaction_warm_s = cfg.snapshot_s / 2 + cfg.warmup_s
         self.unrepaired: list[float] = []
+        self.unrepaired_warm: list[float] = []
+        self.warm_moves = 0
+        self.pushing_until = [0.0] * len(costs)
+        """When each stage's backup push in flight ends (a push is skipped while one is going)."""
+        self.pushes: dict[int, tuple[int, int]] = {}
+        """Push id -> (stage, round boundary) of copies on their way."""
+        self.backup_bytes = 0.0
+        self.averaging_bytes = 0.0
+        self.boundaries = 0
+        self.push_counter = 0
         mean_tenure = cfg.tenure_median_h * 3600 * math.exp(cfg.tenure_sigma ** 2 / 2)
         self.arrival_rate = cfg.peers / mean_tenure
 
@@ -247,11 +291,61 @@ class Simulation:
             rate = p.speed / self.flops[p.stage] * math.exp(gauss(0.0, noise))
             self.measured[p.id] = rate
             if p.phase == "online":
-                stages[p.stage].append(Replica(p.id, ONLINE, rate, p.memory))
+                stages[p.stage].append(Replica(p.id, ONLINE, rate, p.memory, fresh=self._fresh(p)))
             else:  # fetch: still serving its stage, announced as moving, JOINING on the target
                 stages[p.stage].append(Replica(p.id, LEAVING, rate, p.memory, moving=True))
                 stages[p.target].append(Replica(p.id, JOINING, rate * self.c[p.stage] / self.c[p.target], p.memory))
         return Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
+
+    def _round(self) -> int:
+        return int(self.now // self.cfg.round_s)
+
+    def _fresh(self, p: _Peer) -> frozenset[int]:
+        """Stages whose state of the current round p holds (placement.fresh_backups, with the
+        round boundary standing for the majority's applied rounds)."""
+        if not p.copies:
+            return frozenset()
+        k = self._round()
+        return frozenset(s for s, held in p.copies.items() if held == k and s != p.stage)
+
+    def _holders(self, stage: int) -> list[_Peer]:
+        """backup.backup_holders: ONLINE peers of other stages, highest rendezvous hash first."""
+        ranked = [(hashlib.sha256(f"sim/{stage}/{p.id}".encode()).digest(), p) for p in self.peers.values()
+                  if p.phase == "online" and p.stage != stage]
+        ranked.sort(key=lambda x: x[0], reverse=True)
+        return [p for _, p in ranked[:self.cfg.backup_copies]]
+
+    def _boundary(self) -> None:
+        """A round ends on every stage: averaging, then (every backup_every rounds) the group's
+        first member pushes the committed state to the holders, one copy after the other, each at
+        the slower of the two links (backup.BackupPusher)."""
+        k, cfg = self._round(), self.cfg
+        self.boundaries += 1
+        for s in range(len(self.c)):
+            serving = [p for p in self.peers.values() if p.phase in ("online", "fetch") and p.stage == s]
+            self.averaging_bytes += 2 * len(serving) * self.state_bytes[s] / 8  # int8 of fp32 θ, θ+m = 8 B/param
+            if not (cfg.backup_copies and cfg.backup_every and serving and k % cfg.backup_every == 0):
+                continue
+            if self.now < self.pushing_until[s]:
+                continue  # the previous push is still going
+            pushers = sorted(serving, key=lambda p: p.id)
+            end = self.now
+            for i, holder in enumerate(self._holders(s)):
+                # copy i goes from member i (by peer id) when parallel, else all from the first
+                pusher = pushers[i % len(pushers)] if cfg.parallel_push else pushers[0]
+                t = (self.now if cfg.parallel_push else end) + self.state_bytes[s] / min(pusher.bandwidth,
+                                                                                       holder.bandwidth)
+                end = max(end, t)
+                self.push_counter += 1
+                self.pushes[self.push_counter] = (s, k)
+                self._push(t, "held", holder.id, self.push_counter)
+                self.backup_bytes += self.state_bytes[s]
+            self.pushing_until[s] = end
+
+    def _held(self, p: _Peer, push: int) -> None:
+        stage, k = self.pushes.pop(push)
+        if p.stage != stage and p.copies.get(stage, -1) < k:
+            p.copies[stage] = k
 
     def _sample(self) -> None:
         caps = [0.0] * len(self.c)
@@ -264,13 +358,14 @@ class Simulation:
                 mem.append(p.memory)
         best = fluid_bound(work, self.c, mem, self.need) if work else 0.0
         self.series.append((self.now, min(caps), best))
-        lost = [0.0] * len(self.c)
-        for t, stage, rate in reversed(self.departures):
-            if t <= self.now - self.reaction_s:
-                break
-            lost[stage] += rate
-        # The optimum already lost the departed peer's share spread over all stages.
-        self.unrepaired.append(min(max(lost) * (1 - 1 / len(self.c)) / best, 1.0) if best > 0 else 0.0)
+        for reaction, out in ((self.reaction_s, self.unrepaired), (self.reaction_warm_s, self.unrepaired_warm)):
+            lost = [0.0] * len(self.c)
+            for t, stage, rate in reversed(self.departures):
+                if t <= self.now - reaction:
+                    break
+                lost[stage] += rate
+            # The optimum already lost the departed peer's share spread over all stages.
+            out.append(min(max(lost) * (1 - 1 / len(self.c)) / best, 1.0) if best > 0 else 0.0)
 
     # ----------------------------------------------------------------- events
     def _check(self, p: _Peer) -> None:
@@ -282,12 +377,20 @@ class Simulation:
         salt = int(self.now // 600)
         decision = p.conf.observe(should_move(self.snap, me, p.stage, salt=salt, policy=self.policy))
         base = self.cfg.confirm_s if p.conf.pending else self.cfg.check_s
+        if self.cfg.fresh_check_s and self._fresh(p):
+            base = min(base, self.cfg.fresh_check_s)
         self._push(self.now + check_interval(base, self.rng), "check", p.id)
         if decision is None:
             return
         self.moves += 1
-        p.phase, p.target = "fetch", decision.target
+        p.target = decision.target
         p.token += 1
+        if decision.target in self._fresh(p):  # joins from its local copy: warm-up only
+            self.warm_moves += 1
+            p.phase = "warm"
+            self._push(self.now + self.cfg.warmup_s, "ready", p.id, p.token)
+            return
+        p.phase = "fetch"
         self._push(self.now + self.state_bytes[p.target] / p.bandwidth, "ready", p.id, p.token)
 
     def _ready(self, p: _Peer) -> None:
@@ -330,6 +433,7 @@ class Simulation:
         self._push(0.0, "sample")
         self._push(cfg.snapshot_s, "snapshot")
         self._push(self.rng.expovariate(self.arrival_rate), "arrive")
+        self._push(cfg.round_s, "boundary")
         if cfg.mass_fraction > 0:
             self._push(end / 2, "mass")
         while self.events and self.events[0][0] <= end:
@@ -345,14 +449,21 @@ class Simulation:
                 self._push(self.now + self.rng.expovariate(self.arrival_rate), "arrive")
             elif kind == "mass":
                 self._mass_departure()
+            elif kind == "boundary":
+                self._boundary()
+                self._push(self.now + cfg.round_s, "boundary")
             elif kind == "leave":
                 self._leave(pid)
+            elif kind == "held" and pid not in self.peers:
+                self.pushes.pop(token, None)
             elif pid in self.peers:
                 p = self.peers[pid]
                 if kind == "check":
                     self._check(p)
                 elif kind == "ready" and token == p.token:
                     self._ready(p)
+                elif kind == "held":
+                    self._held(p, token)
         self.now = end
         self.peer_seconds += sum(end - p.joined for p in self.peers.values())
         return self._result(end)
@@ -371,7 +482,11 @@ class Simulation:
                          refused=self.refused, peer_hours=hours, min_ratio_after_departure=worst,
                          policy=self.cfg.policy, series=self.series,
                          reaction_limit=1 - sum(self.unrepaired) / max(len(self.unrepaired), 1),
-                         reaction_s=self.reaction_s)
+                         reaction_s=self.reaction_s,
+                         reaction_limit_warm=1 - sum(self.unrepaired_warm) / max(len(self.unrepaired_warm), 1),
+                         warm_moves=self.warm_moves,
+                         backup_bytes_per_round=self.backup_bytes / max(self.boundaries, 1),
+                         averaging_bytes_per_round=self.averaging_bytes / max(self.boundaries, 1))
 
 
 def simulate(cfg: SimConfig, manifest: Manifest | None = None) -> SimResult:
@@ -426,7 +541,8 @@ def format_line(r: SimResult) -> str:
     return (f"policy={r.policy} throughput_ratio={r.throughput_ratio:.4f} "
             f"moves_per_peer_hour={r.moves_per_peer_hour:.4f} recovery_s={rec} moves={r.moves} "
             f"joins={r.joins} leaves={r.leaves} refused={r.refused} "
-            f"min_ratio_after_departure={r.min_ratio_after_departure:.3f} reaction_limit={r.reaction_limit:.4f}")
+            f"min_ratio_after_departure={r.min_ratio_after_departure:.3f} reaction_limit={r.reaction_limit:.4f} "
+            f"warm_moves={r.warm_moves}")
 
 
 def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None) -> int:

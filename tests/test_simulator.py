@@ -61,3 +61,15 @@ def test_reaction_limit_counts_departures_only_until_repaired() -> None:
     assert calm.leaves == 0 and calm.reaction_limit == 1.0
     slower = simulate(small(warmup_s=300.0))  # a longer repair leaves more unrepaired
     assert slower.reaction_limit < r.reaction_limit
+
+
+def test_warm_standbys_join_without_a_download_only_from_fresh_copies() -> None:
+    warm = simulate(small())
+    assert warm.warm_moves > 0 and warm.backup_bytes_per_round > 0
+    cold = simulate(small(backup_copies=0))  # no backups: every mover downloads
+    assert cold.warm_moves == 0 and cold.backup_bytes_per_round == 0
+    # a copy that takes longer than a round to arrive (1.3 GB at 10 Mbit/s: ~17 min) is of a round
+    # the stage has already left when it lands: pushed, never fresh, never joined from
+    slow = simulate(small(round_s=300, bandwidth_median_mbit=10, bandwidth_sigma=0.0))
+    assert slow.backup_bytes_per_round > 0 and slow.warm_moves == 0
+    assert warm.reaction_limit_warm > warm.reaction_limit  # a warm-up is shorter than download + warm-up
