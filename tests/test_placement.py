@@ -377,3 +377,15 @@ def test_records_say_which_backups_are_fresh() -> None:
     costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2  # what from_records reads of a StageCost
     s = snapshot_from_view(view, costs)
     assert {r.peer_id: r.fresh for r in s.stages[0]} == {"a": frozenset(), "b": frozenset({1}), "c": frozenset()}
+
+
+def test_warm_moves_skip_the_margin_only_in_a_large_swarm() -> None:
+    strict = Policy(q=0.5)  # the swarm serves above half of what it could reach: no ordinary move
+    small = warm_snap(joining=True)
+    assert should_move(small, figures(small, "h", 0), 0, policy=strict) is None  # 5 peers: exact reach, margin holds
+    extra = [tuple(Replica(f"e{s}{i}", ONLINE, 1.0) for i in range(6)) for s in range(2)]
+    large = Snapshot((small.stages[0] + extra[0], small.stages[1] + extra[1]), small.costs)
+    assert large.reachable.method == "bound"
+    d = should_move(large, figures(large, "h", 0), 0, policy=strict)
+    assert d is not None and d.reason == "warm-repair"
+    assert should_move(large, figures(large, "h", 0), 0, policy=Policy(q=0.5, warm_exempt=False)) is None
