@@ -264,6 +264,37 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    """A public peer that trains nothing: a DHT node whose p2pd relays for peers behind NAT
+    (docs/nat.md). p2pd reserves relay slots at once only when it knows 4 relays or more."""
+    import time
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from swarmgrad.peer.reachability import plan, visible_maddrs
+    network = plan("public", args.host_maddrs, args.announce_maddrs)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        dht = _start_dht(list(args.initial_peers), args.host_maddrs, args.announce_maddrs, args.identity,
+                         args.timeout, network=network.dht_kwargs)
+    except (P2PDaemonError, RuntimeError) as e:
+        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        return 1
+    log = logging.getLogger("swarmgrad.relay")
+    try:
+        print("swarmgrad relay", dht.peer_id, flush=True)
+        for addr in visible_maddrs(dht):
+            print("  visible at", addr, flush=True)
+        while True:  # the daemons do the work; say now and then that we are alive
+            time.sleep(60)
+            log.info("relay %s alive", str(dht.peer_id)[-8:])
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        dht.shutdown()
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from swarmgrad.peer.status import print_status
     return print_status(args.initial_peers, args.run_id, args.manifest, args.json, args.timeout)
@@ -487,6 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server listens on (default 127.0.0.1)")
     p.set_defaults(fn=cmd_peer)
+
+    rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
+    rl.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    rl.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--identity", default=None, help="Ed25519 key file for a stable peer id")
+    rl.add_argument("--timeout", type=_nonneg_float, default=60.0, help="seconds to start and join")
+    rl.set_defaults(fn=cmd_relay)
 
     s = sub.add_parser("status", help="print the swarm as the DHT sees it")
     s.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")

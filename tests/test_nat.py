@@ -6,6 +6,9 @@ iproute2). Its NAT is a tc filter that drops every new inbound TCP connection to
 (benchmarks/netns.py `drop_inbound_connections`); the peer's own connections work both ways."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +212,50 @@ def test_dial_out_opens_a_connection_the_other_peer_can_call_back_over(tmp_path:
 
     y_id = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert [e["peers"] for e in read_events(tmp_path / "x.jsonl") if e["event"] == "dialled_out"] == [[y_id]]
+
+
+@pytest.fixture
+def two_natted_net() -> Iterator[netns.WanNet]:
+    """6 namespaces on a bridge: peers 1 and 2 cannot be dialled; 3..5 host bare relays."""
+    netns.remove_stale()
+    with netns.WanNet("nn", 6, subnet=241, prefix="11.77") as net:
+        net.drop_inbound_connections(1)
+        net.drop_inbound_connections(2)
+        yield net
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
+@pytest.mark.skipif(not os.environ.get("SWARMGRAD_SLOW_TESTS"),
+                    reason="slow (~80 s, 6 processes): set SWARMGRAD_SLOW_TESTS=1 or run `make test-slow`")
+@pytest.mark.timeout(240)
+def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.WanNet, tmp_path: Path) -> None:
+    """Both replicas of stage 1 behind NAT: they can only meet through a relay. Three `swarmgrad
+    relay` peers beside the driver give p2pd the 4 relay candidates it needs to reserve at once
+    (with fewer it waits 3 minutes, docs/nat.md)."""
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(dumps(small_manifest()))
+    common = ("--max-rounds", "6", "--linger", "10")
+    relays: list[subprocess.Popen] = []
+    with NetnsSwarm(manifest, tmp_path / "swarm", two_natted_net.endpoints) as swarm:
+        try:
+            swarm.start_first(0, "--reachability", "public", *common)
+            for ep in two_natted_net.endpoints[3:]:
+                relays.append(subprocess.Popen(
+                    [*ep.exec_prefix(), sys.executable, "-m", "swarmgrad.peer.cli", "relay", "--host-maddrs",
+                     f"/ip4/{ep.address}/tcp/{PORT}", "--initial-peers", *swarm.initial_peers],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            b = swarm.start(1, "--reachability", "relay", *common)
+            c = swarm.start(1, "--reachability", "relay", *common)
+            codes = swarm.wait_exit(180)
+            history = round_history(swarm.peers, 1)
+            logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in swarm.peers)
+            assert codes == [0, 0, 0], logs
+        finally:
+            for relay in relays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(relay.pid, signal.SIGKILL)
+                relay.wait(10)
+    assert_replicas_agree([b, c], 1)
+    both = [r for r, events in complete_rounds([b, c], 1).items()
+            if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
+    assert len(both) >= 3, f"the NATed replicas did not average together\n{history}"
