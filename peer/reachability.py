@@ -98,12 +98,18 @@ def plan(reachability: str, host_maddrs: Sequence[str], announce_maddrs: Sequenc
                        dht_kwargs=dict(use_relay=True, use_auto_relay=True))
 
 
+async def _visible_or_none(dht: Any, node: Any) -> list[str]:
+    """Runs inside the DHT process (`DHT.run_coroutine`): catching the ValueError there keeps
+    hivemind from logging it as an error with a traceback."""
+    try:
+        return [str(a) for a in await node.get_visible_maddrs()]
+    except ValueError:
+        return []
+
+
 def visible_maddrs(dht: Any) -> tuple[str, ...]:
     """The addresses the DHT's p2p daemon announces, or () where it announces none: a peer whose
     reachability is private removes its public addresses until a relay gives it a relayed one
     (hivemind's `get_visible_maddrs` raises ValueError then; measured with --reachability relay on
     a public address, docs/nat.md)."""
-    try:
-        return tuple(str(a) for a in dht.get_visible_maddrs())
-    except ValueError:
-        return ()
+    return tuple(dht.run_coroutine(_visible_or_none))
