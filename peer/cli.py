@@ -59,6 +59,18 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 def cmd_peer(args: argparse.Namespace) -> int:
     from swarmgrad.peer.manifest import ManifestError, load
+    from swarmgrad.peer.reachability import plan as network_plan
+    try:
+        network = network_plan(args.reachability, args.host_maddrs, args.announce_maddrs)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not network.serves:  # a client drives: stage 0, and it never moves to a stage others must dial
+        if args.stage not in ("auto", 0):
+            print(f"--reachability client drives stage 0 and serves no other stage (got --stage {args.stage})",
+                  file=sys.stderr)
+            return 2
+        args.stage, args.rebalance = 0, "off"
     private = None
     key = None
     if args.join or args.coordinator:  # a private run: admission first, the manifest comes signed
@@ -102,18 +114,6 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.stage != "auto" and args.stage >= manifest.stages.count:
         print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
         return 2
-    from swarmgrad.peer.reachability import plan as network_plan
-    try:
-        network = network_plan(args.reachability, args.host_maddrs, args.announce_maddrs)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if not network.serves:  # a client drives: stage 0, and it never moves to a stage others must dial
-        if args.stage not in ("auto", 0):
-            print(f"--reachability client drives stage 0 and serves no other stage (got --stage {args.stage})",
-                  file=sys.stderr)
-            return 2
-        args.stage, args.rebalance = 0, "off"
     from swarmgrad.peer.daemon import Peer, PeerOptions
     from swarmgrad.peer.model import from_manifest
     model = from_manifest(manifest)
