@@ -76,18 +76,23 @@ class Endpoint:
 
 @dataclass
 class WanNet:
-    """`n` namespaces, each with one interface `wan0` at 10.77.<subnet>.<i+1>/24.
+    """`n` namespaces, each with one interface `wan0` at <prefix>.<subnet>.<i+1>/24.
 
     Args:
         tag: short label in the namespace names (letters, digits, '-').
         n: how many peer namespaces (>= 2).
         rate: tbf rate (e.g. "20mbit") on every peer's egress, or None for an unshaped link.
         subnet: third octet of the addresses, so concurrent nets never share an address.
+        prefix: first two octets. libp2p treats private addresses (10/8, ...) differently from
+            public ones: hole punching waits for a public address and a relay hands out no relayed
+            address for a private one. A public prefix (e.g. "11.77") makes the isolated net look
+            like the internet to it; the namespaces have no route out, so nothing leaves.
     """
     tag: str
     n: int
     rate: str | None = None
     subnet: int = 0
+    prefix: str = "10.77"
     endpoints: list[Endpoint] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
 
@@ -113,7 +118,7 @@ class WanNet:
 
     def _build(self) -> None:
         peers = [self._ns(str(i)) for i in range(self.n)]
-        addrs = [f"10.77.{self.subnet}.{i + 1}" for i in range(self.n)]
+        addrs = [f"{self.prefix}.{self.subnet}.{i + 1}" for i in range(self.n)]
         if self.n == 2:
             _run("ip", "-n", peers[0], "link", "add", "wan0", "type", "veth", "peer", "name", "wan0",
                  "netns", peers[1])
@@ -132,6 +137,34 @@ class WanNet:
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "wan0", "root", "tbf",
                      "rate", self.rate, *TBF)
             self.endpoints.append(Endpoint(ns, "wan0", addr))
+
+    def drop_inbound_connections(self, index: int) -> None:
+        """Make peer `index` a host behind NAT: nobody can open a TCP connection to it, while the
+        connections it opens work both ways. Every TCP segment towards it with SYN set and ACK
+        clear (a new inbound connection) is dropped at the bridge port that leads to it; replies to
+        its own connections (SYN-ACK) pass. This kernel has no netfilter tables and no tc actions,
+        so it is an htb root (one class for all traffic, one whose leaf is `blackhole`) and a u32
+        filter on the TCP flags byte (IPv4 without options: byte 33). Needs the bridge (n >= 3)."""
+        if self.n < 3:
+            raise ValueError("drop_inbound_connections needs the bridge (n >= 3)")
+        br, port = f"{PREFIX}{os.getpid()}-{self.tag}-br", f"p{index}"
+        for cmd in (("qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1", "r2q", "100000"),
+                    ("class", "add", "dev", port, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit"),
+                    ("class", "add", "dev", port, "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit"),
+                    ("qdisc", "add", "dev", port, "parent", "1:2", "handle", "20:", "blackhole"),
+                    ("filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                     "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12", "at", "33",
+                     "flowid", "1:2")):
+            _run("ip", "netns", "exec", br, "tc", *cmd)
+
+    def inbound_connections_dropped(self, index: int) -> int:
+        """How many new inbound connections (SYNs) to peer `index` the NAT emulation dropped."""
+        br = f"{PREFIX}{os.getpid()}-{self.tag}-br"
+        out = _run("ip", "netns", "exec", br, "tc", "-s", "qdisc", "show", "dev", f"p{index}").stdout
+        for block in out.split("qdisc ")[1:]:
+            if block.startswith("blackhole"):
+                return int(block.split("dropped ")[1].split(",")[0])
+        return 0
 
     def tx_bytes(self) -> list[int]:
         """Bytes each peer's `wan0` has sent so far (all traffic)."""

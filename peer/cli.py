@@ -23,11 +23,12 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
-               identity: str | None, timeout: float, key=None, authorizer=None):
+               identity: str | None, timeout: float, key=None, authorizer=None, network: dict | None = None):
     """Start this peer's DHT under an Ed25519 identity whose key swarmgrad holds, with the record
     signer every peer of a swarm runs (peer/record_signing.py). `identity`: a key file to reuse,
     created (Ed25519) if missing; None: a fresh key, written to a private temp folder only
-    while p2pd starts. Raises identity.IdentityError for a key file swarmgrad cannot use."""
+    while p2pd starts. `network`: the reachability plan's DHT/libp2p options (peer/reachability.py).
+    Raises identity.IdentityError for a key file swarmgrad cannot use."""
     from contextlib import nullcontext
 
     from hivemind import DHT
@@ -48,6 +49,7 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
             kwargs["authorizer"] = authorizer
         if announce_maddrs:
             kwargs["announce_maddrs"] = announce_maddrs
+        kwargs.update(network or {})
         dht = DHT(**kwargs)
     if str(dht.peer_id) != peer_id_of(key):  # p2pd runs with another key: every record we sign would be refused
         dht.shutdown()
@@ -57,6 +59,18 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 def cmd_peer(args: argparse.Namespace) -> int:
     from swarmgrad.peer.manifest import ManifestError, load
+    from swarmgrad.peer.reachability import plan as network_plan
+    try:
+        network = network_plan(args.reachability, args.host_maddrs, args.announce_maddrs)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not network.serves:  # a client drives: stage 0, and it never moves to a stage others must dial
+        if args.stage not in ("auto", 0):
+            print(f"--reachability client drives stage 0 and serves no other stage (got --stage {args.stage})",
+                  file=sys.stderr)
+            return 2
+        args.stage, args.rebalance = 0, "off"
     private = None
     key = None
     if args.join or args.coordinator:  # a private run: admission first, the manifest comes signed
@@ -116,7 +130,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
                           byzantine=args.byzantine,
                           max_memory=_parse_bytes(args.max_memory) if args.max_memory else None,
-                          rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                          rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          reachability=network.mode)
     # Until the event loop takes over the signals, SIGTERM ends the process through SystemExit, so
     # the `finally` below still shuts down a DHT that was started.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -128,7 +143,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     try:
         dht = _start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,
-                         authorizer=private.authorizer() if private else None)
+                         authorizer=private.authorizer() if private else None, network=network.dht_kwargs)
     except IdentityError as e:
         print(f"--identity {e}", file=sys.stderr)
         return 2
@@ -142,7 +157,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     code = 0
     try:  # from here on, whatever fails, the DHT (a child process and its p2pd) is shut down
         print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
-        for addr in dht.get_visible_maddrs():
+        print(f"  reachability {network.mode} ({network.reason})", flush=True)
+        from swarmgrad.peer.reachability import visible_maddrs
+        for addr in visible_maddrs(dht):
             print("  visible at", addr, flush=True)
         admission = checkpoints = None
         if private is not None:
@@ -245,6 +262,37 @@ def _nonneg_float(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {value})")
     return value
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """A public peer that trains nothing: a DHT node whose p2pd relays for peers behind NAT
+    (docs/nat.md). p2pd reserves relay slots at once only when it knows 4 relays or more."""
+    import time
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from swarmgrad.peer.reachability import plan, visible_maddrs
+    network = plan("public", args.host_maddrs, args.announce_maddrs)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        dht = _start_dht(list(args.initial_peers), args.host_maddrs, args.announce_maddrs, args.identity,
+                         args.timeout, network=network.dht_kwargs)
+    except (P2PDaemonError, RuntimeError) as e:
+        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        return 1
+    log = logging.getLogger("swarmgrad.relay")
+    try:
+        print("swarmgrad relay", dht.peer_id, flush=True)
+        for addr in visible_maddrs(dht):
+            print("  visible at", addr, flush=True)
+        while True:  # the daemons do the work; say now and then that we are alive
+            time.sleep(60)
+            log.info("relay %s alive", str(dht.peer_id)[-8:])
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        dht.shutdown()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -434,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to listen (default: loopback, a free port)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="addresses other peers should dial (public IP behind NAT)")
+    p.add_argument("--reachability", choices=("auto", "public", "relay", "client"), default="auto",
+                   help="how other peers reach this one (docs/nat.md): public (dialable), relay (behind NAT: "
+                        "served through a relay on its initial peers, hole punching where the NAT allows), client "
+                        "(behind NAT, no relay: drives stage 0, serves nothing), auto (public on loopback or with "
+                        "--announce-maddrs, else libp2p's AutoNAT and auto-relay decide)")
     p.add_argument("--identity", default=None,
                    help="Ed25519 key file for a stable peer id (created if missing; default: a fresh id each run)")
     p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
@@ -458,6 +511,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server listens on (default 127.0.0.1)")
     p.set_defaults(fn=cmd_peer)
+
+    rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
+    rl.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    rl.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--identity", default=None, help="Ed25519 key file for a stable peer id")
+    rl.add_argument("--timeout", type=_nonneg_float, default=60.0, help="seconds to start and join")
+    rl.set_defaults(fn=cmd_relay)
 
     s = sub.add_parser("status", help="print the swarm as the DHT sees it")
     s.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")

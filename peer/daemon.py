@@ -20,11 +20,13 @@ from hivemind import DHT
 from swarmgrad.peer.admission import Admission
 from swarmgrad.peer.state import StateSnapshot
 
+from swarmgrad.peer.dial_out import DialOut
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement import MoveDecision, PeerFigures, Policy, choose_stage_for_newcomer
+from swarmgrad.peer.reachability import visible_maddrs
 from swarmgrad.peer.rebalance import DEFAULT_BANDWIDTH, Rebalancer, snapshot_from_view
 from swarmgrad.peer.replica import PeerContext, Replica
 from swarmgrad.peer.backup import BackupStore
@@ -68,6 +70,9 @@ class PeerOptions:
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (0: a free one, reported in the `started` event); None: off."""
     metrics_host: str = "127.0.0.1"
+    reachability: str = "public"
+    """How others reach this peer (peer/reachability.py: public, relay, client or auto); reported
+    in the `started` event."""
     rebalance: str = "auto"
     """"on": move between stages when the placement policy says it pays; "off": stay; "auto": on
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
@@ -89,6 +94,7 @@ class Peer:
         self.admission = admission
         self.checkpoints = checkpoints
         self._admission_task: asyncio.Task | None = None
+        self._dial_out_task: asyncio.Task | None = None
         self.model = model
         self.dht = dht
         self.opt = options
@@ -123,6 +129,11 @@ class Peer:
                 self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
+            if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
+                dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
+                                   stage=lambda: self.replicas[-1].stage if self.replicas else None,
+                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events)
+                self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
             replica = Replica(ctx, stage, rates[stage] if rates else 0.0)
             self.replicas.append(replica)
             await replica.start()
@@ -138,7 +149,7 @@ class Peer:
     async def _context(self) -> tuple[PeerContext, tuple[StageCost, ...], tuple[float, ...]]:
         p2p = await self.dht.replicate_p2p()
         # get_visible_maddrs blocks on the DHT process: ask once, while it is surely alive
-        maddrs = self._maddrs = tuple(str(a) for a in self.dht.get_visible_maddrs())
+        maddrs = self._maddrs = visible_maddrs(self.dht)
         if self.metrics is not None:
             self.metrics_port = self._serve_metrics(self.metrics)
         self.events = EventLog(self.opt.events_path, sink=self.metrics.observe if self.metrics else None,
@@ -203,7 +214,7 @@ class Peer:
             stage = choice
         self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
                          manifest_hash=self.m.hash, stage_rates=list(rates), memory=memory,
-                         metrics_port=self.metrics_port)
+                         metrics_port=self.metrics_port, reachability=self.opt.reachability)
         return stage
 
     async def _serve(self, replica: Replica, rebalancer: Rebalancer | None, stop: asyncio.Event) -> None:
@@ -276,9 +287,10 @@ class Peer:
             await replica.close()
         if self._backup_rpc is not None:
             await self._backup_rpc.remove_handlers()
-        if self._admission_task is not None:
-            self._admission_task.cancel()
-            await asyncio.gather(self._admission_task, return_exceptions=True)
+        for task in (self._admission_task, self._dial_out_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
                          bytes_recv=self.traffic.recv)
         self.events.close()

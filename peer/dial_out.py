@@ -1,0 +1,109 @@
+"""A peer behind NAT opens the connections itself.
+
+libp2p keeps a connection usable in both directions, so once a NATed peer has dialled a public
+peer, that peer's drivers, averaging parts, backups and state requests reach it directly over that
+connection. Without it they go through the relay (peer/reachability.py), which costs the relay's
+bandwidth twice, adds its latency, and was seen to cut a transfer in flight when the direct
+connection replaced the relayed one (docs/nat.md). So a peer in `relay` or `client` mode dials, every
+heartbeat, the peers of the run it may work with and has no connection to yet. Two NATed peers
+cannot dial each other: between them the relay (and hole punching where the NATs allow) remains.
+
+`dial_targets` is the pure choice; `DialOut` gathers the snapshot (the swarm's records, the
+daemon's open connections) and dials, each dial under `timeouts.dht`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterable, Mapping, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.swarm import LEAVING, PeerRecord, SwarmView
+
+logger = logging.getLogger(__name__)
+
+MAX_DIALS = 64
+"""Connections one NATed peer keeps open on its own initiative: its stage, its neighbours, the
+drivers first. A NAT's mapping table and the peers' connection managers are finite."""
+
+
+def dial_targets(records: Mapping[int, Sequence[PeerRecord]], connected: Iterable[str], me: str,
+                 my_stage: int | None, limit: int = MAX_DIALS) -> list[PeerRecord]:
+    """The peers to dial now: those of the run with an address, not us, not LEAVING, not yet
+    connected; own stage first, then the adjacent stages and drivers, then the rest, at most
+    `limit` (counting the connections already open)."""
+    open_ = set(connected)
+
+    def rank(r: PeerRecord) -> int:
+        if my_stage is None:
+            return 0 if r.driver else 1
+        if r.stage == my_stage:
+            return 0
+        if abs(r.stage - my_stage) == 1 or r.driver:
+            return 1
+        return 2
+
+    seen: set[str] = set()
+    candidates = []
+    for recs in records.values():
+        for r in recs:
+            if r.peer_id == me or r.peer_id in seen or r.state == LEAVING or not r.maddrs:
+                continue
+            seen.add(r.peer_id)
+            candidates.append(r)
+    candidates.sort(key=lambda r: (rank(r), r.peer_id))
+    room = max(0, limit - len(open_ & seen))
+    return [r for r in candidates if r.peer_id not in open_][:room]
+
+
+class DialOut:
+    """Every `interval` seconds, connect to the peers `dial_targets` names. Owned by the peer
+    daemon, which cancels `run()`; a failed dial is logged and retried at the next look."""
+
+    def __init__(self, p2p: P2P, swarm: SwarmView, *, peer_id: str, stage: Callable[[], int | None],
+                 interval: float, timeout: float, events: EventLog | None = None):
+        """`stage`: the stage this peer serves now (it may move)."""
+        self.p2p = p2p
+        self.events = events
+        self.swarm = swarm
+        self.peer_id = peer_id
+        self.stage = stage
+        self.interval = interval
+        self.timeout = timeout
+        self.dialled = 0
+        """Connections opened so far (for the log and tests)."""
+
+    async def step(self) -> int:
+        """One look: dial whom `dial_targets` names; returns how many connections it opened."""
+        records = await self.swarm.swarm()
+        connected = [str(p.peer_id) for p in await asyncio.wait_for(self.p2p.list_peers(), self.timeout)]
+        opened: list[str] = []
+        for r in dial_targets(records, connected, self.peer_id, self.stage()):
+            try:
+                # hivemind's P2P has no public connect(): its daemon client does the one call we need
+                # (the daemon wants transport addresses: records carry them with a /p2p/<id> suffix)
+                addrs = [Multiaddr(a.split("/p2p/")[0]) for a in r.maddrs]
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(r.peer_id), addrs), self.timeout)
+                opened.append(r.peer_id)
+            except Exception as e:  # unreachable (another NATed peer), gone, or a bad address in its record
+                logger.debug("dial-out to %s failed: %s: %s", r.peer_id[-8:], type(e).__name__, e)
+        if opened:
+            logger.info("opened %d connection(s) to peers of the run (behind NAT, others reach us over them)",
+                        len(opened))
+            if self.events is not None:
+                self.events.emit("dialled_out", peers=opened)
+        self.dialled += len(opened)
+        return len(opened)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("dial-out look failed: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.interval)
