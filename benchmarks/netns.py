@@ -83,11 +83,14 @@ class WanNet:
         n: how many peer namespaces (>= 2).
         rate: tbf rate (e.g. "20mbit") on every peer's egress, or None for an unshaped link.
         subnet: third octet of the addresses, so concurrent nets never share an address.
+        prefix: start of the namespace names (PREFIX, which `remove_stale` knows, unless a caller
+            wants its namespaces told apart from other benchmarks' at a glance).
     """
     tag: str
     n: int
     rate: str | None = None
     subnet: int = 0
+    prefix: str = PREFIX
     endpoints: list[Endpoint] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
 
@@ -105,7 +108,7 @@ class WanNet:
         self.close()
 
     def _ns(self, suffix: str) -> str:
-        name = f"{PREFIX}{os.getpid()}-{self.tag}-{suffix}"
+        name = f"{self.prefix}{os.getpid()}-{self.tag}-{suffix}"
         _run("ip", "netns", "add", name)
         self._namespaces.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
