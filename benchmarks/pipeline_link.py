@@ -8,7 +8,7 @@ namespace on one veth pair (benchmarks/netns.py, namespaces named `window-<pid>-
 puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends' egress. The task is the reference
 model (examples/reference.toml: byte-level GPT d 128, 4 layers, seq 128) split in two stages, fp16
 activations and gradients, microbatches of 16, 4 per inner step, pipeline.max_in_flight 4 (issue 9
-item 5's configuration), rounds of H = 10 inner steps.
+item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10 inner steps.
 
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
 window) and `after` the working tree, both from the same manifest. Each runs until the driver has
@@ -57,11 +57,11 @@ NS_PREFIX = "window-"
 SAMPLE_S = 0.1
 
 
-def manifest(inner_steps: int) -> Manifest:
+def manifest(inner_steps: int, per_step: int, size: int, cap: int) -> Manifest:
     return load(REPO / "examples" / "reference.toml").replace(
         run_id="pipeline-link", stages={"count": 2},
-        inner={"microbatch_size": 16, "microbatches_per_step": 4},
-        pipeline={"activation_codec": "fp16", "gradient_codec": "fp16", "max_in_flight": 4},
+        inner={"microbatch_size": size, "microbatches_per_step": per_step},
+        pipeline={"activation_codec": "fp16", "gradient_codec": "fp16", "max_in_flight": cap},
         rounds={"inner_steps": inner_steps, "max_rounds": 0},
         data={"eval_every": 0, "eval_batches": 2})
 
@@ -152,11 +152,11 @@ class NsSwarm(LocalSwarm):
         return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/0", "--data-seed", str(index)]
 
 
-def run_one(variant: str, link: str, code: Path | None, rounds: int, inner_steps: int, workdir: Path,
+def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest, workdir: Path,
             subnet: int, timeout_s: float) -> Row:
     row = Row(variant, link)
     workdir.mkdir(parents=True)
-    (workdir / "manifest.toml").write_text(dumps(manifest(inner_steps)))
+    (workdir / "manifest.toml").write_text(dumps(m))
     with netns.WanNet(f"{variant[:3]}{subnet}", 2, LINKS[link], subnet=subnet, prefix=NS_PREFIX) as net, \
             NsSwarm(workdir / "manifest.toml", workdir, net.endpoints, code) as swarm:
         sampler = TxSampler(net)
@@ -219,10 +219,11 @@ def table(rows: list[Row]) -> str:
                     fmt(r.samples_per_s / b.samples_per_s, 2) if b else "",
                     fmt(r.up_bps / 1e6, 2), fmt(r.down_bps / 1e6, 2),
                     fmt(r.utilisation(r.up_bps), 2), fmt(r.utilisation(r.down_bps), 2), fmt(r.idle, 2),
-                    str(p.get("window", "")), fmt(p["compute_util"], 2) if "compute_util" in p else "",
-                    str(p.get("bottleneck", "")), f"FAILED: {r.error[:300]}" if r.error else ""])
+                    f"{p['window']} ({fmt(p['window_needed'] or math.nan, 1)})" if p else "",
+                    f"{p['bottleneck']} (link {p['link_util']:.2f}, compute {p['compute_util']:.2f})" if p else "",
+                    f"FAILED: {r.error[:300]}" if r.error else ""])
     header = ["code", "link", "samples/s", "ratio to before", "up MB/s", "down MB/s", "up util", "down util",
-              "uplink idle", "window", "driver compute util", "bottleneck", "note"]
+              "uplink idle", "window (needed)", "driver's report: bottleneck (utilisation)", "note"]
     return markdown_table(header, out)
 
 
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
     p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
+    p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch (default 4x16)")
+    p.add_argument("--max-in-flight", type=int, default=4, help="pipeline.max_in_flight (default 4)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 steps per run")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here")
     args = p.parse_args(argv)
@@ -246,17 +249,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIP: benchmarks/pipeline_link.py needs network namespaces: {why}")
         return 0
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.inner_steps)
+    per_step, size = (int(x) for x in args.shape.split("x"))
+    m = manifest(steps, per_step, size, args.max_in_flight)
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
     code = snapshot(args.before) if "before" in variants else None
     print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree; "
-          f"{rounds} rounds of {steps} steps of 4 x 16 samples per run", flush=True)
+          f"{rounds} rounds of {steps} steps of {per_step} x {size} samples per run, max_in_flight "
+          f"{args.max_in_flight}", flush=True)
     rows: list[Row] = []
     try:
         for li, link in enumerate(links):
             for vi, variant in enumerate(variants):
                 print(f"--- {variant} over {link}", flush=True)
                 try:
-                    row = run_one(variant, link, code if variant == "before" else None, rounds, steps,
+                    row = run_one(variant, link, code if variant == "before" else None, rounds, m,
                                   tmp / f"{link}-{variant}", subnet=200 + 2 * li + vi, timeout_s=120 + 60 * rounds)
                 except Exception as e:  # one broken run must not lose the others' rows
                     row = Row(variant, link, error=f"{type(e).__name__}: {e}")

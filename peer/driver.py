@@ -87,8 +87,8 @@ class Driver:
         self._send_slot = asyncio.Lock()
         """Held while a request goes onto the link (asyncio's lock is FIFO: requests leave in order)."""
         self._compute_marks: list[tuple[int, float]] = []
-        self._remote_s = 0.0
-        """Sum of the next stage's answer times (serve_s), for the compute utilisation report."""
+        self._trips = 0
+        """Training microbatches answered (the next stage's busy time is this × its service time)."""
         self._up_bytes = self._down_bytes = 0
         """Bytes of training requests and their answers (the link utilisation report)."""
         self._report_mark = self._marks()
@@ -167,7 +167,7 @@ class Driver:
                                     trip_s=timing.done - timing.started, request_s=hop.request_s,
                                     response_s=timing.done - timing.first_byte if timing.first_byte else 0.0,
                                     serve_s=hop.serve_s)
-        self._remote_s += min(hop.serve_s, timing.done - timing.started)
+        self._trips += 1
         self._up_bytes += timing.request_bytes
         self._down_bytes += timing.response_bytes
 
@@ -180,8 +180,8 @@ class Driver:
         if n1 > n0:
             self.estimator.observe_compute((c1 - c0) / (n1 - n0))
 
-    def _marks(self) -> tuple[float, float, int, int, float]:
-        return time.monotonic(), self.worker.compute_s_total, self._up_bytes, self._down_bytes, self._remote_s
+    def _marks(self) -> tuple[float, float, int, int, int]:
+        return time.monotonic(), self.worker.compute_s_total, self._up_bytes, self._down_bytes, self._trips
 
     def report(self) -> dict[str, float | int | str | None]:
         """What limited the pipeline since the last report: the window, the measured link rates,
@@ -190,7 +190,8 @@ class Driver:
         (t0, c0, up0, down0, r0), self._report_mark = self._report_mark, now
         m, choice = self.estimator.measure(), self.choice
         use = utilisation(wall_s=now[0] - t0, up_bytes=now[2] - up0, down_bytes=now[3] - down0, up_rate=m.up_rate,
-                          down_rate=m.down_rate, local_compute_s=now[1] - c0, remote_compute_s=now[4] - r0)
+                          down_rate=m.down_rate, local_compute_s=now[1] - c0,
+                          remote_compute_s=(now[4] - r0) * m.remote_compute)
         return {"window": choice.size, "window_needed": None if math.isinf(choice.needed) else round(choice.needed, 2),
                 "window_limited_by": choice.limited_by, "max_in_flight": self.m.pipeline.max_in_flight,
                 "bottleneck": use.bottleneck, "link_util": round(use.link, 3), "compute_util": round(use.compute, 3),

@@ -15,7 +15,9 @@ The driver measures (peer/driver.py): bytes per request and answer and the time 
 link (the next stage reports how long our request took to arrive, first frame to last, and how
 long it took to answer once it had it; we time the answer's arrival), and its own compute per
 microbatch. A link's rate is the upper quartile of recent per-message rates: overlapping
-messages share the link and each sees less than its capacity.
+messages share the link and each sees less than its capacity. The next stage's time per
+microbatch is a low quantile of its answer times: an answer also counts the wait behind the
+microbatches ahead of it there, which is queueing, not service.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class PipelineMeasure:
     local_compute: float
     """The driver's compute per microbatch (forward and backward)."""
     remote_compute: float
-    """The later stages' time per microbatch, from the whole request read to the answer."""
+    """The later stages' time per microbatch, from the whole request read to the answer, without
+    queueing (a low quantile of the answer times)."""
 
     @property
     def up_s(self) -> float:
@@ -105,8 +108,8 @@ def utilisation(*, wall_s: float, up_bytes: float, down_bytes: float, up_rate: f
                 down_rate: float | None, local_compute_s: float, remote_compute_s: float) -> Utilisation:
     """How busy the link and the compute were over `wall_s` seconds, from what moved and ran then.
 
-    `remote_compute_s` sums the later stages' answer times, which count a request's wait for
-    their compute thread too: an upper bound on their busy share."""
+    `remote_compute_s`: the later stages' service time summed over the microbatches they
+    answered in the window (trips × PipelineMeasure.remote_compute)."""
     if wall_s <= 0:
         return Utilisation(0.0, 0.0, COMPUTE)
     link = max(up_bytes / wall_s / up_rate if up_rate else 0.0, down_bytes / wall_s / down_rate if down_rate else 0.0)
@@ -123,7 +126,8 @@ def _quantile(values: deque, q: float) -> float:
 @dataclass
 class PipelineEstimator:
     """Recent per-microbatch samples, summarised as a PipelineMeasure (medians; link rates at the
-    upper quartile). `window` samples are kept of each figure."""
+    upper quartile, the next stage's service at the 10th percentile). `window` samples are kept of
+    each figure."""
     window: int = 32
     min_transfer_s: float = 1e-3
     """A transfer shorter than this says nothing about a rate (an unshaped link): not sampled."""
@@ -173,7 +177,8 @@ class PipelineEstimator:
             request_bytes=med(self._request), response_bytes=med(self._response),
             up_rate=_quantile(self._up, 0.75) if self._up else None,
             down_rate=_quantile(self._down, 0.75) if self._down else None,
-            latency=med(self._latency), local_compute=med(self._local), remote_compute=med(self._remote))
+            latency=med(self._latency), local_compute=med(self._local),
+            remote_compute=_quantile(self._remote, 0.1) if self._remote else 0.0)
 
 
 def memory_window(offered_bytes: int | None, fixed_bytes: int, activation_bytes_per_microbatch: int) -> int | None:
