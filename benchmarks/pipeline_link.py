@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,7 @@ class Row:
     idle: float = math.nan
     pipeline: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    repeat: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -210,10 +212,11 @@ def snapshot(rev: str) -> Path:
 
 
 def table(rows: list[Row]) -> str:
-    base = {r.link: r for r in rows if r.variant == "before" and not r.error}
+    """One row per run; the ratio is to the `before` run of the same link and repeat."""
+    base = {(r.link, r.repeat): r for r in rows if r.variant == "before" and not r.error}
     out = []
     for r in rows:
-        b = base.get(r.link)
+        b = base.get((r.link, r.repeat))
         p = r.pipeline
         out.append([r.variant, r.link, fmt(r.samples_per_s, 1),
                     fmt(r.samples_per_s / b.samples_per_s, 2) if b else "",
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
     p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch (default 4x16)")
     p.add_argument("--max-in-flight", type=int, default=4, help="pipeline.max_in_flight (default 4)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each variant per link, alternating (default 1)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 steps per run")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here")
     args = p.parse_args(argv)
@@ -259,16 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     try:
         for li, link in enumerate(links):
-            for vi, variant in enumerate(variants):
-                print(f"--- {variant} over {link}", flush=True)
-                try:
-                    row = run_one(variant, link, code if variant == "before" else None, rounds, m,
-                                  tmp / f"{link}-{variant}", subnet=200 + 2 * li + vi, timeout_s=120 + 60 * rounds)
-                except Exception as e:  # one broken run must not lose the others' rows
-                    row = Row(variant, link, error=f"{type(e).__name__}: {e}")
-                rows.append(row)
-                print(f"  {fmt(row.samples_per_s, 1)} samples/s, up {fmt(row.up_bps / 1e6, 2)} MB/s, down "
-                      f"{fmt(row.down_bps / 1e6, 2)} MB/s" + (f" FAILED: {row.error}" if row.error else ""), flush=True)
+            # variants alternate, repeat after repeat: a load that comes and goes on a shared machine
+            # then falls on both rather than on whichever ran during it
+            for rep in range(args.repeats):
+                for vi, variant in enumerate(variants):
+                    print(f"--- {variant} over {link} ({rep + 1}/{args.repeats})", flush=True)
+                    try:
+                        row = run_one(variant, link, code if variant == "before" else None, rounds, m,
+                                      tmp / f"{link}-{variant}-{rep}", subnet=200 + 2 * li + vi,
+                                      timeout_s=120 + 60 * rounds)
+                    except Exception as e:  # one broken run must not lose the others' rows
+                        row = Row(variant, link, error=f"{type(e).__name__}: {e}")
+                    row.repeat = rep
+                    rows.append(row)
+                    print(f"  {fmt(row.samples_per_s, 1)} samples/s, up {fmt(row.up_bps / 1e6, 2)} MB/s, down "
+                          f"{fmt(row.down_bps / 1e6, 2)} MB/s" + (f" FAILED: {row.error}" if row.error else ""),
+                          flush=True)
     finally:
         if code is not None:
             shutil.rmtree(code, ignore_errors=True)
@@ -276,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
     print(table(rows))
+    for link in links:
+        ratios = sorted(r.samples_per_s / b.samples_per_s for r in rows for b in rows
+                        if r.link == b.link == link and r.repeat == b.repeat and r.variant == "after"
+                        and b.variant == "before" and not (r.error or b.error))
+        if ratios:
+            print(f"{link}: after / before samples/s per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
     print(f"\nload average after {os.getloadavg()[0]:.1f}")
     return 0
 
