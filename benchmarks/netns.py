@@ -87,12 +87,15 @@ class WanNet:
             public ones: hole punching waits for a public address and a relay hands out no relayed
             address for a private one. A public prefix (e.g. "11.77") makes the isolated net look
             like the internet to it; the namespaces have no route out, so nothing leaves.
+        name_prefix: start of the namespace names (PREFIX, which `remove_stale` knows, unless a
+            caller wants its namespaces told apart from other benchmarks' at a glance).
     """
     tag: str
     n: int
     rate: str | None = None
     subnet: int = 0
     prefix: str = "10.77"
+    name_prefix: str = PREFIX
     endpoints: list[Endpoint] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
 
@@ -110,7 +113,7 @@ class WanNet:
         self.close()
 
     def _ns(self, suffix: str) -> str:
-        name = f"{PREFIX}{os.getpid()}-{self.tag}-{suffix}"
+        name = f"{self.name_prefix}{os.getpid()}-{self.tag}-{suffix}"
         _run("ip", "netns", "add", name)
         self._namespaces.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")

@@ -9,6 +9,14 @@ replica keeps one extra sample in its gradients. Removing it needs commit-on-ack
 (accumulate a microbatch's gradients only once the driver confirms it), which is not built.
 An attempt that fails releases its stage-0 graph before the retry waits, so a driver never holds
 a round boundary hostage to a slow retry.
+
+How many microbatches are in flight is the adaptive window (peer/window.py): sized from the
+measured link and compute so that the slowest of them stays busy, at most pipeline.max_in_flight.
+Requests go on the link one after another (the send slot): a request starts once the one before
+it is written and, at the measured rate, on the wire. Sent all at once they would share the link
+and all arrive at the end, and the next stage would wait for the first of them as long as for the
+last; in order, it computes on the first while the others are still arriving, and the driver
+computes its next forward while the link carries this one.
 """
 from __future__ import annotations
 
@@ -25,8 +33,10 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.pipeline import Downstream
+from swarmgrad.peer.pipeline import Downstream, Hop
 from swarmgrad.peer.routing import DeadlineEstimator
+from swarmgrad.peer.rpc import CallTiming
+from swarmgrad.peer.window import PipelineEstimator, WindowChoice, choose_window, utilisation
 from swarmgrad.peer.worker import NonFiniteLoss, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 
@@ -48,7 +58,8 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], clock: RoundClock):
+                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], clock: RoundClock,
+                 memory_window: int | None = None):
         self.m = manifest
         self.worker = worker
         self.downstream = downstream
@@ -66,9 +77,29 @@ class Driver:
         """Commits on their way (owned here: finished or cancelled when the driver stops)."""
         self.running = False
         """True once the driver is sending training microbatches."""
+        self.memory_window = memory_window
+        """Microbatches whose stage-0 activations the memory this peer offers holds (None: unknown)."""
+        self.estimator = PipelineEstimator()
+        self.choice: WindowChoice = choose_window(self.estimator.measure(), manifest.pipeline.max_in_flight,
+                                                  memory_window)
+        self._in_flight = 0
+        self._window_changed = asyncio.Condition()
+        self._send_slot = asyncio.Lock()
+        """Held while a request goes onto the link (asyncio's lock is FIFO: requests leave in order)."""
+        self._compute_marks: list[tuple[int, float]] = []
+        self._trips = 0
+        """Training microbatches answered (the next stage's busy time is this × its service time)."""
+        self._up_bytes = self._down_bytes = 0
+        """Bytes of training requests and their answers (the link utilisation report)."""
+        self._report_mark = self._marks()
+
+    @property
+    def window(self) -> int:
+        return self.choice.size
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Keep pipeline.max_in_flight microbatches going until `stop` is set."""
+        """Keep the adaptive window's microbatches in flight (at most pipeline.max_in_flight) until
+        `stop` is set."""
         self.running = True
         lanes = [asyncio.create_task(self._lane(stop), name=f"driver-lane-{i}")
                  for i in range(self.m.pipeline.max_in_flight)]
@@ -87,8 +118,89 @@ class Driver:
 
     async def _lane(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            inputs, targets = next(self.stream)
-            await self.train_microbatch(inputs, targets, stop)
+            async with self._window_changed:  # a lane beyond the window waits for it to grow
+                await self._window_changed.wait_for(lambda: self._in_flight < self.window)
+                self._in_flight += 1
+            try:
+                inputs, targets = next(self.stream)
+                await self.train_microbatch(inputs, targets, stop)
+            finally:
+                self._in_flight -= 1
+                await asyncio.shield(self._rewindow())
+
+    async def _rewindow(self) -> None:
+        """Re-size the window from the latest measurements and wake lanes that may now go."""
+        self.choice = choose_window(self.estimator.measure(), self.m.pipeline.max_in_flight, self.memory_window)
+        async with self._window_changed:
+            self._window_changed.notify_all()
+
+    async def _send(self, mb: int, attempt: int, h: torch.Tensor, targets: torch.Tensor, eval_only: bool
+                    ) -> tuple[Hop, CallTiming]:
+        """Send through the send slot (module docstring): hold it until the request is written and,
+        at the measured uplink rate, has had time to leave; then wait for the answer without it."""
+        assert self.downstream is not None
+        timing = CallTiming()
+        encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
+        async with self._send_slot:
+            call = asyncio.ensure_future(self.downstream.forward(
+                1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
+                self.clock.current, timing=timing, encoded=encoded))
+            sent = asyncio.ensure_future(timing.sent.wait())
+            try:
+                await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)
+                rate = self.estimator.measure().up_rate
+                if rate and not call.done() and timing.started:
+                    on_wire = timing.started + timing.request_bytes / rate - time.monotonic()
+                    if on_wire > 0:
+                        await asyncio.wait([call], timeout=on_wire)
+            except BaseException:
+                call.cancel()
+                raise
+            finally:
+                sent.cancel()  # no request went out (no replica to send to): nothing will set it
+        return await call, timing
+
+    def _observe(self, hop: Hop, timing: CallTiming) -> None:
+        if not (timing.started and timing.done):
+            return
+        self.estimator.observe_trip(request_bytes=timing.request_bytes, response_bytes=timing.response_bytes,
+                                    trip_s=timing.done - timing.started, request_s=hop.request_s,
+                                    response_s=timing.done - timing.first_byte if timing.first_byte else 0.0,
+                                    serve_s=hop.serve_s)
+        self._trips += 1
+        self._up_bytes += timing.request_bytes
+        self._down_bytes += timing.response_bytes
+
+    def _observe_compute(self) -> None:
+        """The driver's compute per microbatch over its last few completions (forward, backward
+        and its share of inner steps: everything its compute thread did)."""
+        self._compute_marks.append((self.stats.completed, self.worker.compute_s_total))
+        del self._compute_marks[:-9]
+        (n0, c0), (n1, c1) = self._compute_marks[0], self._compute_marks[-1]
+        if n1 > n0:
+            self.estimator.observe_compute((c1 - c0) / (n1 - n0))
+
+    def _marks(self) -> tuple[float, float, int, int, int]:
+        return time.monotonic(), self.worker.compute_s_total, self._up_bytes, self._down_bytes, self._trips
+
+    def report(self) -> dict[str, float | int | str | None]:
+        """What limited the pipeline since the last report: the window, the measured link rates,
+        link and compute utilisation and the bottleneck (the `pipeline` event's fields)."""
+        now = self._marks()
+        (t0, c0, up0, down0, r0), self._report_mark = self._report_mark, now
+        m, choice = self.estimator.measure(), self.choice
+        use = utilisation(wall_s=now[0] - t0, up_bytes=now[2] - up0, down_bytes=now[3] - down0, up_rate=m.up_rate,
+                          down_rate=m.down_rate, local_compute_s=now[1] - c0,
+                          remote_compute_s=(now[4] - r0) * m.remote_compute)
+        return {"window": choice.size, "window_needed": None if math.isinf(choice.needed) else round(choice.needed, 2),
+                "window_limited_by": choice.limited_by, "max_in_flight": self.m.pipeline.max_in_flight,
+                "bottleneck": use.bottleneck, "link_util": round(use.link, 3), "compute_util": round(use.compute, 3),
+                "driver_compute_util": round(min(1.0, (now[1] - c0) / max(1e-9, now[0] - t0)), 3),
+                "up_rate": m.up_rate, "down_rate": m.down_rate, "up_bytes_per_s": (now[2] - up0) / max(1e-9, now[0] - t0),
+                "down_bytes_per_s": (now[3] - down0) / max(1e-9, now[0] - t0),
+                "local_compute_s": round(m.local_compute, 4), "remote_s": round(m.remote_compute, 4),
+                "latency_s": round(m.latency, 4), "interval_s": round(choice.interval, 4), "trip_s": round(choice.trip, 4),
+                "samples": self.estimator.samples}
 
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
@@ -103,11 +215,12 @@ class Driver:
             assert self.downstream is not None
             x, h = await self.worker.forward(inputs, train=not eval_only)
             started = time.monotonic()
-            hop = await self.downstream.forward(1, h, targets, mb, attempt, self.peer_id,
-                                                get_dht_time() + self.deadlines.deadline(), eval_only, self.clock.current)
+            hop, timing = await self._send(mb, attempt, h, targets, eval_only)
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)
+            if not eval_only:  # an evaluation's answer carries no gradient: not a training trip's bytes
+                self._observe(hop, timing)
             if not eval_only:
                 assert hop.grad is not None
                 await self.worker.backward(x, h, hop.grad, inputs.shape[0])
@@ -180,6 +293,7 @@ class Driver:
         loss = await self._through(inputs, targets, eval_only=False, stop=stop)
         if loss is not None:
             self.stats.completed += 1
+            self._observe_compute()
             await self.worker.maybe_step()
         return loss
 

@@ -15,9 +15,12 @@ from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, v
 from swarmgrad.peer.driver import Batch, Driver
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.pipeline import Downstream, wait_for_pipeline
 from swarmgrad.peer.presence import ReplicaStats
+from swarmgrad.peer.stage_cost import stage_costs
 from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.peer.window import memory_window
 from swarmgrad.peer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -30,11 +33,24 @@ def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
     return int.from_bytes(PeerID.from_base58(peer_id).to_bytes()[-4:], "big") ^ manifest.seed
 
 
+def driver_memory_window(manifest: Manifest, offered_bytes: int | None, model: StagedModel | None = None) -> int | None:
+    """Microbatches in flight whose stage-0 activations fit in what this peer offers (the
+    window's memory bound), from the stage's estimated needs (peer/stage_cost.py)."""
+    try:
+        need = stage_costs(manifest, model)[0].memory
+    except ValueError:  # an entry-point model without its StagedModel: unknown
+        return None
+    per_microbatch = need.activations // manifest.pipeline.max_in_flight
+    return memory_window(offered_bytes, need.total - need.activations, per_microbatch)
+
+
 class DrivingLoop:
     def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
-                 tasks: list[asyncio.Task], stats: ReplicaStats | None = None):
+                 tasks: list[asyncio.Task], stats: ReplicaStats | None = None, memory_window: int | None = None):
         self.m = manifest
+        self.memory_window = memory_window
+        """Microbatches in flight the memory this peer offers holds (peer/window.py); None: unknown."""
         self.stats = stats
         self.worker = worker
         self.downstream = downstream
@@ -60,7 +76,7 @@ class DrivingLoop:
         self._val = validation_batches(val, self.m.model.seq_len, self.m.inner.microbatch_size, d.eval_batches,
                                        seed=self.m.seed)
         self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
-                             self.events.emit, self.clock)
+                             self.events.emit, self.clock, memory_window=self.memory_window)
         # a stage may be empty for a while (peers still joining, or one moving in to fill it):
         # wait, saying so, rather than give up on a swarm that is still assembling
         while self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages,
@@ -70,11 +86,25 @@ class DrivingLoop:
         await self.driver.run(self.stop_training)
 
     async def after_round(self) -> None:
-        """Called by the round runner after each round: start an evaluation when one is due."""
+        """Called by the round runner after each round: report what limited the pipeline in it
+        (the `pipeline` event and a progress line), start an evaluation when one is due."""
+        if self.driver is not None and self.driver.running and self.n_stages > 1:
+            self.report_pipeline()
         if policy.eval_due(is_driver=True, driving=self.driver is not None and self.driver.running,
                            evaluating=self._evaluating, eval_every=self.m.data.eval_every,
                            rounds_done=self.clock.rounds_done, finished=self.clock.finished):
             self.tasks.append(asyncio.create_task(self.evaluate(), name="eval"))
+
+    def report_pipeline(self) -> None:
+        assert self.driver is not None
+        r = self.driver.report()
+        self.events.emit("pipeline", round=self.clock.current, **r)
+        rate = lambda v: "?" if v is None else f"{v / 1e6:.2f}"  # noqa: E731
+        logger.info("stage 0 pipeline: window %d of %d (%s) | link %.0f%% (up %.2f of %s MB/s, down %.2f of %s MB/s) "
+                    "| compute %.0f%% (driver %.0f%%) | bottleneck %s", r["window"], r["max_in_flight"],
+                    r["window_limited_by"], 100 * r["link_util"], r["up_bytes_per_s"] / 1e6, rate(r["up_rate"]),
+                    r["down_bytes_per_s"] / 1e6, rate(r["down_rate"]), 100 * r["compute_util"],
+                    100 * r["driver_compute_util"], r["bottleneck"])
 
     async def evaluate(self, final: bool = False) -> None:
         assert self.driver is not None

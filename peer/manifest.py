@@ -119,7 +119,9 @@ class PipelineConfig:
     activation_codec: str = "fp16"
     gradient_codec: str = "fp16"
     max_in_flight: int = 4
-    """Microbatches a driver keeps in flight at once."""
+    """The most microbatches a driver keeps in flight: the cap of its adaptive window
+    (peer/window.py), which keeps as many as its measured link and compute need. Placement
+    reserves memory for this many microbatches' activations."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
     max_message_mb: float = 256.0

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.routing import BanList, Candidate, choose_replica
-from swarmgrad.peer.rpc import FramedRPC, RPCFailed, stage_namespace
+from swarmgrad.peer.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
@@ -57,6 +57,10 @@ class Hop:
     grad: torch.Tensor | None = None
     failed_peer: str = ""
     route: str = ""
+    request_s: float = 0.0
+    """What the next stage reported: seconds our request took to reach it, first frame to last."""
+    serve_s: float = 0.0
+    """What the next stage reported: seconds from our whole request to its answer."""
 
 
 class Downstream:
@@ -92,19 +96,30 @@ class Downstream:
             self._cache[stage] = cached
         return cached[1]
 
+    async def encode(self, output: torch.Tensor) -> pb.EncodedTensor:
+        """`output` in the activation codec, encoded off the event loop: a heavy codec (low-rank,
+        rotations) must not hold up the bytes of requests and answers already on their way."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))))
+
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
-                      attempt: int, driver: str, deadline: float, eval_only: bool, round: int) -> Hop:
+                      attempt: int, driver: str, deadline: float, eval_only: bool, round: int,
+                      timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None) -> Hop:
+        """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
+        already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
+        paces its sends and estimates its link with it)."""
         peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
+        activations = encoded if encoded is not None else await self.encode(output)
         request = pb.ForwardRequest(
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
-            activations=encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))),
-            targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only, round=round)
+            activations=activations, targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only,
+            round=round)
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
-                                           timeout=max(0.1, deadline - get_dht_time()))
+                                           timeout=max(0.1, deadline - get_dht_time()), timing=timing)
         except RPCFailed as e:
             self.bans.ban(peer, time.monotonic())
             return Hop(pb.DOWNSTREAM_FAILED, str(e), failed_peer=peer)
@@ -162,7 +177,8 @@ class Downstream:
             self.bans.ban(failed, now)
             return Hop(pb.DOWNSTREAM_FAILED, f"{status_name(res.status)}: {res.reason}", failed_peer=failed)
         self.bans.succeeded(peer)
-        return Hop(pb.OK, loss=res.loss, n_targets=res.n_targets, grad=res.grad, route=route)
+        return Hop(pb.OK, loss=res.loss, n_targets=res.n_targets, grad=res.grad, route=route,
+                   request_s=res.request_s, serve_s=res.serve_s)
 
 
 class StageServer:
@@ -196,6 +212,15 @@ class StageServer:
         return self.contract.stage == self.contract.n_stages - 1
 
     async def handle(self, request: pb.ForwardRequest, caller: PeerID) -> pb.ForwardResponse:
+        """Serve one forward request; an OK answer says how long the request took to arrive and
+        how long we took from there (the driver's link estimate, peer/window.py)."""
+        read_s, started = REQUEST_READ_S.get(), time.monotonic()
+        response = await self._handle(request)
+        if response.status == pb.OK:
+            response.request_s, response.serve_s = read_s, time.monotonic() - started
+        return response
+
+    async def _handle(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
         inp = validate_forward(request, self.identity, self.contract, self.max_numel,
                                allowed_codecs=self.activation_codecs)
         now = get_dht_time()

@@ -25,7 +25,7 @@ from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import Averager
 from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.driving import DrivingLoop, data_seed
+from swarmgrad.peer.driving import DrivingLoop, data_seed, driver_memory_window
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.model import StagedModel
@@ -152,7 +152,7 @@ class Replica:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
                                        seed=data_seed(m, ctx.peer_id, ctx.data_seed), tasks=self.tasks,
-                                       stats=presence.stats)
+                                       stats=presence.stats, memory_window=driver_memory_window(m, ctx.memory, ctx.model))
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
                                   sync=sync, presence=presence, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,

@@ -14,6 +14,7 @@ one log line and nothing else. A caller gets a response or RPCFailed, never anot
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,25 @@ class Traffic:
     def add_recv(self, kind: str, n: int) -> None:
         self.recv += n
         self.recv_by_kind[kind] += n
+
+
+@dataclass
+class CallTiming:
+    """When a call's bytes moved, for a caller that estimates its link (peer/window.py).
+    Filled in by `FramedRPC.call(timing=...)`; times are time.monotonic()."""
+    started: float = 0.0
+    """The stream was opened and the request began to be written."""
+    sent: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the whole request has been handed to the transport (or the call ended)."""
+    first_byte: float = 0.0
+    """The response's first frame arrived (0: none did)."""
+    done: float = 0.0
+    request_bytes: int = 0
+    response_bytes: int = 0
+
+
+REQUEST_READ_S: contextvars.ContextVar[float] = contextvars.ContextVar("request_read_s", default=0.0)
+"""In a handler: seconds the request being served took to arrive, first frame to last (0: unknown)."""
 
 
 class RPCFailed(Exception):
@@ -201,6 +221,13 @@ class FramedRPC:
             self.buffered_bytes += n
             held += n
 
+        first_frame = 0.0
+
+        def reserve_timed(n: int) -> None:
+            nonlocal first_frame
+            first_frame = first_frame or time.monotonic()
+            reserve(n)
+
         try:
             if self.gate is not None:  # inside the stream count: a stranger's refused streams are bounded too
                 why = await self.gate(peer)
@@ -211,7 +238,8 @@ class FramedRPC:
                     await self._drain(reader)
                     return
             try:
-                request, size = await asyncio.wait_for(self._read(reader, request_type, reserve), self.read_timeout)
+                request, size = await asyncio.wait_for(self._read(reader, request_type, reserve_timed),
+                                                       self.read_timeout)
             except asyncio.TimeoutError:
                 error = ProtocolError(pb.DEADLINE_EXCEEDED, f"request not received within {self.read_timeout:g}s")
             except ProtocolError as e:
@@ -220,6 +248,7 @@ class FramedRPC:
                 self.buffered_bytes -= held
                 held = 0
                 self.traffic.add_recv(traffic_kind(method, response=False), size)
+                REQUEST_READ_S.set(time.monotonic() - first_frame if first_frame else 0.0)
                 await self._write(writer, await self._answer(method, handler, refusal, request, peer), answer_kind)
                 return
             logger.info("refused %s from %s: %s", method, who, error)
@@ -263,13 +292,22 @@ class FramedRPC:
     # ------------------------------------------------------------------ calling
 
     async def call(self, peer: PeerID | str, method: str, request: Message, response_type: type[Resp],
-                   timeout: float) -> Resp:
+                   timeout: float, timing: CallTiming | None = None) -> Resp:
         """Send `request` and wait at most `timeout` seconds for the whole response.
 
         The response is read under the same limits as a request (frame size, frame count,
         max_message_bytes). Raises RPCFailed for anything but a parsed response, including a
         response over the limits; the response's fields are the caller's to validate
-        (protocol/responses.py)."""
+        (protocol/responses.py). `timing`, if given, is filled in as the bytes move; its `sent`
+        event is set however the call ends."""
+        timing = CallTiming() if timing is None else timing
+        try:
+            return await self._call(peer, method, request, response_type, timeout, timing)
+        finally:
+            timing.sent.set()
+
+    async def _call(self, peer: PeerID | str, method: str, request: Message, response_type: type[Resp],
+                    timeout: float, timing: CallTiming) -> Resp:
         try:
             peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
         except Exception as e:
@@ -280,14 +318,19 @@ class FramedRPC:
         async def send(writer: asyncio.StreamWriter) -> None:
             await write_chunks(writer, chunks)
             self.traffic.add_sent(traffic_kind(method, response=False), size)
+            timing.sent.set()
+
+        def first_frame(n: int) -> None:
+            timing.first_byte = timing.first_byte or time.monotonic()
 
         async def exchange() -> Resp:
             started = time.monotonic()
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self._name(method))
+            timing.started, timing.request_bytes = time.monotonic(), size
             sending = asyncio.create_task(send(writer))
             try:
                 # read while we write: a server that refuses early answers before it has read it all
-                response, received = await self._read(reader, response_type)
+                response, received = await self._read(reader, response_type, first_frame)
             finally:
                 sending.cancel()
                 try:
@@ -296,7 +339,8 @@ class FramedRPC:
                     logger.debug("%s to %s: request not sent whole (%s)", method, who, type(e).__name__)
                 writer.close()
             self.traffic.add_recv(traffic_kind(method, response=True), received)
-            self.traffic.link.observe(size + received, time.monotonic() - started)
+            timing.done, timing.response_bytes = time.monotonic(), received
+            self.traffic.link.observe(size + received, timing.done - started)
             return response
 
         try:

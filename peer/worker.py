@@ -92,6 +92,9 @@ class StageWorker:
         """Testing aid (--slowdown F): each compute call sleeps (F−1)× its measured time, on the
         compute thread, so the replica really is F times slower and measures itself so."""
         self._compute_s = 0.0
+        self.compute_s_total = 0.0
+        """Seconds of compute on this replica's thread since it started, never reset (a driver's
+        compute utilisation over any window is the difference over the window's wall time)."""
         self._samples_since_rate = 0
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
@@ -117,6 +120,7 @@ class StageWorker:
             time.sleep((self.slowdown - 1) * spent)
             spent *= self.slowdown
         self._compute_s += spent
+        self.compute_s_total += spent
         return out
 
     @contextlib.asynccontextmanager

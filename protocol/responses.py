@@ -23,6 +23,8 @@ MAX_LOSS = 1e6
 """A mean loss in nats above this is no loss a model of ours reports (ln(vocab) is ~10)."""
 MAX_ROUTE_HOPS = 64
 """Peer ids in a forward response's route: at most one per stage, and no run has this many."""
+MAX_REPORTED_SECONDS = 3600.0
+"""Bound on a forward response's timings (request_s, serve_s): they only feed the driver's estimates."""
 MAX_TOTAL_WEIGHT = 1e12
 """Default cap on an averaging response's total weight (samples over the whole group)."""
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,%d}" % MAX_ID_CHARS)  # base58, as libp2p writes ids
@@ -56,6 +58,10 @@ class ForwardResult:
     n_targets: int = 0
     grad: torch.Tensor | None = None
     """Gradient w.r.t. the activations we sent (None for eval_only and for refusals)."""
+    request_s: float = 0.0
+    """Seconds the remote took to read our request, first frame to last (0: not reported)."""
+    serve_s: float = 0.0
+    """Seconds from the remote's whole request read to its answer (0: not reported)."""
 
     @property
     def ok(self) -> bool:
@@ -99,8 +105,14 @@ def validate_forward_response(resp: pb.ForwardResponse, expected_grad_shape: tup
             raise ProtocolError(pb.BAD_REQUEST, "forward response has no grad_input")
         grad = decode_tensor(resp.grad_input, max_numel, "grad_input", tuple(expected_grad_shape),
                              allowed_codecs=allowed_codecs)
+    timings = []
+    for name in ("request_s", "serve_s"):
+        value = getattr(resp, name)
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_REPORTED_SECONDS):
+            raise ProtocolError(pb.BAD_REQUEST, f"forward response {name} {value} is not in [0, {MAX_REPORTED_SECONDS}]")
+        timings.append(float(value))
     return ForwardResult(pb.OK, "", failed_peer=failed, route=hops, loss=float(resp.loss),
-                         n_targets=int(resp.n_targets), grad=grad)
+                         n_targets=int(resp.n_targets), grad=grad, request_s=timings[0], serve_s=timings[1])
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ class Net:
         self.lose_answer: set[str] = set()
         self.calls: list[tuple[str, str]] = []
 
-    async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
+    async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float,
+                   timing: Any = None) -> Any:
         self.calls.append((peer, method))
         server = self.servers[peer]
         handler = server.handle if method == "forward" else server.commit

@@ -223,6 +223,8 @@ def test_codec_outside_the_manifest_is_refused_on_every_path() -> None:
 def test_valid_responses_are_decoded() -> None:
     out = check_forward(ok_forward_response())
     assert out.ok and out.grad.shape == (2, SEQ, D) and out.loss == 2.5 and out.route == ("QmNext1", "QmNext2")
+    timed = check_forward(ok_forward_response(request_s=0.25, serve_s=1.5))
+    assert (timed.request_s, timed.serve_s) == (0.25, 1.5) and (out.request_s, out.serve_s) == (0.0, 0.0)
     assert check_forward(ok_forward_response(), eval_only=True).grad is None
     avg = check_average(ok_average_response())
     assert avg.ok and avg.contributors == PEERS and set(avg.tensors) == set(PART)
@@ -238,6 +240,8 @@ def test_valid_responses_are_decoded() -> None:
     (dict(loss=math.nan), "loss"), (dict(loss=math.inf), "loss"), (dict(loss=-1.0), "loss"),
     (dict(loss=1e300), "loss"), (dict(n_targets=2**63), "targets"), (dict(failed_peer="not a peer id!"), "peer id"),
     (dict(route=",".join(["QmX"] * 65)), "route"), (dict(route="QmA,,QmB"), "route"),
+    (dict(request_s=math.nan), "request_s"), (dict(request_s=-0.1), "request_s"), (dict(serve_s=math.inf), "serve_s"),
+    (dict(serve_s=1e9), "serve_s"),
 ])
 def test_forward_response_bounds(fields: dict, needle: str) -> None:
     assert needle in refused(check_forward, ok_forward_response(**fields)).reason

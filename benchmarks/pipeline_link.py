@@ -1,0 +1,301 @@
+"""Does the 2-stage pipeline fill its link? Samples/s and link utilisation of the same pipeline run by
+the code before the adaptive window and by the code now, side by side, unshaped and over 20 Mbit.
+
+    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--before REV] [--rounds N] [--quick]
+
+Two peers, one per stage (a driver on stage 0, the loss on stage 1), each in its own network
+namespace on one veth pair (benchmarks/netns.py, namespaces named `window-<pid>-...`); "20mbit"
+puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends' egress. The task is the reference
+model (examples/reference.toml: byte-level GPT d 128, 4 layers, seq 128) split in two stages, fp16
+activations and gradients, microbatches of 16, 4 per inner step, pipeline.max_in_flight 4 (issue 9
+item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10 inner steps.
+
+Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
+window) and `after` the working tree, both from the same manifest. Each runs until the driver has
+reported 1 + N rounds; the first (start-up, the first evaluation) is not counted.
+
+Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
+link utilisation (bytes of the `wan0` interface counters, all traffic, over the link's rate; unshaped
+links have no rate); `idle` is the share of 100 ms samples in which stage 0's uplink carried less
+than 10 % of its rate (the link waiting on something else). With the code that reports it, the
+driver's own `pipeline` events add the window it chose, its measured compute utilisation, and the
+bottleneck it names.
+
+Root is needed for the namespaces; without it the script says why and exits 0. Only ratios measured
+in one run mean anything: the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import netns  # noqa: E402
+from _common import fmt, markdown_table  # noqa: E402
+from swarmgrad.peer.launcher import LocalSwarm  # noqa: E402
+from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
+
+BEFORE = "6b832a8"
+"""The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
+LINKS = {"unshaped": None, "20mbit": "20mbit"}
+RATE_BYTES = {"20mbit": 20e6 / 8}
+NS_PREFIX = "window-"
+SAMPLE_S = 0.1
+
+
+def manifest(inner_steps: int, per_step: int, size: int, cap: int) -> Manifest:
+    return load(REPO / "examples" / "reference.toml").replace(
+        run_id="pipeline-link", stages={"count": 2},
+        inner={"microbatch_size": size, "microbatches_per_step": per_step},
+        pipeline={"activation_codec": "fp16", "gradient_codec": "fp16", "max_in_flight": cap},
+        rounds={"inner_steps": inner_steps, "max_rounds": 0},
+        data={"eval_every": 0, "eval_batches": 2})
+
+
+@dataclass
+class Row:
+    variant: str
+    link: str
+    samples: int = 0
+    seconds: float = math.nan
+    up_bps: float = math.nan
+    down_bps: float = math.nan
+    idle: float = math.nan
+    pipeline: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    repeat: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else math.nan
+
+    def utilisation(self, bps: float) -> float:
+        rate = RATE_BYTES.get(self.link)
+        return bps / rate if rate else math.nan
+
+
+class TxSampler(threading.Thread):
+    """Reads both peers' `wan0` tx_bytes every SAMPLE_S seconds: (monotonic time, [tx per peer])."""
+
+    def __init__(self, net: netns.WanNet):
+        super().__init__(daemon=True)
+        self.net = net
+        self.samples: list[tuple[float, list[int]]] = []
+        self.stop = threading.Event()
+        self._paths = [f"/sys/class/net/{e.ifname}/statistics/tx_bytes" for e in net.endpoints]
+
+    def run(self) -> None:
+        # one long-lived reader per namespace: `ip netns exec cat` ten times a second would cost a core
+        readers = [subprocess.Popen([*e.exec_prefix(), sys.executable, "-u", "-c", _READER, p],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                   for e, p in zip(self.net.endpoints, self._paths)]
+        try:
+            while not self.stop.is_set():
+                values = []
+                for r in readers:
+                    assert r.stdin is not None and r.stdout is not None
+                    r.stdin.write("\n")
+                    r.stdin.flush()
+                    values.append(int(r.stdout.readline()))
+                self.samples.append((time.monotonic(), values))
+                self.stop.wait(SAMPLE_S)
+        finally:
+            for r in readers:
+                r.kill()
+                r.wait()
+
+    def at(self, t: float, peer: int) -> float:
+        """tx_bytes of `peer` at monotonic time t, linear between samples."""
+        s = self.samples
+        for (t0, v0), (t1, v1) in zip(s, s[1:]):
+            if t0 <= t <= t1:
+                return v0[peer] + (v1[peer] - v0[peer]) * (t - t0) / max(1e-9, t1 - t0)
+        return float(s[-1][1][peer] if t > s[-1][0] else s[0][1][peer])
+
+    def idle_share(self, t0: float, t1: float, peer: int, rate: float) -> float:
+        """Share of sampling intervals in [t0, t1] in which `peer` sent under 10 % of `rate`."""
+        quiet = total = 0
+        for (a, va), (b, vb) in zip(self.samples, self.samples[1:]):
+            if a >= t0 and b <= t1:
+                total += 1
+                quiet += (vb[peer] - va[peer]) / max(1e-9, b - a) < 0.1 * rate
+        return quiet / total if total else math.nan
+
+
+_READER = "import sys\nfor _ in sys.stdin:\n    print(open(sys.argv[1]).read().strip(), flush=True)\n"
+
+
+class NsSwarm(LocalSwarm):
+    def __init__(self, manifest_path: Path, workdir: Path, endpoints: list[netns.Endpoint], code: Path | None):
+        super().__init__(manifest_path, workdir)
+        self.endpoints = endpoints
+        if code is not None:  # the `before` snapshot first on the path, ahead of the editable install
+            self.env["PYTHONPATH"] = str(code)
+
+    def command_prefix(self, index: int) -> list[str]:
+        return self.endpoints[index].exec_prefix()
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/0", "--data-seed", str(index)]
+
+
+def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest, workdir: Path,
+            subnet: int, timeout_s: float) -> Row:
+    row = Row(variant, link)
+    workdir.mkdir(parents=True)
+    (workdir / "manifest.toml").write_text(dumps(m))
+    with netns.WanNet(f"{variant[:3]}{subnet}", 2, LINKS[link], subnet=subnet, name_prefix=NS_PREFIX) as net, \
+            NsSwarm(workdir / "manifest.toml", workdir, net.endpoints, code) as swarm:
+        sampler = TxSampler(net)
+        sampler.start()
+        try:
+            driver = swarm.start_first(0)
+            swarm.start(1)
+            deadline = time.monotonic() + timeout_s
+            seen: list[tuple[float, dict[str, Any]]] = []  # (monotonic time seen, round event)
+            while len(seen) < rounds + 1:
+                events = driver.events("round")
+                for e in events[len(seen):]:
+                    # event times are wall clock; the sampler's are monotonic: map through now
+                    seen.append((time.monotonic() - (time.time() - e["time"]), e))
+                if any(not p.alive for p in swarm.peers) or time.monotonic() > deadline:
+                    dead = [p for p in swarm.peers if not p.alive]
+                    row.error = (f"{dead[0].name} exited" if dead else f"timeout {timeout_s:.0f}s") + \
+                        f" after {len(seen)} rounds: " + (dead or swarm.peers)[0].log_tail(4).replace("\n", " | ")
+                    break
+                time.sleep(0.2)
+            if not row.error:
+                (t0, _), (t1, _) = seen[0], seen[-1]
+                row.samples = sum(e["samples"] for _, e in seen[1:])
+                row.seconds = t1 - t0
+                row.up_bps = (sampler.at(t1, 0) - sampler.at(t0, 0)) / row.seconds
+                row.down_bps = (sampler.at(t1, 1) - sampler.at(t0, 1)) / row.seconds
+                rate = RATE_BYTES.get(link)
+                if rate:
+                    row.idle = sampler.idle_share(t0, t1, 0, rate)
+                last = t1 - time.monotonic() + time.time()
+                first = t0 - time.monotonic() + time.time()
+                pipe = [e for e in driver.events("pipeline") if first < e["time"] <= last + 0.5]
+                if pipe:
+                    row.pipeline = pipe[-1]
+        finally:
+            sampler.stop.set()
+            sampler.join(5)
+            # the interface counters over time, for a look at when the link was busy
+            (workdir / "tx.jsonl").write_text("".join(json.dumps([t, v]) + "\n" for t, v in sampler.samples))
+    return row
+
+
+def snapshot(rev: str) -> Path:
+    """`git archive REV` of the three packages, laid out as an importable `swarmgrad` package."""
+    snap = Path(tempfile.mkdtemp(prefix="window-pipeline-link-code-"))
+    (snap / "swarmgrad").mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "peer", "protocol", "compression"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(snap / "swarmgrad")], input=archive, check=True)
+    return snap
+
+
+def table(rows: list[Row]) -> str:
+    """One row per run; the ratio is to the `before` run of the same link and repeat."""
+    base = {(r.link, r.repeat): r for r in rows if r.variant == "before" and not r.error}
+    out = []
+    for r in rows:
+        b = base.get((r.link, r.repeat))
+        p = r.pipeline
+        out.append([r.variant, r.link, fmt(r.samples_per_s, 1),
+                    fmt(r.samples_per_s / b.samples_per_s, 2) if b else "",
+                    fmt(r.up_bps / 1e6, 2), fmt(r.down_bps / 1e6, 2),
+                    fmt(r.utilisation(r.up_bps), 2), fmt(r.utilisation(r.down_bps), 2), fmt(r.idle, 2),
+                    f"{p['window']} ({fmt(p['window_needed'] or math.nan, 1)})" if p else "",
+                    f"{p['bottleneck']} (link {p['link_util']:.2f}, compute {p['compute_util']:.2f})" if p else "",
+                    f"FAILED: {r.error[:300]}" if r.error else ""])
+    header = ["code", "link", "samples/s", "ratio to before", "up MB/s", "down MB/s", "up util", "down util",
+              "uplink idle", "window (needed)", "driver's report: bottleneck (utilisation)", "note"]
+    return markdown_table(header, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
+    p.add_argument("--variants", default="before,after", help="comma-separated, of before,after")
+    p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
+    p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
+    p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
+    p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch (default 4x16)")
+    p.add_argument("--max-in-flight", type=int, default=4, help="pipeline.max_in_flight (default 4)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each variant per link, alternating (default 1)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 steps per run")
+    p.add_argument("--workdir", default=None, help="keep every peer's log and events here")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks remove the namespaces
+    links, variants = args.links.split(","), args.variants.split(",")
+    for name, got, allowed in (("--links", links, LINKS), ("--variants", variants, ("before", "after"))):
+        if any(x not in allowed for x in got):
+            p.error(f"{name}: choose from {','.join(allowed)}")
+    why = netns.why_unavailable()
+    if why:
+        print(f"SKIP: benchmarks/pipeline_link.py needs network namespaces: {why}")
+        return 0
+    rounds, steps = (1, 2) if args.quick else (args.rounds, args.inner_steps)
+    per_step, size = (int(x) for x in args.shape.split("x"))
+    m = manifest(steps, per_step, size, args.max_in_flight)
+    tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
+    code = snapshot(args.before) if "before" in variants else None
+    print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree; "
+          f"{rounds} rounds of {steps} steps of {per_step} x {size} samples per run, max_in_flight "
+          f"{args.max_in_flight}", flush=True)
+    rows: list[Row] = []
+    try:
+        for li, link in enumerate(links):
+            # variants alternate, repeat after repeat: a load that comes and goes on a shared machine
+            # then falls on both rather than on whichever ran during it
+            for rep in range(args.repeats):
+                for vi, variant in enumerate(variants):
+                    print(f"--- {variant} over {link} ({rep + 1}/{args.repeats})", flush=True)
+                    try:
+                        row = run_one(variant, link, code if variant == "before" else None, rounds, m,
+                                      tmp / f"{link}-{variant}-{rep}", subnet=200 + 2 * li + vi,
+                                      timeout_s=120 + 60 * rounds)
+                    except Exception as e:  # one broken run must not lose the others' rows
+                        row = Row(variant, link, error=f"{type(e).__name__}: {e}")
+                    row.repeat = rep
+                    rows.append(row)
+                    print(f"  {fmt(row.samples_per_s, 1)} samples/s, up {fmt(row.up_bps / 1e6, 2)} MB/s, down "
+                          f"{fmt(row.down_bps / 1e6, 2)} MB/s" + (f" FAILED: {row.error}" if row.error else ""),
+                          flush=True)
+    finally:
+        if code is not None:
+            shutil.rmtree(code, ignore_errors=True)
+        if not args.workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(table(rows))
+    for link in links:
+        ratios = sorted(r.samples_per_s / b.samples_per_s for r in rows for b in rows
+                        if r.link == b.link == link and r.repeat == b.repeat and r.variant == "after"
+                        and b.variant == "before" and not (r.error or b.error))
+        if ratios:
+            print(f"{link}: after / before samples/s per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
+    print(f"\nload average after {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The adaptive window (peer/window.py), pure: Little's law over measured servers, its bounds,
+the bottleneck it names, the estimator's summaries, the utilisation report and the memory bound."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, choose_window, memory_window,
+                                   utilisation)
+
+MB = 1 << 20
+
+
+def measure(**kw: float | None) -> PipelineMeasure:
+    base = dict(request_bytes=0.5 * MB, response_bytes=0.5 * MB, up_rate=2.5e6, down_rate=2.5e6, latency=0.05,
+                local_compute=0.05, remote_compute=0.05)
+    return PipelineMeasure(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_slow_link_needs_its_bandwidth_delay_product_in_flight() -> None:
+    m = measure()
+    c = choose_window(m, cap=64)
+    up = 0.5 * MB / 2.5e6
+    assert c.bottleneck == LINK and c.interval == pytest.approx(up)
+    assert c.trip == pytest.approx(0.05 + up + 0.05 + 0.05 + up)
+    assert c.needed == pytest.approx(c.trip / up)
+    assert c.size == math.ceil(c.needed) + 1 and c.limited_by == "need"
+
+
+def test_more_latency_asks_for_a_larger_window() -> None:
+    sizes = [choose_window(measure(latency=lat), cap=1000).size for lat in (0.0, 0.1, 0.5, 2.0)]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+
+
+def test_a_fast_link_makes_compute_the_bottleneck_and_needs_few_in_flight() -> None:
+    c = choose_window(measure(up_rate=1e9, down_rate=1e9, latency=0.001, local_compute=0.2, remote_compute=0.1),
+                      cap=16)
+    assert c.bottleneck == COMPUTE and c.interval == pytest.approx(0.2)
+    # the trip is a little over the driver's compute + the next stage's: 2 in flight + 1 spare
+    assert c.size == 3
+
+
+def test_remote_compute_can_be_the_bottleneck() -> None:
+    c = choose_window(measure(up_rate=1e9, down_rate=1e9, local_compute=0.01, remote_compute=0.3), cap=16)
+    assert c.bottleneck == COMPUTE and c.interval == pytest.approx(0.3)
+
+
+def test_the_cap_and_memory_bound_the_window() -> None:
+    slow = measure(latency=5.0)
+    assert choose_window(slow, cap=8).size == 8 and choose_window(slow, cap=8).limited_by == "cap"
+    bounded = choose_window(slow, cap=8, memory_cap=3)
+    assert bounded.size == 3 and bounded.limited_by == "memory"
+    assert choose_window(slow, cap=8, memory_cap=0).size == 1  # one always fits: placement admitted us
+    with pytest.raises(ValueError):
+        choose_window(slow, cap=0)
+
+
+def test_without_measurements_the_cap_probes() -> None:
+    c = choose_window(PipelineEstimator().measure(), cap=5)
+    assert c.size == 5 and c.limited_by == "cap" and math.isinf(c.needed)
+
+
+def test_estimator_takes_medians_and_an_upper_quartile_rate() -> None:
+    est = PipelineEstimator(window=8)
+    for i in range(8):
+        # request_s varies: two transfers overlapping halve each one's rate; the capacity is the faster
+        request_s = 0.2 if i % 4 else 0.4
+        est.observe_trip(request_bytes=500_000, response_bytes=250_000, trip_s=1.0, request_s=request_s,
+                         response_s=0.1, serve_s=0.3)
+        est.observe_compute(0.05 + 0.01 * i)
+    m = est.measure()
+    assert m.up_rate == pytest.approx(500_000 / 0.2) and m.down_rate == pytest.approx(2.5e6)
+    assert m.request_bytes == 500_000 and m.response_bytes == 250_000 and m.remote_compute == pytest.approx(0.3)
+    assert m.latency == pytest.approx(1.0 - 0.2 - 0.3 - 0.1)
+    assert m.local_compute == pytest.approx(0.09)  # the median of 0.05..0.12
+    assert est.samples == 8
+
+
+def test_estimator_keeps_only_its_window_and_distrusts_claims_beyond_the_trip() -> None:
+    est = PipelineEstimator(window=4)
+    for _ in range(10):
+        est.observe_trip(request_bytes=1000, response_bytes=1000, trip_s=1.0, request_s=0.5, response_s=0.2,
+                         serve_s=0.1)
+    assert est.samples == 4
+    # a peer claiming hours of serving cannot push the latency below 0 or the compute past the trip
+    for _ in range(4):
+        est.observe_trip(request_bytes=1000, response_bytes=1000, trip_s=1.0, request_s=0.0, response_s=0.0,
+                         serve_s=3600.0)
+    m = est.measure()
+    assert m.remote_compute == pytest.approx(1.0) and m.latency == 0.0
+    est.observe_trip(request_bytes=1, response_bytes=1, trip_s=0.0, request_s=0.0, response_s=0.0, serve_s=0.0)
+    assert est.samples == 4  # a trip of no length is no sample
+
+
+def test_instant_transfers_do_not_claim_a_rate() -> None:
+    est = PipelineEstimator()
+    est.observe_trip(request_bytes=MB, response_bytes=MB, trip_s=0.01, request_s=1e-5, response_s=1e-5, serve_s=0.005)
+    m = est.measure()
+    assert m.up_rate is None and m.down_rate is None and m.up_s == 0.0
+    assert choose_window(m, cap=4).bottleneck == COMPUTE
+
+
+def test_utilisation_names_the_busier_resource() -> None:
+    link_bound = utilisation(wall_s=10.0, up_bytes=24e6, down_bytes=10e6, up_rate=2.5e6, down_rate=2.5e6,
+                             local_compute_s=3.0, remote_compute_s=4.0)
+    assert link_bound.link == pytest.approx(0.96) and link_bound.compute == pytest.approx(0.4)
+    assert link_bound.bottleneck == LINK
+    compute_bound = utilisation(wall_s=10.0, up_bytes=1e6, down_bytes=1e6, up_rate=None, down_rate=None,
+                                local_compute_s=9.0, remote_compute_s=20.0)
+    assert compute_bound.link == 0.0 and compute_bound.compute == 1.0 and compute_bound.bottleneck == COMPUTE
+    assert utilisation(wall_s=0.0, up_bytes=1, down_bytes=1, up_rate=1.0, down_rate=1.0, local_compute_s=1.0,
+                       remote_compute_s=1.0).link == 0.0
+
+
+def test_memory_window() -> None:
+    assert memory_window(None, 100, 10) is None and memory_window(1000, 100, 0) is None
+    assert memory_window(1000, 100, 100) == 9
+    assert memory_window(150, 100, 100) == 1  # at least one
+
+
+def test_driver_memory_window_from_the_stage_needs() -> None:
+    from conftest import small_manifest
+
+    from swarmgrad.peer.driving import driver_memory_window
+    from swarmgrad.peer.stage_cost import stage_costs
+    m = small_manifest(pipeline={"max_in_flight": 4})
+    need = stage_costs(m)[0].memory
+    # exactly what placement reserved for stage 0 holds max_in_flight microbatches; half of the
+    # activations' share holds half as many; a huge offer is no bound worth the name
+    assert driver_memory_window(m, need.total) == 4
+    assert driver_memory_window(m, need.total - need.activations // 2) == 2
+    assert driver_memory_window(m, 1 << 50) > 1000

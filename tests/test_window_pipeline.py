@@ -1,0 +1,44 @@
+"""The adaptive window in a real 2-process pipeline (one peer per stage, hivemind on 127.0.0.1):
+the driver sizes its window from what it measured, reports the bottleneck every round, and the
+pipeline trains. No timing is asserted (the machine is shared)."""
+from __future__ import annotations
+
+import pytest
+
+from swarmgrad.peer.launcher import LocalSwarm
+
+from conftest import small_manifest
+
+pytestmark = pytest.mark.timeout(240)
+
+CAP = 6
+
+
+def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None:
+    manifest = small_manifest(pipeline={"max_in_flight": CAP}, inner={"microbatches_per_step": CAP})
+    swarm: LocalSwarm = local_swarm(manifest)
+    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "10")
+    swarm.start(1, "--max-rounds", "4", "--linger", "10")
+    codes = swarm.wait_exit(200)
+    assert codes == [0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+
+    reports = driver.events("pipeline")
+    assert len(reports) >= 3, driver.log_tail()
+    for r in reports:
+        assert 1 <= r["window"] <= CAP and r["max_in_flight"] == CAP
+        assert r["window_limited_by"] in ("need", "cap", "memory")
+        assert r["bottleneck"] in ("link", "compute")
+        assert 0.0 <= r["link_util"] <= 1.0 and 0.0 <= r["compute_util"] <= 1.0
+        assert r["bottleneck"] == ("link" if r["link_util"] > r["compute_util"] else "compute")
+    last = reports[-1]
+    # sized from measurements, not the cap's default: trips were observed and a trip length known
+    assert last["samples"] > 0 and last["window_needed"] is not None and last["trip_s"] > 0
+    assert last["local_compute_s"] > 0 and last["remote_s"] > 0
+    assert "stage 0 pipeline: window" in driver.log_path.read_text()
+
+    rounds = [e for e in driver.events("round") if e["complete"]]
+    assert len(rounds) >= 3 and sum(e["samples"] > 0 for e in rounds) >= 2  # the first may precede driving
+    evals = sorted((e for e in driver.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
+    assert evals[0]["val_loss"] > 7.0, "an untrained byte model scores about 8 bits/byte"
+    assert evals[-1]["final"] and evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+    assert driver.events("eval")[-1]["lost"] == 0
