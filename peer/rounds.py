@@ -131,20 +131,24 @@ class RoundRunner:
         return await self._plain_round(round, report)
 
     def _boundary_report(self, boundary: float) -> overlap.RoundReport:
-        """The round's counters, taken with the worker paused; utilisation over the round's wall
-        time so far (from the last resume: its compute and this boundary's waits)."""
+        """The round's counters, taken with the worker paused. Its wall time and utilisation are
+        filled in when the worker resumes (`_resumed`); until then round_s is the time so far."""
         worker, traffic = self.worker, self.traffic
-        now = time.monotonic()
-        round_s = max(1e-9, now - self._mark[0])
-        utilisation = min(1.0, (worker.compute_total - self._mark[1]) / round_s)
+        round_s = max(1e-9, time.monotonic() - self._mark[0])
         return overlap.RoundReport(
             samples=worker.samples + self._carried, losses=list(worker.losses), steps=worker.inner_steps,
             lr=worker.lr, lr_start=worker.cfg.lr * self.progress.round_multiplier(),  # agreed: equal everywhere
-            boundary=boundary, round_s=round_s, utilisation=utilisation,
+            boundary=boundary, round_s=round_s, utilisation=math.nan,
             avg_sent0=traffic.sent_by_kind["averaging"], avg_recv0=traffic.recv_by_kind["averaging"])
 
-    def _resumed(self) -> None:
-        self._mark = (time.monotonic(), self.worker.compute_total)
+    def _resumed(self, report: overlap.RoundReport) -> None:
+        """A round's wall time runs from one resume of the worker to the next: its compute, and the
+        waits of its boundary (draining, a previous overlapped round's mean, a plain round's whole
+        averaging). Utilisation: the worker's compute seconds over that time."""
+        now, compute = time.monotonic(), self.worker.compute_total
+        report.round_s = max(1e-9, now - self._mark[0])
+        report.utilisation = min(1.0, (compute - self._mark[1]) / report.round_s)
+        self._mark = (now, compute)
 
     async def _plain_round(self, round: int, report: overlap.RoundReport) -> RoundResult:
         worker, state = self.worker, self.state
@@ -189,7 +193,7 @@ class RoundRunner:
         await self.presence.announce()
         if not self.leave_after_round:
             await worker.resume(carry_over=carry)
-            self._resumed()
+        self._resumed(report)
         await self._after(round, result, report)
         return result
 
@@ -215,7 +219,7 @@ class RoundRunner:
                                           name=f"overlapped-round-{self.stage}-{round}")
         self._in_flight = flight
         await worker.resume()
-        self._resumed()
+        self._resumed(report)
 
     async def _average_in_flight(self, flight: overlap.InFlight, delta: dict[str, torch.Tensor], digest: str,
                                  applied_rounds: int) -> None:

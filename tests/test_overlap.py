@@ -334,3 +334,28 @@ def test_the_lr_counts_the_samples_whose_mean_is_in_flight() -> None:
             await x.runner._in_flight.task
             x.worker.close()
     asyncio.run(main())
+
+
+def test_utilisation_counts_a_plain_rounds_wait_and_not_an_overlapped_ones() -> None:
+    async def main() -> None:
+        for overlapped in (False, True):
+            group = Group()
+            reps = [Replica(group, overlapped, seed) for seed in (1, 2)]
+            for r in reps:
+                while not r.worker.paused:
+                    await r.train_one()
+            ends = asyncio.gather(*(r.runner.run_round(0) for r in reps))
+            await asyncio.sleep(0.6)  # the mean takes 0.6 s to arrive
+            group.release[0].set()
+            await ends
+            for r in reps:
+                if overlapped:
+                    await r.runner._in_flight.task
+                ev = r.rounds()[0]
+                compute = r.worker.compute_total
+                if overlapped:  # resumed at once: the wait is not in the round
+                    assert ev["round_s"] < 0.6 and ev["utilisation"] == pytest.approx(compute / ev["round_s"], abs=2e-3)
+                else:
+                    assert ev["round_s"] >= 0.6 and ev["utilisation"] <= compute / 0.6 + 1e-3
+                r.worker.close()
+    asyncio.run(main())
