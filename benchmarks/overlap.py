@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--modes", default="off,on")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="write results.json (every scored point, per-peer figures) here")
+    p.add_argument("--workdir", default=None, help="keep every peer's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
     why = netns.why_unavailable()
     if why:
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     results = []
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        if args.workdir:
+            tmp = args.workdir
+            Path(tmp).mkdir(parents=True, exist_ok=False)
         task = Task(Path(tmp))
         print(f"{budget.samples} samples per run, H={budget.inner_steps}, link {args.link}", flush=True)
         for i, mode in enumerate(args.modes.split(",")):
