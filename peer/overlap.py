@@ -17,9 +17,9 @@ and the error-feedback residuals are used by one encode at a time.
 
 Which variant, and why. Kale et al. 2025 ("Eager updates for overlapped communication and
 computation in DiLoCo") compare a naive one-outer-step-delayed update, in which the next inner
-phase starts from a global point that lacks the replica's own last round, with "eager" updates,
-in which each replica's outer step uses its own fresh pseudo-gradient in place of its stale share
-of the average. Eager updates recover most of what the delay costs, but each replica's outer step
+phase starts from a global point that lacks the last round's work (its own included), with
+"eager" updates, in which each replica's outer step mixes its own fresh pseudo-gradient with the
+others' delayed ones. Eager updates recover most of what the delay costs, but each replica's outer step
 then differs, so replicas no longer hold one bit-identical θ_global, which everything here relies
 on (the group is the holders of one digest; joiners, re-syncs and backups take any replica's
 state; the outer momentum is part of the digest). Streaming DiLoCo (Douillard et al. 2025)
