@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,7 +52,10 @@ def peer_figures(events: list[dict]) -> dict[str, float]:
             "round_s": wall / len(rounds)}
 
 
-def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> dict:
+def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path
+             ) -> tuple[dict, Callable[[bool], None]]:
+    """Train; returns the figures and a scoring step to run once the peers (and the namespaces)
+    are gone, so that scoring does not share the cores with training."""
     manifest = manifest_for("swarmgrad", budget, task).replace(rounds={"overlap": mode == "on"})
     workdir.mkdir(parents=True)
     (workdir / "manifest.toml").write_text(dumps(manifest))
@@ -78,15 +82,21 @@ def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task
                 if e["complete"]:
                     digests.setdefault(e["round"], set()).add(e["digest"])
         out["rounds_disagreeing"] = sorted(r for r, d in digests.items() if len(d) > 1)
-    points = [(0.0, 0, task.init_score(manifest))]
-    for r in watch.complete_rounds(1):
-        mtime, params, samples = watch.by_round[(0, r)]
-        points.append((mtime - t0, samples, task.score(stages_from(manifest, [params]))))
-    out["points"] = points
-    at_budget = [p for p in points if p[1] >= budget.samples]
-    out["val_bpb"] = at_budget[0][2] if at_budget else math.nan
-    out["samples_scored"] = at_budget[0][1] if at_budget else (points[-1][1] if points else 0)
-    return out
+
+    def score(every_round: bool) -> None:
+        """Val bits/byte of θ_global at the first round holding the budget's samples (and, with
+        every_round, at every complete round before it)."""
+        rounds = watch.complete_rounds(1)
+        first = next((r for r in rounds if watch.by_round[(0, r)][2] >= budget.samples), rounds[-1] if rounds else None)
+        wanted = [r for r in rounds if every_round and first is not None and r < first] + ([first] if first else [])
+        points = [(0.0, 0, task.init_score(manifest))] if every_round else []
+        for r in wanted:
+            mtime, params, samples = watch.by_round[(0, r)]
+            points.append((mtime - t0, samples, task.score(stages_from(manifest, [params]))))
+        out["points"] = points
+        out["val_bpb"] = points[-1][2] if points and points[-1][1] >= budget.samples else math.nan
+        out["samples_scored"] = points[-1][1] if points else 0
+    return out, score
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--modes", default="off,on")
+    p.add_argument("--score", choices=("every-round", "final"), default="every-round",
+                   help="score θ_global after every round (for curves) or only at the budget (faster on busy cores)")
     p.add_argument("--out", default=None, help="write results.json (every scored point, per-peer figures) here")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
@@ -114,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(args.modes.split(",")):
             print(f"--- overlap {mode}", flush=True)
             with netns.WanNet(f"ov{i}", 2, LINKS[args.link], subnet=90 + i) as net:
-                res = run_mode(mode, args.link, net, budget, task, Path(tmp) / f"{args.link}-{mode}")
+                res, score = run_mode(mode, args.link, net, budget, task, Path(tmp) / f"{args.link}-{mode}")
+            score(args.score == "every-round")
             results.append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "points"}, default=str), flush=True)
     rows = []
