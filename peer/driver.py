@@ -174,14 +174,14 @@ class Driver:
     def _observe_compute(self) -> None:
         """The driver's compute per microbatch over its last few completions (forward, backward
         and its share of inner steps: everything its compute thread did)."""
-        self._compute_marks.append((self.stats.completed, self.worker.compute_s_total))
+        self._compute_marks.append((self.stats.completed, self.worker.compute_total))
         del self._compute_marks[:-9]
         (n0, c0), (n1, c1) = self._compute_marks[0], self._compute_marks[-1]
         if n1 > n0:
             self.estimator.observe_compute((c1 - c0) / (n1 - n0))
 
     def _marks(self) -> tuple[float, float, int, int, int]:
-        return time.monotonic(), self.worker.compute_s_total, self._up_bytes, self._down_bytes, self._trips
+        return time.monotonic(), self.worker.compute_total, self._up_bytes, self._down_bytes, self._trips
 
     def report(self) -> dict[str, float | int | str | None]:
         """What limited the pipeline since the last report: the window, the measured link rates,

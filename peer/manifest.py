@@ -93,6 +93,10 @@ class RoundsConfig:
     """End rounds on a shared wall clock, every this many seconds (0: not used)."""
     max_rounds: int = 0
     """Stop after this many rounds (0: run until stopped)."""
+    overlap: bool = False
+    """Average in the background while the next round trains (peer/overlap.py): the outer step
+    lands one round late, θ_local keeps the progress made meanwhile. Off: the worker waits for
+    each round's averaging (the exact DiLoCo round)."""
 
 
 @dataclass(frozen=True, kw_only=True)

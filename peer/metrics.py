@@ -66,12 +66,15 @@ class PeerMetrics:
         self.samples = Counter("swarmgrad_samples", "Samples this replica trained on", stage, registry=r)
         self.samples_per_s = Gauge("swarmgrad_samples_per_second", "Samples per second of the last round "
                                    "(its samples over its duration)", stage, registry=r)
+        self.utilisation = Gauge("swarmgrad_compute_utilisation", "Fraction of the last round's wall time the "
+                                 "worker spent computing (waits excluded)", stage, registry=r)
         self.group_size = Gauge("swarmgrad_group_size", "Members of the last round's averaging group", stage,
                                 registry=r)
         self.round_seconds = Histogram("swarmgrad_round_duration_seconds", "Wall time of each round, from the "
                                        "end of the previous one", stage, buckets=ROUND_SECONDS_BUCKETS, registry=r)
         self.averaging_seconds = Histogram("swarmgrad_averaging_seconds", "Time from a round's boundary until "
-                                           "training resumes (pause, matchmaking, all-reduce, outer step)", stage,
+                                           "its outer step (pause, matchmaking, all-reduce; in the background "
+                                           "with rounds.overlap)", stage,
                                            buckets=AVERAGING_SECONDS_BUCKETS, registry=r)
         self.retries = Counter("swarmgrad_microbatch_retries", "Microbatches re-sent along another route "
                                "(drivers)", stage, registry=r)
@@ -101,6 +104,8 @@ class PeerMetrics:
         self.samples.labels(stage).inc(max(0, e.get("samples", 0)))
         self.samples_per_s.labels(stage).set(e.get("samples_per_s", 0.0))
         self.group_size.labels(stage).set(e.get("group_size", 0))
+        if _finite(e.get("utilisation")):
+            self.utilisation.labels(stage).set(e["utilisation"])
         if _finite(e.get("round_s")):
             self.round_seconds.labels(stage).observe(e["round_s"])
         if _finite(e.get("averaging_s")):

@@ -1,5 +1,6 @@
 """The round loop of one stage replica: wait for the boundary, pause the worker, average, apply
-the outer step, resume, report.
+the outer step, resume, report. With `rounds.overlap` the worker resumes before the averaging and
+the outer step lands during the next round (peer/overlap.py).
 
 The runner is the only writer of the round clock's round and of θ_global between joins; the
 averager does the group work (peer/averaging.py), state sync the re-sync after a failed round
@@ -17,7 +18,7 @@ from typing import Awaitable, Callable
 import torch
 from hivemind.utils import get_dht_time
 
-from swarmgrad.peer import policy
+from swarmgrad.peer import overlap, policy
 from swarmgrad.peer.averaging import Averager, RoundResult
 from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
@@ -41,8 +42,10 @@ class RoundRunner:
                  averager: Averager, sync: StateSync, presence: Presence, swarm: SwarmView,
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
                  save_dir: str | None, peer_id: str, after_round: Callable[[], Awaitable[None]] | None = None,
-                 backups: BackupPusher | None = None, byzantine: str | None = None):
+                 backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False):
         self.stage = stage
+        self.overlap = overlap
+        """rounds.overlap: average in the background while the next round trains (peer/overlap.py)."""
         self.byzantine = byzantine
         """TESTING AID (--byzantine): corrupt this replica's pseudo-gradient before it is sent
         (benchmarks/byzantine.py measures what robust averaging makes of it)."""
@@ -63,27 +66,34 @@ class RoundRunner:
         """Called after every round's report (the driving loop schedules evaluations there)."""
         self.backups = backups
         self._bytes_mark = (0, 0)
-        self._round_started = time.monotonic()
+        self._mark = (time.monotonic(), worker.compute_total)
+        """(time, worker compute seconds) at the last resume: a round's wall time and utilisation start there."""
+        self._carried = 0
+        """Samples of rounds that applied nothing, still in θ_local: they weigh in the next round."""
+        self._in_flight: overlap.InFlight | None = None
         self.leave_after_round = False
         """Set when the peer moves to another stage: the current round is the last one here."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds until the clock has counted max_rounds (or forever, or until `stop`)."""
-        self._round_started = time.monotonic()
-        while not stop.is_set():
-            round = self.clock.current
-            await self.wait_boundary(round, stop)
-            if stop.is_set():
-                return
-            await self.run_round(round)
-            if self.leave_after_round:
-                return  # the worker stays paused: no microbatch starts here any more
-            if self.clock.finished:
-                # no more rounds: the worker must not stay paused (the clock no longer pauses it
-                # after H steps), or the drivers' final evaluation would wait on a round that never comes
-                if self.worker.paused:
-                    await self.worker.resume()
-                return
+        self._mark = (time.monotonic(), self.worker.compute_total)
+        try:
+            while not stop.is_set():
+                round = self.clock.current
+                await self.wait_boundary(round, stop)
+                if stop.is_set():
+                    return
+                await self.run_round(round)
+                if self.leave_after_round:
+                    return  # the worker stays paused: no microbatch starts here any more
+                if self.clock.finished:
+                    # no more rounds: the worker must not stay paused (the clock no longer pauses it
+                    # after H steps), or the drivers' final evaluation would wait on a round that never comes
+                    if self.worker.paused:
+                        await self.worker.resume()
+                    return
+        finally:
+            await self._drop_in_flight()
 
     async def wait_boundary(self, round: int, stop: asyncio.Event) -> None:
         """Wait until round `round` ends (policy.round_ended), waking on inner steps and on later
@@ -104,16 +114,47 @@ class RoundRunner:
             wait = BOUNDARY_POLL_SECONDS if wall_end is None else min(BOUNDARY_POLL_SECONDS, wall_end - now)
             await self.clock.wait_change(max(0.01, wait))
 
-    async def run_round(self, round: int) -> RoundResult:
-        started = time.monotonic()
-        worker, state = self.worker, self.state
+    async def run_round(self, round: int) -> RoundResult | None:
+        """End round `round`: a plain round (average, then resume), or with `rounds.overlap` an
+        overlapped one (resume at once, average in the background; peer/overlap.py). Returns the
+        plain round's result, None for an overlapped one (its result comes later)."""
+        boundary = time.monotonic()
+        worker = self.worker
         await worker.pause()
-        samples, losses, steps = worker.samples, list(worker.losses), worker.inner_steps
-        lr = worker.lr
-        lr_start = worker.cfg.lr * self.progress.multiplier(0)  # agreed position: equal on every replica
-        sent0, recv0 = self.traffic.sent, self.traffic.recv
+        await self._finish_in_flight()  # the previous overlapped round's mean, applied before Δ is taken
+        report = self._boundary_report(boundary)
+        if self.overlap and not overlap.is_last_round(leaving=self.leave_after_round,
+                                                      max_rounds=self.clock.max_rounds,
+                                                      rounds_done=self.clock.rounds_done):
+            await self._start_overlapped(round, report)
+            return None
+        return await self._plain_round(round, report)
+
+    def _boundary_report(self, boundary: float) -> overlap.RoundReport:
+        """The round's counters, taken with the worker paused. Its wall time and utilisation are
+        filled in when the worker resumes (`_resumed`); until then round_s is the time so far."""
+        worker, traffic = self.worker, self.traffic
+        round_s = max(1e-9, time.monotonic() - self._mark[0])
+        return overlap.RoundReport(
+            samples=worker.samples + self._carried, losses=list(worker.losses), steps=worker.inner_steps,
+            lr=worker.lr, lr_start=worker.cfg.lr * self.progress.round_multiplier(),  # agreed: equal everywhere
+            boundary=boundary, round_s=round_s, utilisation=math.nan,
+            avg_sent0=traffic.sent_by_kind["averaging"], avg_recv0=traffic.recv_by_kind["averaging"])
+
+    def _resumed(self, report: overlap.RoundReport) -> None:
+        """A round's wall time runs from one resume of the worker to the next: its compute, and the
+        waits of its boundary (draining, a previous overlapped round's mean, a plain round's whole
+        averaging). Utilisation: the worker's compute seconds over that time."""
+        now, compute = time.monotonic(), self.worker.compute_total
+        report.round_s = max(1e-9, now - self._mark[0])
+        report.utilisation = min(1.0, (compute - self._mark[1]) / report.round_s)
+        self._mark = (now, compute)
+
+    async def _plain_round(self, round: int, report: overlap.RoundReport) -> RoundResult:
+        worker, state = self.worker, self.state
+        samples = report.samples
         self.averager.patience = policy.matchmaking_patience(
-            self.averager.m.timeouts.matchmaking, time.monotonic() - self._round_started, self.clock.cfg.inner_steps > 0)
+            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
         try:
             delta = await worker.run(state.pseudo_gradient, worker.module)
             if self.byzantine:
@@ -132,6 +173,7 @@ class RoundRunner:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(state.apply_outer, result.mean_delta, result.total_weight, outer_mult)
                 self.progress.completed_round(result.total_weight, float(samples))
+            self._carried = 0
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
             await worker.run(state.copy_to, worker.module)
@@ -142,6 +184,7 @@ class RoundRunner:
             if await self.sync.resync(round, result):
                 await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
+                self._carried = 0
             else:
                 carry = True  # nobody applied this round: θ_global unchanged everywhere, keep θ_local's work
             self.clock.advance(next_round)
@@ -150,47 +193,139 @@ class RoundRunner:
         await self.presence.announce()
         if not self.leave_after_round:
             await worker.resume(carry_over=carry)
-        self._report(round, result, samples, losses, steps, (lr, lr_start), started, sent0, recv0)
+        self._resumed(report)
+        await self._after(round, result, report)
+        return result
+
+    # overlapped rounds (peer/overlap.py) ------------------------------------------------------
+    async def _start_overlapped(self, round: int, report: overlap.RoundReport) -> None:
+        """Snapshot Δ and θ_local, move the clock on, resume, and average in the background."""
+        worker, state = self.worker, self.state
+        self.averager.patience = policy.matchmaking_patience(
+            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
+        delta = await worker.run(state.pseudo_gradient, worker.module)
+        if self.byzantine:
+            delta = corrupt(delta, self.byzantine, round)
+        anchor = await worker.run(overlap.snapshot_local, worker.module)
+        weight = float(report.samples)
+        report.overlapped = True
+        flight = overlap.InFlight(round, weight, anchor, worker.steps_total, report)
+        self._carried = 0
+        self.progress.pending = report.samples  # ours until the mean lands (peer/schedule.py)
+        self.clock.advance(self.clock.next_round(get_dht_time()))
+        self.sync.begin_averaging()
+        await self.presence.announce()
+        flight.task = asyncio.create_task(self._average_in_flight(flight, delta, state.digest, state.applied_rounds),
+                                          name=f"overlapped-round-{self.stage}-{round}")
+        self._in_flight = flight
+        await worker.resume()
+        self._resumed(report)
+
+    async def _average_in_flight(self, flight: overlap.InFlight, delta: dict[str, torch.Tensor], digest: str,
+                                 applied_rounds: int) -> None:
+        worker, state, round = self.worker, self.state, flight.round
+        try:
+            result = await self.averager.run_round(round, delta, flight.weight, digest, applied_rounds)
+        except Exception as e:  # a round that raised is an incomplete round, never a dead peer
+            logger.exception("stage %d round %d failed", self.stage, round)
+            result = RoundResult(False, f"{type(e).__name__}: {e}", (), None)
+        del delta
+        moved = False
+        if result.complete:
+            assert result.mean_delta is not None
+            if result.total_weight > 0:
+                outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
+                await worker.run(self._apply_overlapped, result, outer_mult, flight)
+                moved = True
+            else:
+                await worker.run(state.commit, self.clock.current)
+            if self.backups is not None and result.total_weight > 0:
+                self.backups.after_round(self.peer_id, result.group, state.snapshot)
+        else:
+            logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
+            if await self.sync.resync(round, result, overlapped=True):
+                overlap.into_shift(flight.anchor, state.params)
+                self.averager.reset_feedback()
+                moved = True
+            else:
+                # nobody applied it: θ_global is unchanged everywhere and θ_local still holds this
+                # round's work, which the next round's Δ carries (with its samples, as its weight)
+                self._carried += int(flight.weight)
+            await worker.run(state.commit, self.clock.current)
+        if moved:
+            await worker.rebase(overlap.rebase_fn(worker.module, flight.anchor, state.params, flight.steps_at_snapshot,
+                                                lambda: worker.steps_total))
+        self.clock.count(result.complete and result.total_weight > 0)
+        self.sync.end_averaging()
+        await self.presence.announce()
+        await self._after(round, result, flight.report)
+
+    def _apply_overlapped(self, result: RoundResult, outer_mult: float, flight: overlap.InFlight) -> None:
+        """On the compute thread: the outer step, the agreed position, the commit, and the shift
+        θ_global_new − anchor that the rebase adds to θ_local."""
+        assert result.mean_delta is not None
+        self.state.apply_outer(result.mean_delta, result.total_weight, outer_mult)
+        self.progress.completed_round(result.total_weight, flight.weight)
+        self.state.commit(self.clock.current)
+        overlap.into_shift(flight.anchor, self.state.params)
+
+    async def _finish_in_flight(self) -> None:
+        """At a boundary (worker paused): wait for the overlapped round in flight, if any, and move
+        θ_local now if no inner step did it since its mean landed."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None and flight.task is not None:
+            await flight.task
+        rebase = self.worker.take_rebase()
+        if rebase is not None:
+            await self.worker.run(rebase)
+
+    async def _drop_in_flight(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None and flight.task is not None and not flight.task.done():
+            flight.task.cancel()
+            await asyncio.gather(flight.task, return_exceptions=True)
+            self.sync.end_averaging()
+
+    async def _after(self, round: int, result: RoundResult, report: overlap.RoundReport) -> None:
+        self._report(round, result, report)
         if self.save_dir:
             await asyncio.get_running_loop().run_in_executor(None, self.save)
         if self.after_round is not None and not self.leave_after_round:
             await self.after_round()
-        return result
 
     def save(self) -> None:
         if self.save_dir:
             self.state.save(Path(self.save_dir) / f"stage{self.stage}-{self.peer_id[-8:]}.safetensors",
                             {"stage": str(self.stage), "peer": self.peer_id})
 
-    def _report(self, round: int, result: RoundResult, samples: int, losses: list[float], steps: int,
-                lrs: tuple[float, float], started: float, sent0: int, recv0: int) -> None:
-        lr, lr_start = lrs
-        elapsed = max(1e-9, time.monotonic() - self._round_started)
-        self._round_started = time.monotonic()
-        train_loss = sum(losses) / len(losses) if losses else math.nan
+    def _report(self, round: int, result: RoundResult, r: overlap.RoundReport) -> None:
+        train_loss = sum(r.losses) / len(r.losses) if r.losses else math.nan
         sent, recv = self.traffic.sent - self._bytes_mark[0], self.traffic.recv - self._bytes_mark[1]
         self._bytes_mark = (self.traffic.sent, self.traffic.recv)
-        self.events.emit("round", round=round, train_loss=train_loss, samples=samples, inner_steps=steps,
-                         bytes_sent=sent, bytes_recv=recv, avg_bytes_sent=self.traffic.sent - sent0,
-                         avg_bytes_recv=self.traffic.recv - recv0, complete=result.complete,
+        by_kind_sent, by_kind_recv = self.traffic.sent_by_kind, self.traffic.recv_by_kind
+        samples_per_s = r.samples / r.round_s
+        self.events.emit("round", round=round, train_loss=train_loss, samples=r.samples, inner_steps=r.steps,
+                         bytes_sent=sent, bytes_recv=recv, avg_bytes_sent=by_kind_sent["averaging"] - r.avg_sent0,
+                         avg_bytes_recv=by_kind_recv["averaging"] - r.avg_recv0, complete=result.complete,
                          reason=result.reason, group_size=len(result.group), group=list(result.group),
                          digest=self.state.digest, applied_rounds=self.state.applied_rounds,
-                         samples_per_s=samples / elapsed, round_s=round_ms(elapsed),
-                         averaging_s=round_ms(time.monotonic() - started),
-                         lr=lr, lr_start=lr_start, swarm_samples=self.state.trained_samples, rate=self.worker.rate.rate,
-                         skipped_steps=self.worker.skipped_steps, uncommitted=self.worker.uncommitted)
+                         samples_per_s=samples_per_s, round_s=round_ms(r.round_s),
+                         averaging_s=round_ms(time.monotonic() - r.boundary), utilisation=round_ms(r.utilisation),
+                         overlapped=r.overlapped,
+                         lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,
+                         rate=self.worker.rate.rate, skipped_steps=self.worker.skipped_steps,
+                         uncommitted=self.worker.uncommitted)
         stats = self.presence.stats
-        stats.train_loss = train_loss if losses else None
-        stats.round_s, stats.group_size = round_ms(elapsed), len(result.group)
-        stats.samples_per_s = samples / elapsed
-        stats.samples += samples
+        stats.train_loss = train_loss if r.losses else None
+        stats.round_s, stats.group_size = round_ms(r.round_s), len(result.group)
+        stats.samples_per_s = samples_per_s
+        stats.samples += r.samples
         stats.bytes_sent = self.traffic.sent
-        by_kind = self.traffic.sent_by_kind
-        stats.bytes_activations, stats.bytes_gradients = by_kind["activations"], by_kind["gradients"]
-        stats.bytes_averaging, stats.bytes_state = by_kind["averaging"], by_kind["state"]
-        logger.info("stage %d round %d: loss %s | %.1f samples/s | lr %.2e | sent %.2f MB recv %.2f MB | group %d %s",
-                    self.stage, round, f"{train_loss:.3f}" if losses else "-", samples / elapsed, lr,
-                    sent / 1e6, recv / 1e6, len(result.group),
+        stats.bytes_activations, stats.bytes_gradients = by_kind_sent["activations"], by_kind_sent["gradients"]
+        stats.bytes_averaging, stats.bytes_state = by_kind_sent["averaging"], by_kind_sent["state"]
+        logger.info("stage %d round %d: loss %s | %.1f samples/s | util %.2f | lr %.2e | sent %.2f MB recv %.2f MB "
+                    "| group %d %s", self.stage, round, f"{train_loss:.3f}" if r.losses else "-", samples_per_s,
+                    r.utilisation, r.lr, sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
 
 

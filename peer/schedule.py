@@ -10,7 +10,9 @@ or 20 drivers must follow the same curve per sample. The position is therefore
   + this round's local samples × share⁻¹ (an estimate: our share of the stage's work in the
                      last complete round; corrected at the next boundary)
 
-so every replica's lr agrees exactly at round boundaries and stays close within a round.
+so every replica's lr agrees exactly at round boundaries and stays close within a round. With
+overlapped rounds (peer/overlap.py) the samples of a round whose averaging is still in flight
+are not agreed yet either: they count like this round's own (`pending`), until the mean lands.
 """
 from __future__ import annotations
 
@@ -51,10 +53,12 @@ class TrainingProgress:
         self.cfg = cfg
         self.trained = int(trained)
         self.share = share
+        self.pending = 0
+        """Our samples of rounds whose averaging is in flight (overlapped rounds; else 0)."""
 
     def position(self, local_samples: int) -> float:
         """Samples of the whole swarm so far, given ours since the round started."""
-        return self.trained + local_samples / max(self.share, 1e-3)
+        return self.trained + (self.pending + local_samples) / max(self.share, 1e-3)
 
     def multiplier(self, local_samples: int = 0) -> float:
         return lr_multiplier(self.cfg, self.position(local_samples))
@@ -66,8 +70,14 @@ class TrainingProgress:
     def completed_round(self, total_weight: float, own_weight: float) -> None:
         """A complete round: everyone adds the same total; our share is re-estimated."""
         self.trained += int(round(total_weight))
+        self.pending = 0
         if total_weight > 0:
             self.share = min(1.0, max(1e-3, own_weight / total_weight))
+
+    def adopt(self, trained: int) -> None:
+        """A downloaded state's agreed position; our own unaveraged work was dropped with θ_local."""
+        self.trained = int(trained)
+        self.pending = 0
 
     def expect_group(self, size: int) -> None:
         """Before any round completed: assume an even share over `size` replicas."""

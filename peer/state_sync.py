@@ -134,18 +134,39 @@ class StateSync:
         """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
         self.serving = False
         """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
+        self._settled = asyncio.Event()
+        """Clear while an overlapped round averages in the background (the worker trains meanwhile,
+        so `paused` does not say it): a joiner must not take the state that round replaces."""
+        self._settled.set()
 
     # serving ------------------------------------------------------------------------------------
+    @property
+    def averaging(self) -> bool:
+        return not self._settled.is_set()
+
+    def begin_averaging(self) -> None:
+        self._settled.clear()
+
+    def end_averaging(self) -> None:
+        self._settled.set()
+
     async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
         check_envelope(request.envelope, self.identity, [self.stage])
         names = list(request.names)
         if len(set(names)) != len(names) or any(n not in self.state.shapes for n in names):
             raise ProtocolError(pb.BAD_REQUEST, "state request names unknown or repeated tensors")
+        if self.averaging:
+            # An overlapped round in flight: answer with the state it produces. Polling for a gap
+            # would starve a joiner when averaging takes a whole round (each ends as the next begins).
+            try:
+                await asyncio.wait_for(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
+            except asyncio.TimeoutError:
+                raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change") from None
+        elif self.worker.paused:
+            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
         snap = self.state.snapshot
         if snap is None or not self.serving:
             raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
-        if self.worker.paused:
-            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
         return state_response(snap, names)
 
     # fetching -----------------------------------------------------------------------------------
@@ -159,7 +180,7 @@ class StateSync:
                         ", ".join(p[-8:] for p in peers[:2]), e)
             return False
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
-        self.progress.trained = snap.trained_samples
+        self.progress.adopt(snap.trained_samples)
         self.clock.adopt(snap.round, get_dht_time())
         return True
 
@@ -269,7 +290,7 @@ class StateSync:
             return False
         source, snap = best
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
-        self.progress.trained = snap.trained_samples
+        self.progress.adopt(snap.trained_samples)
         swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
         self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
         lost = max(0, swarm_round - snap.round)
@@ -281,10 +302,13 @@ class StateSync:
                        else f"a backup on {source[-8:]}", snap.applied_rounds, lost)
         return True
 
-    async def resync(self, round: int, result: RoundResult) -> bool:
+    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
         """After a failed round: adopt the state of a replica that completed it, if any did. Others
         may still be finishing the round, so wait until every other member has announced a later
-        round (then, if none applied it, nobody did) or as long as a round may take."""
+        round (then, if none applied it, nobody did) or as long as a round may take.
+
+        `overlapped`: replicas announce round r + 1 as soon as r's boundary passes, while r still
+        averages in the background; only round r + 2 (whose boundary waits for r) says they are done."""
         deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
         # members that never answered are dead or cut off: they will not announce a later round
         others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
@@ -302,7 +326,7 @@ class StateSync:
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True
-            if not donors and policy.resync_settled(records, others, round):
+            if not donors and policy.resync_settled(records, others, round + 1 if overlapped else round):
                 return False
             await asyncio.sleep(0.5)
         return False

@@ -81,6 +81,8 @@ class StageWorker:
         """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
         self.inner_steps = 0
         """Inner steps since the last round boundary."""
+        self.steps_total = 0
+        """Inner steps ever (an overlapped round asks whether θ_local moved since its snapshot)."""
         self.samples = 0
         """Samples trained on since the last round boundary (the averaging weight)."""
         self.losses: list[float] = []
@@ -92,10 +94,12 @@ class StageWorker:
         """Testing aid (--slowdown F): each compute call sleeps (F−1)× its measured time, on the
         compute thread, so the replica really is F times slower and measures itself so."""
         self._compute_s = 0.0
-        self.compute_s_total = 0.0
-        """Seconds of compute on this replica's thread since it started, never reset (a driver's
-        compute utilisation over any window is the difference over the window's wall time)."""
         self._samples_since_rate = 0
+        self.compute_total = 0.0
+        """Seconds this replica has spent computing (forward, backward, inner steps; waits excluded),
+        ever, never reset: the round runner turns its growth over a round into the round's utilisation,
+        the driver its growth over a report window into its compute utilisation (peer/window.py)."""
+        self._rebase: Callable[[], None] | None = None
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
         self.commit_timeout = commit_timeout
@@ -120,8 +124,38 @@ class StageWorker:
             time.sleep((self.slowdown - 1) * spent)
             spent *= self.slowdown
         self._compute_s += spent
-        self.compute_s_total += spent
+        self.compute_total += spent
         return out
+
+    def _timed_step(self) -> bool:
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.compute_total += time.perf_counter() - started
+
+    # the overlapped round's rebase (peer/overlap.py) ---------------------------------------
+    async def rebase(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (which moves the parameters) on the compute thread when nothing is in flight,
+        nothing held and no gradient accumulated, so that it changes no gradient already computed:
+        now if the worker is idle so, else right after the next inner step, inside its critical
+        section. If no step comes first, the round runner takes it back (`take_rebase`) at the
+        boundary, with the worker paused."""
+        assert self._rebase is None, "one rebase at a time: the boundary flushes the last one first"
+        async with self._cond:
+            if self._stepping or self._in_flight or self._held or self.accumulated:
+                self._rebase = fn
+                return
+            self._stepping = True  # closes the gate to newcomers while the parameters move
+            try:
+                await self.run(fn)
+            finally:
+                self._stepping = False
+                self._cond.notify_all()
+
+    def take_rebase(self) -> Callable[[], None] | None:
+        fn, self._rebase = self._rebase, None
+        return fn
 
     @contextlib.asynccontextmanager
     async def admitted(self, wait: bool, train: bool = True) -> AsyncIterator[None]:
@@ -347,11 +381,15 @@ class StageWorker:
                 # nothing between its forward and its backward, and nothing computed but uncommitted:
                 # a held gradient belongs to the parameters it was computed with
                 await self._cond.wait_for(lambda: self._in_flight == 0 and not self._held)
-                if not await self.run(self._step):
+                if not await self.run(self._timed_step):
                     self.skipped_steps += 1
                     logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
                                    self.skipped_steps)
                 self.accumulated = 0
+                self.steps_total += 1
+                rebase = self.take_rebase()
+                if rebase is not None:
+                    await self.run(rebase)
                 self.inner_steps += 1
                 self._update_rate()
                 if self.clock.steps_complete(self.inner_steps):

@@ -32,8 +32,9 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move and timeouts.commit were added
-PINNED_HASH = "3c645b378c3c608f143037e3fb5dc250"
+# changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
+# and rounds.overlap were added
+PINNED_HASH = "b38c7ddbddcba28b1d4f352ded4ad052"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -80,9 +80,9 @@ def test_peer_metrics_follow_events() -> None:
 
     assert get("swarmgrad_round", stage="0") is None  # nothing until the first round
     events.emit("round", round=4, train_loss=2.5, samples=64, complete=True, group_size=2, samples_per_s=16.0,
-                round_s=4.0, averaging_s=0.3)
+                round_s=4.0, averaging_s=0.3, utilisation=0.9)
     events.emit("round", round=5, train_loss=math.nan, samples=32, complete=False, group_size=1,
-                samples_per_s=8.0, round_s=4.5, averaging_s=3.0)
+                samples_per_s=8.0, round_s=4.5, averaging_s=3.0, utilisation=0.5)
     assert get("swarmgrad_round", stage="0") == 5
     assert get("swarmgrad_rounds_total", stage="0", result="complete") == 1
     assert get("swarmgrad_rounds_total", stage="0", result="incomplete") == 1
@@ -90,6 +90,7 @@ def test_peer_metrics_follow_events() -> None:
     assert get("swarmgrad_samples_total", stage="0") == 96
     assert get("swarmgrad_samples_per_second", stage="0") == 8.0
     assert get("swarmgrad_group_size", stage="0") == 1
+    assert get("swarmgrad_compute_utilisation", stage="0") == 0.5
     assert get("swarmgrad_round_duration_seconds_count", stage="0") == 2
     assert get("swarmgrad_round_duration_seconds_sum", stage="0") == 8.5
     assert get("swarmgrad_averaging_seconds_bucket", stage="0", le="0.5") == 1

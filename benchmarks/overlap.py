@@ -1,0 +1,150 @@
+"""Overlapped averaging (`[rounds] overlap`) against plain rounds, side by side in one run.
+
+    python benchmarks/overlap.py [--link 20mbit|unshaped] [--steps 500] [--modes off,on] [--out DIR]
+
+2 peers, each holding the whole model (the swarmgrad row of benchmarks/wan.py: the reference task
+of examples/reference.toml, H = 50, int8 + error feedback), each in its own network namespace on
+one veth pair; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends. Root and
+`ip netns` are needed (the script says why it skips otherwise). `--steps` shortens the run: the
+budget is steps x 64 sequences and the lr schedule is scaled with it (warmup 10 %, cosine to
+10 % at the budget), as in wan.py.
+
+Per mode it prints:
+- utilisation per peer: the `utilisation` of its round events (compute seconds of the replica's
+  worker over the round's wall time, waits excluded), time-weighted over the rounds after the
+  first (the first includes start-up and the wait for the other peer);
+- samples/s per peer over the same rounds (its own samples over their wall time);
+- val bits/byte of θ_global at equal samples (the budget), scored here as wan.py scores it, and
+  at every complete round (written to results.json with --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import netns  # noqa: E402
+from _common import fmt, markdown_table  # noqa: E402
+from wan import Budget, CheckpointWatch, NetnsSwarm, Task, manifest_for, stages_from  # noqa: E402
+from swarmgrad.peer.manifest import dumps  # noqa: E402
+
+LINKS = {"unshaped": None, "20mbit": "20mbit"}
+
+
+def peer_figures(events: list[dict]) -> dict[str, float]:
+    """Time-weighted utilisation and samples/s over a peer's rounds after its first."""
+    rounds = sorted((e for e in events if e.get("utilisation") is not None), key=lambda e: e["round"])[1:]
+    wall = sum(e["round_s"] for e in rounds)
+    if not rounds or wall <= 0:
+        return {"rounds": 0, "utilisation": math.nan, "samples_per_s": math.nan, "averaging_s": math.nan}
+    return {"rounds": len(rounds), "utilisation": sum(e["utilisation"] * e["round_s"] for e in rounds) / wall,
+            "samples_per_s": sum(e["samples"] for e in rounds) / wall,
+            "averaging_s": sum(e["averaging_s"] for e in rounds) / len(rounds),
+            "round_s": wall / len(rounds)}
+
+
+def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path
+             ) -> tuple[dict, Callable[[bool], None]]:
+    """Train; returns the figures and a scoring step to run once the peers (and the namespaces)
+    are gone, so that scoring does not share the cores with training."""
+    manifest = manifest_for("swarmgrad", budget, task).replace(rounds={"overlap": mode == "on"})
+    workdir.mkdir(parents=True)
+    (workdir / "manifest.toml").write_text(dumps(manifest))
+    t0 = time.time()
+    out: dict = {"mode": mode, "link": link, "error": None}
+    with NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
+        swarm.start_first(0, "--max-rounds", "0")
+        swarm.start(0, "--max-rounds", "0")
+        watch = CheckpointWatch([workdir / f"{p.name}.ckpt" for p in swarm.peers])
+        deadline = time.monotonic() + budget.timeout_s
+        while watch.samples(1) < budget.samples:
+            watch.poll()
+            dead = [p for p in swarm.peers if not p.alive]
+            if dead or time.monotonic() > deadline:
+                out["error"] = (f"{dead[0].name} exited" if dead else "timeout") + ": " + swarm.peers[0].log_tail(8)
+                break
+            time.sleep(0.25)
+        out["wall_s"] = time.time() - t0
+        out["tx_bytes"] = sum(net.tx_bytes())
+        out["peers"] = {p.name: peer_figures(p.events("round")) for p in swarm.peers}
+        digests = {}
+        for p in swarm.peers:
+            for e in p.events("round"):
+                if e["complete"]:
+                    digests.setdefault(e["round"], set()).add(e["digest"])
+        out["rounds_disagreeing"] = sorted(r for r, d in digests.items() if len(d) > 1)
+
+    def score(every_round: bool) -> None:
+        """Val bits/byte of θ_global at the first round holding the budget's samples (and, with
+        every_round, at every complete round before it)."""
+        rounds = watch.complete_rounds(1)
+        first = next((r for r in rounds if watch.by_round[(0, r)][2] >= budget.samples), rounds[-1] if rounds else None)
+        wanted = [r for r in rounds if every_round and first is not None and r < first] + ([first] if first else [])
+        points = [(0.0, 0, task.init_score(manifest))] if every_round else []
+        for r in wanted:
+            mtime, params, samples = watch.by_round[(0, r)]
+            points.append((mtime - t0, samples, task.score(stages_from(manifest, [params]))))
+        out["points"] = points
+        out["val_bpb"] = points[-1][2] if points and points[-1][1] >= budget.samples else math.nan
+        out["samples_scored"] = points[-1][1] if points else 0
+    return out, score
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--link", choices=tuple(LINKS), default="20mbit")
+    p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--modes", default="off,on")
+    p.add_argument("--score", choices=("every-round", "final"), default="every-round",
+                   help="score θ_global after every round (for curves) or only at the budget (faster on busy cores)")
+    p.add_argument("--out", default=None, help="write results.json (every scored point, per-peer figures) here")
+    p.add_argument("--workdir", default=None, help="keep every peer's log and events here (default: a temp dir)")
+    args = p.parse_args(argv)
+    why = netns.why_unavailable()
+    if why:
+        print(f"SKIP: benchmarks/overlap.py needs network namespaces: {why}")
+        return 0
+    budget = Budget(steps=args.steps, inner_steps=args.inner_steps, timeout_s=1800.0)
+    torch.set_num_threads(2)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        if args.workdir:
+            tmp = args.workdir
+            Path(tmp).mkdir(parents=True, exist_ok=False)
+        task = Task(Path(tmp))
+        print(f"{budget.samples} samples per run, H={budget.inner_steps}, link {args.link}", flush=True)
+        for i, mode in enumerate(args.modes.split(",")):
+            print(f"--- overlap {mode}", flush=True)
+            with netns.WanNet(f"ov{i}", 2, LINKS[args.link], subnet=90 + i) as net:
+                res, score = run_mode(mode, args.link, net, budget, task, Path(tmp) / f"{args.link}-{mode}")
+            score(args.score == "every-round")
+            results.append(res)
+            print(json.dumps({k: v for k, v in res.items() if k != "points"}, default=str), flush=True)
+    rows = []
+    for r in results:
+        for name, f in sorted(r["peers"].items()):
+            rows.append([f"overlap {r['mode']}", r["link"], name, fmt(f["utilisation"], 3), fmt(f["samples_per_s"], 1),
+                         fmt(f.get("round_s", math.nan), 1), fmt(f["averaging_s"], 2), str(f["rounds"]),
+                         fmt(r["val_bpb"], 3), f"{r['samples_scored']:,}", fmt(r["wall_s"], 0)])
+    print()
+    print(markdown_table(["mode", "link", "peer", "utilisation", "samples/s", "round (s)", "averaging (s)",
+                          "rounds", "val bits/byte", "at samples", "wall (s)"], rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

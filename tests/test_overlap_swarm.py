@@ -1,0 +1,43 @@
+"""Overlapped rounds with real peer processes through hivemind on 127.0.0.1: two whole-model
+replicas average in the background and still hold one θ_global after every round; a joiner
+takes a state between rounds (never one whose averaging is in flight) and averages with them."""
+from __future__ import annotations
+
+import pytest
+
+from swarmgrad.peer.launcher import LocalSwarm
+
+from conftest import small_manifest
+from test_swarm import assert_replicas_agree, complete_rounds, round_history
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_swarm) -> None:
+    manifest = small_manifest(stages={"count": 1}, rounds={"round_seconds": 2.5, "overlap": True})
+    swarm: LocalSwarm = local_swarm(manifest)
+    first = swarm.start_first(0, "--max-rounds", "10", "--linger", "5")
+    second = swarm.start(0, "--max-rounds", "10", "--linger", "5")
+    swarm.wait_for(second, lambda e: e["event"] == "online", 40, "the second replica online")
+    joiner = swarm.start(0, "--max-rounds", "4", "--linger", "5")
+    codes = swarm.wait_exit(80)
+    history = round_history(swarm.peers, 0)
+    assert codes == [0, 0, 0], history + "\n".join(p.log_tail() for p in swarm.peers)
+    assert_replicas_agree(swarm.peers, 0)
+    rounds = complete_rounds(swarm.peers, 0)
+    overlapped = [r for r, events in rounds.items() if len(events) >= 2 and all(e["overlapped"] for e in events)]
+    assert len(overlapped) >= 2, f"too few overlapped rounds averaged together: {sorted(rounds)}\n{history}"
+    for peer in swarm.peers:
+        events = peer.events("round")
+        assert all(0.0 <= e["utilisation"] <= 1.0 for e in events)
+        assert not events[-1]["overlapped"], "the last round of a bounded run waits for its mean"
+        assert any(e["utilisation"] > 0 for e in events)
+    # the joiner downloaded a committed state (a round's result, not one being replaced) and then
+    # averaged with the others: same group, same θ_global (assert_replicas_agree)
+    loaded = joiner.events("state_loaded")
+    assert loaded, history
+    old = {e["digest"] for p in (first, second) for e in p.events("round") if e["complete"]} | \
+          {e["digest"] for p in (first, second) for e in p.events("online")}
+    assert loaded[0]["digest"] in old
+    joined = [e for e in joiner.events("round") if e["complete"] and e["group_size"] >= 2]
+    assert joined, history
