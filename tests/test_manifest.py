@@ -32,8 +32,9 @@ PINNED = {
 }
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
-# changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move and timeouts.commit were added
-PINNED_HASH = "3c645b378c3c608f143037e3fb5dc250"
+# changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
+# and averaging.reducer_feedback were added
+PINNED_HASH = "2289fc66e333b3e3a6e914c89cd80181"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
