@@ -10,6 +10,9 @@ against the chunk's scale ``s = max |kept|`` with ``bits`` bits each:
   levels: ``j = min(L - 1, floor(|x| / s * L))``, decoded as ``±(j + 0.5) / L * s``. Top-k values
   are never small relative to their chunk, so no level is spent on zero.
 - bits 16: ``x / s`` as fp16.
+- bits 1: the sign alone, decoded as ``±m`` with ``m`` = the chunk's *mean* kept ``|x|`` (the
+  scale sent for bits 1), so the chunk's L1 mass is sent exactly (scaled sign with error
+  feedback: Karimireddy et al., 2019). With ``k = chunk`` it is dense: ~1 bit per value.
 
 Why chunks (Peng et al., DeMo, 2024; SparseLoCo, 2025): a per-chunk k spreads the budget over
 the whole tensor, indices cost ``log2(chunk)`` bits whatever the tensor's size, and a
@@ -18,7 +21,8 @@ per-chunk scale keeps low-bit values accurate where magnitudes differ between re
 
 Error budget, per chunk with scale s (kept set S: the k largest |x|, or the non-zeros if k = 0):
 ``x̂ = 0`` off S (every dropped |x| <= every kept |x|); on S, ``|x - x̂| <= s / 2**bits`` for
-bits 2/4/8 and ``<= s * 2**-11`` for bits 16.
+bits 2/4/8, ``<= s * 2**-11`` for bits 16, and ``<= max |kept|`` for bits 1 (both ``|x|`` and
+``m`` are at most that).
 
 Wire layout. Params ``{"chunk": C, "k": k, "bits": b}``; n = numel, nc = ceil(n / C),
 w = bit_length(C - 1) (index bits), c = bit_length(C) (count bits), K = kept entries.
@@ -27,19 +31,23 @@ Buffers ``(scales, [counts,] indices, values)``:
 - scales: nc fp32 little-endian (4 * nc bytes), each chunk's s (0 for a chunk with nothing kept);
 - counts (only when k = 0): each chunk's kept count in c bits, ``ceil(nc * c / 8)`` bytes;
   with k >= 1 the counts follow from the header: ``min(k, len(chunk))``;
-- indices: each kept entry's position inside its chunk, ascending within the chunk, chunks in
-  order, w bits each (little-endian bit order, as topk): ``ceil(K * w / 8)`` bytes;
+- indices, in one of three layouts fixed by the header (``_index_layout``):
+  "list" (k = 0, or k * w < C): each kept entry's position inside its chunk, ascending within
+  the chunk, chunks in order, w bits each (little-endian bit order, as topk): ``ceil(K * w / 8)``
+  bytes; "bitmap" (1 <= k < C and C <= k * w, where one bit per value is smaller): bit i set iff
+  value i is kept, ``ceil(n / 8)`` bytes; "all" (k = C: every value kept): empty;
 - values: the codes in the same order, b bits each (``ceil(K * b / 8)`` bytes), or fp16 for
   b = 16 (2 * K bytes).
 
-``nbytes = 4 nc + [ceil(nc c / 8)] + ceil(K w / 8) + ceil(K b / 8)``. E.g. C = 4096, k = 64,
-b = 2 (1.6 % density): 0.23 bits per value, 140x smaller than fp32.
+``nbytes = 4 nc + [ceil(nc c / 8)] + index bytes + ceil(K b / 8)``. E.g. C = 4096, k = 64,
+b = 2 (1.6 % density): 0.23 bits per value, 140x smaller than fp32; k = C = 4096, b = 1
+(every value's sign): 1.008 bits per value, 32x smaller.
 
 Untrusted input: decode checks every length against the header before it allocates. Every
 chunk costs 4 payload bytes (its scale), so the output is at most C / 4 values per payload byte
 (C <= 65536), besides the ``max_numel`` limit. Indices out of their chunk or not strictly
-ascending within it, counts above the chunk's length, and non-finite or negative scales are
-refused.
+ascending within it, a bitmap that does not mark each chunk's count, counts above the chunk's
+length, and non-finite or negative scales are refused.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ class ChunkTopKCodec(Codec):
         chunk: values per chunk, in [2, 65536] (default 4096).
         k: entries kept per chunk, in [1, chunk]; 0 keeps every non-zero entry (the reducer's
             mode: sparse input stays exactly as sparse as it is).
-        bits: bits per kept value: 2, 4, 8 (mid-rise codes) or 16 (fp16).
+        bits: bits per kept value: 1 (sign x the chunk's mean kept magnitude), 2, 4, 8 (mid-rise
+            codes) or 16 (fp16).
     """
 
     name = "chunktopk"
