@@ -83,6 +83,8 @@ VARIANTS = {v.name: v for v in [
     Variant("ctk4096b1+ef/reduce-ef", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef"),
     Variant("ctk2048b1+ef/gather", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather"),
     Variant("ctk1024b2+ef/reduce-ef", "chunktopk:chunk=4096,k=1024,bits=2", exchange="reduce-ef"),
+    Variant("ctk128b1+ef/gather", "chunktopk:chunk=128,k=128,bits=1", exchange="gather"),
+    Variant("ctk128b1+ef/reduce-ef", "chunktopk:chunk=128,k=128,bits=1", exchange="reduce-ef"),
     Variant("fp32/sgd1", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0),
 ]}
 
