@@ -8,7 +8,9 @@ rounds.round_seconds = 0) and --max-rounds N, so every replica trains the same n
 whatever the codec costs in time. Variants run one after another.
 
 --codecs is a comma-separated list of codec specs; a spec's own parameters stay with it
-("topk:fraction=0.01,values=fp16" is one entry), and a trailing "+ef" turns error feedback on.
+("topk:fraction=0.01,values=fp16" is one entry); trailing flags: "+ef" turns error feedback on,
+"+rf" averaging.reducer_feedback (the reducer answers in the same codec, with error feedback of its
+own), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
 
 Columns: final validation loss (mean of the drivers' final evals, bits/byte), samples trained by the
 drivers, pseudo-gradient bytes sent per sample (all peers' round events' avg_bytes_sent, each peer's
@@ -43,18 +45,30 @@ DEFAULT_CODECS = ("fp32,int8+ef,topk:fraction=0.01,values=fp16+ef,chunktopk:chun
 QUICK_CODECS = "fp16,topk:fraction=0.01,values=fp16+ef"
 
 
-def parse_codecs(text: str) -> list[tuple[str, bool]]:
-    """"fp16,int4+ef,topk:fraction=0.01,values=fp16+ef" -> [(spec, error_feedback), ...]. A token
-    holding "=" but no ":" is a parameter of the spec before it, not a codec of its own."""
+FLAGS = ("+ef", "+rf")
+
+
+def parse_codecs(text: str) -> list[tuple[str, bool, bool]]:
+    """"fp16,int4+ef,topk:fraction=0.01,values=fp16+ef+rf" -> [(spec, error_feedback,
+    reducer_feedback), ...]. A token holding "=" but no ":" is a parameter of the spec before it,
+    not a codec of its own."""
     entries: list[str] = []
     for token in (t.strip() for t in text.split(",")):
         if not token:
             continue
-        if entries and "=" in token and ":" not in token and ":" in entries[-1] and not entries[-1].endswith("+ef"):
+        if (entries and "=" in token and ":" not in token and ":" in entries[-1]
+                and not entries[-1].endswith(FLAGS)):
             entries[-1] += "," + token
         else:
             entries.append(token)
-    return [(e[:-3], True) if e.endswith("+ef") else (e, False) for e in entries]
+    out = []
+    for e in entries:
+        flags = set()
+        while e.endswith(FLAGS):
+            flags.add(e[-3:])
+            e = e[:-3]
+        out.append((e, "+ef" in flags, "+rf" in flags))
+    return out
 
 
 def ddp_bytes_per_sample(m: Manifest) -> float:
@@ -95,10 +109,11 @@ def main() -> None:
     base = load(args.manifest)
     codecs = parse_codecs(args.codecs or (QUICK_CODECS if args.quick else DEFAULT_CODECS))
     variants = []
-    for spec, ef in codecs:
+    for spec, ef, rf in codecs:
         try:
-            variants.append((spec, ef, base.replace(rounds={"inner_steps": H, "round_seconds": 0.0},
-                                                    averaging={"codec": spec, "error_feedback": ef})))
+            variants.append((spec + (" +EF" if ef else "") + (" +RF" if rf else ""),
+                             base.replace(rounds={"inner_steps": H, "round_seconds": 0.0},
+                                          averaging={"codec": spec, "error_feedback": ef, "reducer_feedback": rf})))
         except ManifestError as e:
             ap.error(str(e))
 
@@ -110,8 +125,7 @@ def main() -> None:
     # Generous: rounds end on inner steps, so time depends on the machine; this only catches a hang.
     budget = 240 + rounds * H * 10.0
     rows = []
-    for i, (spec, ef, m) in enumerate(variants):
-        label = spec + (" +EF" if ef else "")
+    for i, (label, m) in enumerate(variants):
         print(f"[{i + 1}/{len(variants)}] {label} ...", flush=True)
         started = time.monotonic()
         try:

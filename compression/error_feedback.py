@@ -58,6 +58,10 @@ class ErrorFeedback:
         r = self._residuals.get(name)
         return None if r is None else r.clone()
 
+    def names(self) -> list[str]:
+        """The names that hold a residual."""
+        return list(self._residuals)
+
     def reset(self, name: str | None = None) -> None:
         """Drop the residual of ``name`` (all residuals if None)."""
         if name is None:

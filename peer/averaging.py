@@ -152,9 +152,13 @@ class Averager:
         self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
         self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
         """Only the manifest's codecs are decoded on the averaging path."""
-        self.reduce_codec = reduce_codec(self.codec)
-        """What a reducer encodes the mean with: it must hold the union of sparse contributions."""
-        self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True)
+        self.reduce_codec = reduce_codec(self.codec, feedback=avg.reducer_feedback)
+        """What a reducer encodes the mean with: the union of sparse contributions, or with
+        averaging.reducer_feedback the members' codec under `reducer_feedback`."""
+        self.reducer_feedback = ErrorFeedback(self.reduce_codec) if avg.reducer_feedback else None
+        """What this reducer's encodes of its part's mean dropped, added to its next mean."""
+        self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True,
+                                            reducer_feedback=avg.reducer_feedback)
         """The reducer's answers come in the reduce codec's names."""
         self._slots: dict[int, _Slot] = {}
         self.clock = clock
@@ -166,8 +170,9 @@ class Averager:
     def reset_feedback(self) -> None:
         """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
         dropped from our own (discarded) updates no longer belongs to the state we continue from."""
-        if self.feedback is not None:
-            self.feedback.reset()
+        for feedback in (self.feedback, self.reducer_feedback):
+            if feedback is not None:
+                feedback.reset()
 
     def _slot(self, round: int) -> _Slot:
         if round not in self._slots:
@@ -229,9 +234,20 @@ class Averager:
         total = sum(slot.contributions[p][0] for p in order)
         avg = self.m.averaging
         reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
-        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self.reduce_codec.encode(reduced[name])))
+        if self.reducer_feedback is not None:
+            # a residual of a tensor another member now reduces (the group changed) would come
+            # back late, on top of that tensor's later means: it is dropped instead
+            for name in self.reducer_feedback.names():
+                if name not in slot.part_names:
+                    self.reducer_feedback.reset(name)
+        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self._encode_mean(name, reduced[name])))
                    for name in sorted(slot.part_names)]
         slot.result.set_result((tensors, order, total))
+
+    def _encode_mean(self, name: str, mean: torch.Tensor) -> Encoded:
+        if self.reducer_feedback is None:
+            return self.reduce_codec.encode(mean)
+        return self.reducer_feedback.encode(name, mean)
 
     # the member's side ------------------------------------------------------------------------
     async def matchmake(self, round: int, registration: dict[str, Any]) -> tuple[Group | None, dict[str, float]]:
@@ -268,11 +284,12 @@ class Averager:
                                None, stale=True)
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
-        residuals = self.feedback.state_dict() if self.feedback is not None else None
+        # (likewise a reducer's: a round nobody applied must not use up what its residual held)
+        saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer_feedback) if f is not None]
         result = await self._average(round, group, weights, delta, weight, digest)
-        if not result.complete and residuals is not None:
-            assert self.feedback is not None
-            self.feedback.load_state_dict(residuals)
+        if not result.complete:
+            for feedback, residuals in saved:
+                feedback.load_state_dict(residuals)
         return result
 
     async def _average(self, round: int, group: Group, weights: dict[str, float], delta: dict[str, torch.Tensor],

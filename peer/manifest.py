@@ -108,6 +108,11 @@ class AveragingConfig:
     biased codecs: int4, topk, powersgd; harmless with int8)."""
     small_tensor_threshold: int = 4096
     """Tensors with fewer elements travel as fp32 (they are cheap, and biases matter)."""
+    reducer_feedback: bool = False
+    """A reducer encodes the mean with `codec` itself and keeps error feedback of its own (what its
+    encode dropped joins its next mean), instead of `compression.reduce_codec` (for a sparse codec,
+    every non-zero of the mean at >= 8 bits). With a 1-2 bit codec this makes the mean as small as
+    a contribution; docs/averaging-codecs.md has the measurements."""
     robust_min_members: int = 3
     """From this many members on, reducers aggregate by centered clipping around the median
     (one bad member moves the mean by a bounded amount; peer/aggregate.py); 0 disables it."""

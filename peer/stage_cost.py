@@ -48,7 +48,8 @@ class MemoryNeed:
     adam: int
     grads: int
     residual: int
-    """Error-feedback residual of the round codec (0 when averaging.error_feedback is off)."""
+    """Error-feedback residuals of the round codec: the member's (averaging.error_feedback) and, with
+    averaging.reducer_feedback, the reducer's (up to the whole stage: a replica alone reduces it all)."""
     activations: int
 
     @property
@@ -111,7 +112,7 @@ def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed
     p = FP32 * params
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
     return MemoryNeed(weights=p, theta_global=p, momentum=p, adam=2 * p, grads=p,
-                      residual=p if m.averaging.error_feedback else 0,
+                      residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
                       activations=in_flight * activations_per_sample)
 
 

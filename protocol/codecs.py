@@ -31,15 +31,17 @@ def wire_codec_names(codec: str | Codec) -> frozenset[str]:
     return frozenset({codec.name})
 
 
-def averaging_codecs(spec: str | Codec, small_tensor_threshold: int, *, mean: bool = False) -> frozenset[str]:
+def averaging_codecs(spec: str | Codec, small_tensor_threshold: int, *, mean: bool = False,
+                     reducer_feedback: bool = False) -> frozenset[str]:
     """Codecs of the averaging path, as peer/averaging.py encodes them.
 
     mean=False: the members' contributions (AverageRequest): the configured codec for large
     tensors and fp32 for those under the threshold (SizeAdaptive(averaging.small_tensor_threshold,
     fp32, averaging.codec)). mean=True: the reducer's answer (AverageResponse), encoded with
     `compression.reduce_codec` of that codec: the same names for dense codecs, a union-of-supports
-    "chunktopk" for sparse ones ("topk" -> {"chunktopk"}), so a mean is never re-sparsified.
+    "chunktopk" for sparse ones ("topk" -> {"chunktopk"}), so a mean is never re-sparsified;
+    with `reducer_feedback` (averaging.reducer_feedback), the contributions' own names.
     """
     codec = parse_codec_spec(spec) if isinstance(spec, str) else spec
-    large = wire_codec_names(reduce_codec(codec) if mean else codec)
+    large = wire_codec_names(reduce_codec(codec, feedback=reducer_feedback) if mean else codec)
     return large if small_tensor_threshold <= 0 else large | FP32_ONLY

@@ -210,3 +210,36 @@ def test_a_contribution_claiming_more_weight_than_registered_is_refused() -> Non
         results = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0])
         assert not any(r.complete for r in results)
     asyncio.run(main())
+
+
+def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
+    """averaging.reducer_feedback with a 1-bit sign codec: over rounds every member applies the same
+    bytes, each answer is the members' codec (as small as a contribution), and what the reducers
+    dropped is in their residuals: Σ applied means + reducer residuals = Σ means of what members sent."""
+    spec = "chunktopk:chunk=512,k=512,bits=1"
+    m = small_manifest(averaging={"codec": spec, "error_feedback": True, "reducer_feedback": True,
+                                  "robust_min_members": 3}, timeouts={"matchmaking": 0.5, "allreduce": 1.5})
+
+    async def main() -> None:
+        _, _, avgs = group(3, m)
+        applied = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        sent = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        for round in range(4):
+            for a in avgs:
+                a.clock.current = round
+            inputs = [deltas(10 * round + i) for i in range(3)]
+            residuals_before = [a.feedback.state_dict() for a in avgs]
+            results = await run_all(avgs, inputs, [1.0, 1.0, 1.0], round=round)
+            assert all(r.complete for r in results), [r.reason for r in results]
+            for name in SHAPES:
+                assert all(torch.equal(r.mean_delta[name], results[0].mean_delta[name]) for r in results)
+                applied[name] += results[0].mean_delta[name]
+                # what each member's codec sent this round: its input + old residual − new residual
+                contributions = [inputs[i][name] + residuals_before[i].get(name, 0) - avgs[i].feedback.residual(name)
+                                 for i in range(3)]
+                sent[name] += weighted_mean([(1.0, c) for c in contributions])
+        for name in SHAPES:
+            left = sum(r for a in avgs if (r := a.reducer_feedback.residual(name)) is not None)
+            assert torch.allclose(applied[name] + left, sent[name], atol=1e-4), name
+        assert avgs[0].mean_codecs == avgs[0].allowed_codecs == {"chunktopk", "fp32"}
+    asyncio.run(main())

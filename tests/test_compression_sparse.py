@@ -123,7 +123,7 @@ def test_error_feedback_telescopes() -> None:
 
 
 def test_bad_constructor_args() -> None:
-    for kwargs in ({"chunk": 1}, {"chunk": 2**16 + 1}, {"chunk": 64, "k": 65}, {"k": -1}, {"bits": 3},
+    for kwargs in ({"chunk": 1}, {"chunk": 2**16 + 1}, {"chunk": 64, "k": 65}, {"k": -1}, {"bits": 3}, {"bits": 0},
                    {"bits": True}, {"chunk": 64.0}):
         with pytest.raises(CodecError):
             get_codec("chunktopk", **kwargs)
@@ -131,6 +131,54 @@ def test_bad_constructor_args() -> None:
         get_codec("chunktopk").encode(torch.tensor([1.0, float("nan")]))
     with pytest.raises(CodecError):
         get_codec("chunktopk").encode(torch.arange(4))
+
+
+@pytest.mark.parametrize("k,layout", [(7, "list"), (14, "list"), (15, "bitmap"), (60, "bitmap"), (100, "all")])
+@pytest.mark.parametrize("bits", [1, 2, 16])
+def test_index_layouts_round_trip(k: int, layout: str, bits: int) -> None:
+    """Positions travel as a list of 7-bit indices (chunk 100) while k * 7 < 100 bits, as a bitmap
+    from there on, and not at all when every position is kept; nbytes is exact in each case."""
+    codec = get_codec("chunktopk", chunk=100, k=k, bits=bits)
+    for n in (1, 99, 100, 250, 1000):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n + k))
+        enc = codec.encode(x)
+        y = decode(rebuilt(enc))
+        nc = math.ceil(n / 100)
+        kept = sum(min(k, min(100, n - i)) for i in range(0, n, 100))
+        index = {"list": math.ceil(kept * 7 / 8), "bitmap": math.ceil(n / 8), "all": 0}[layout]
+        values = 2 * kept if bits == 16 else math.ceil(kept * bits / 8)
+        assert enc.nbytes == codec.nbytes_for(n) == 4 * nc + index + values
+        assert len(enc.buffers[1]) == index
+        assert int((y != 0).sum()) == kept
+        if bits == 1:
+            check_sign_budget(x, y, 100)
+        else:
+            check_budget(x, y, 100, k, bits)
+
+
+def check_sign_budget(x: torch.Tensor, y: torch.Tensor, chunk: int) -> None:
+    """bits = 1: each kept value decodes to sign(x) times its chunk's mean kept |x|, so a chunk's
+    L1 mass is sent exactly and every error is at most the chunk's max |x|."""
+    for start in range(0, x.numel(), chunk):
+        cx, cy = x[start:start + chunk], y[start:start + chunk]
+        kept = cy != 0
+        if not bool(kept.any()):
+            continue
+        mean = float(cx[kept].abs().mean())
+        assert torch.allclose(cy[kept].abs(), torch.full_like(cy[kept], mean), rtol=1e-4)
+        assert bool((torch.sign(cy[kept]) == torch.sign(cx[kept])).all() or bool((cx[kept] == 0).any()))
+        assert bool(((cx - cy).abs()[kept] <= cx.abs().max() * (1 + 1e-6)).all())
+
+
+def test_dense_sign_is_one_bit_per_value() -> None:
+    """chunk = k, bits = 1: every value's sign and one scale per chunk, ~1 bit per value (int8 is 8.25)."""
+    codec = parse_codec_spec("chunktopk:chunk=4096,k=4096,bits=1")
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    enc = codec.encode(x)
+    assert 8 * enc.nbytes / (1 << 20) < 1.01
+    y = decode(enc)
+    assert torch.equal(torch.sign(y), torch.sign(x))
+    check_sign_budget(x, y, 4096)
 
 
 # --------------------------------------------------------------------------- malformed input
@@ -180,6 +228,27 @@ def test_malformed_refused(k: int) -> None:
     for b in bad:
         with pytest.raises(CodecError):
             decode(b, max_numel=2**41)
+
+
+def test_malformed_bitmap_refused() -> None:
+    """A bitmap must mark exactly each chunk's count: one mark moved to another chunk, one mark
+    too many or one too few are refused."""
+    codec = get_codec("chunktopk", chunk=100, k=20, bits=1)  # 20 * 7 bits >= 100: bitmap
+    x = torch.randn(250)
+    enc = codec.encode(x)
+    decode(enc)
+    marks = np.unpackbits(np.frombuffer(enc.buffers[1], np.uint8), count=250, bitorder="little")
+    first_kept = int(np.flatnonzero(marks[:100])[0])
+    first_free = int(np.flatnonzero(marks[:100] == 0)[0])
+    free_later = 100 + int(np.flatnonzero(marks[100:200] == 0)[0])
+    for flips in ([first_kept, free_later], [first_free], [first_kept]):
+        bad = marks.copy()
+        bad[flips] ^= 1
+        buf = np.packbits(bad, bitorder="little").tobytes()
+        with pytest.raises(CodecError, match="bitmap"):
+            decode(_with(enc, buffers=(enc.buffers[0], buf, enc.buffers[2])))
+    with pytest.raises(CodecError):  # an index buffer where the layout has none
+        decode(_with(get_codec("chunktopk", chunk=100, k=100, bits=1).encode(x), buffers=(enc.buffers[0], b"\0", b"")))
 
 
 def test_fp16_values_checked() -> None:

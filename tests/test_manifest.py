@@ -33,8 +33,8 @@ PINNED = {
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
-# and rounds.overlap were added
-PINNED_HASH = "b38c7ddbddcba28b1d4f352ded4ad052"
+# and rounds.overlap, averaging.reducer_feedback were added
+PINNED_HASH = "31e65cc9c50c40c95aea3730ef161cad"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -75,6 +75,9 @@ def test_more_blocks_cost_more_and_in_flight_costs_memory() -> None:
     more = stage_costs(from_dict({**raw, "pipeline": {"max_in_flight": 8}}))
     assert more[1].memory.activations == 2 * c[1].memory.activations
     assert more[1].memory.weights == c[1].memory.weights
+    assert c[1].memory.residual == c[1].memory.weights  # averaging.error_feedback's residual
+    reducer = stage_costs(from_dict({**raw, "averaging": {"reducer_feedback": True}}))
+    assert reducer[1].memory.residual == 2 * c[1].memory.weights  # and the reducer's
 
 
 def test_entry_point_costs_fall_back_to_parameter_counts() -> None:

@@ -1,0 +1,224 @@
+"""Pseudo-gradient codecs in one process: DiLoCo rounds of R replicas of the whole model, each
+variant trained on the same samples, to find out *why* a codec loses quality and by how much.
+
+    python benchmarks/sparse_rounds.py [--manifest examples/reference.toml] [--rounds N]
+        [--inner-steps H] [--variants NAME,...] [--list]
+
+No network: the replicas take turns in this process, so a variant costs only its compute and
+rounds are exact (every replica trains exactly H steps). The averaging path is the swarm's own
+code: each replica encodes Δ with the manifest codec (small tensors fp32, `SizeAdaptive`) and
+its `ErrorFeedback`, the contributions are decoded and reduced with `peer.aggregate.reduce_part`,
+and then either
+
+- ``reduce``: re-encoded with `compression.reduce_codec` and decoded, as a reducer of the
+  reduce-scatter does (peer/averaging.py), or
+- ``gather``: used as is, as when every member receives every contribution and reduces locally;
+
+θ_global takes the outer step of `peer.state.StageState`. Bytes are the codec payloads each
+member would send in that exchange (reduce: its contribution's parts to the other reducers and
+its part of the mean to the other members, by `peer.averaging.partition`; gather: its whole
+contribution to each other member), without framing, so they compare variants with each other;
+benchmarks/round_codecs.py measures the real swarm's bytes.
+
+Columns: val bits/byte after the last round (the drivers' evaluation set), payload bytes per
+sample, DDP / that (DDP's fp32 all-reduce of every step: 8·P bytes per step's samples), and the
+gap to the first variant.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec, reduce_codec
+from swarmgrad.peer.aggregate import reduce_part
+from swarmgrad.peer.averaging import partition
+from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
+from swarmgrad.peer.manifest import Manifest, load
+from swarmgrad.peer.model import from_manifest
+from swarmgrad.peer.schedule import lr_multiplier
+from swarmgrad.peer.state import StageState
+
+REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    codec: str
+    error_feedback: bool = True
+    exchange: str = "reduce"
+    """reduce (the reducer re-encodes the mean with reduce_codec), reduce-ef (the reducer re-encodes
+    it with the members' own codec and keeps error feedback of its own) or gather (no re-encode)."""
+    feedback_decay: float = 1.0
+    """β of SparseLoCo's accumulator: e ← β·e + Δ before the encode (1: plain error feedback)."""
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+
+
+VARIANTS = {v.name: v for v in [
+    Variant("fp32", "fp32", error_feedback=False),
+    Variant("int8+ef", "int8"),
+    Variant("topk1%+ef", "topk:fraction=0.01,values=fp16"),
+    Variant("topk1%+ef/gather", "topk:fraction=0.01,values=fp16", exchange="gather"),
+    Variant("ctk64b2+ef", "chunktopk:chunk=4096,k=64,bits=2"),
+    Variant("ctk64b2+ef/gather", "chunktopk:chunk=4096,k=64,bits=2", exchange="gather"),
+    Variant("ctk64b16+ef/gather", "chunktopk:chunk=4096,k=64,bits=16", exchange="gather"),
+    Variant("ctk64b2+ef/gather/sgd1", "chunktopk:chunk=4096,k=64,bits=2", exchange="gather",
+            outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk64b2+ef.95/gather/sgd1", "chunktopk:chunk=4096,k=64,bits=2", exchange="gather",
+            feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk64b2+ef/reduce-ef", "chunktopk:chunk=4096,k=64,bits=2", exchange="reduce-ef"),
+    Variant("ctk128b2+ef/reduce-ef", "chunktopk:chunk=4096,k=128,bits=2", exchange="reduce-ef"),
+    Variant("ctk256b2+ef.95/gather/sgd1", "chunktopk:chunk=4096,k=256,bits=2", exchange="gather",
+            feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk256b2+ef/gather", "chunktopk:chunk=4096,k=256,bits=2", exchange="gather"),
+    Variant("ctk512b2+ef/gather", "chunktopk:chunk=4096,k=512,bits=2", exchange="gather"),
+    Variant("ctk1024b2+ef/gather", "chunktopk:chunk=4096,k=1024,bits=2", exchange="gather"),
+    Variant("ctk4096b1+ef/gather", "chunktopk:chunk=4096,k=4096,bits=1", exchange="gather"),
+    Variant("ctk4096b1+ef/reduce-ef", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef"),
+    Variant("ctk2048b1+ef/gather", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather"),
+    Variant("ctk1024b2+ef/reduce-ef", "chunktopk:chunk=4096,k=1024,bits=2", exchange="reduce-ef"),
+    Variant("ctk128b1+ef/gather", "chunktopk:chunk=128,k=128,bits=1", exchange="gather"),
+    Variant("ctk128b1+ef/reduce-ef", "chunktopk:chunk=128,k=128,bits=1", exchange="reduce-ef"),
+    Variant("fp32/sgd1", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0),
+]}
+
+
+class DecayedFeedback(ErrorFeedback):
+    """Error feedback whose residual decays by β before each encode (SparseLoCo's accumulator)."""
+
+    def __init__(self, codec, decay: float) -> None:
+        super().__init__(codec)
+        self.decay = decay
+
+    def encode(self, name, tensor):
+        if self.decay != 1.0 and name in self._residuals:
+            self._residuals[name] = self._residuals[name] * self.decay
+        return super().encode(name, tensor)
+
+
+def payload(enc) -> int:
+    return sum(len(b) for b in enc.buffers)
+
+
+def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_batches) -> dict:
+    torch.manual_seed(m.seed)
+    outer = m.outer
+    if v.outer_lr is not None or v.outer_momentum is not None:
+        outer = dataclasses.replace(outer, lr=v.outer_lr if v.outer_lr is not None else outer.lr,
+                                    momentum=v.outer_momentum if v.outer_momentum is not None else outer.momentum)
+    model = from_manifest(m)
+    state = StageState(model.build_stage(0), outer)
+    modules = [model.build_stage(0) for _ in range(replicas)]
+    inner = m.inner
+    opts = [torch.optim.AdamW(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas),
+                              weight_decay=inner.weight_decay) for mod in modules]
+    batch = inner.microbatch_size * inner.microbatches_per_step
+    streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
+    codec = SizeAdaptive(m.averaging.small_tensor_threshold, get_codec("fp32"), parse_codec_spec(v.codec))
+    feedback = [DecayedFeedback(codec, v.feedback_decay) if v.error_feedback else None for _ in range(replicas)]
+    mean_codec = reduce_codec(codec)
+    reducer_feedback = ErrorFeedback(codec)
+    parts = partition(state.shapes, replicas)
+    H = m.rounds.inner_steps
+    samples = 0
+    sent = 0
+    for rnd in range(rounds):
+        deltas = []
+        for r, (mod, opt) in enumerate(zip(modules, opts)):
+            state.copy_to(mod)
+            mod.train()
+            for step in range(H):
+                x, y = next(streams[r])
+                loss = model.loss_fn(mod(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if inner.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(mod.parameters(), inner.grad_clip)
+                lr = inner.lr * lr_multiplier(m.schedule, samples + replicas * step * batch)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.step()
+            deltas.append(state.pseudo_gradient(mod))
+        encoded = []
+        for r, delta in enumerate(deltas):
+            fb = feedback[r]
+            encoded.append({n: fb.encode(n, t) if fb else codec.encode(t) for n, t in sorted(delta.items())})
+        decoded = [{n: decode(e) for n, e in enc.items()} for enc in encoded]
+        weight = float(H * batch)
+        mean = reduce_part([(weight, d) for d in decoded], m.averaging.robust_min_members,
+                           m.averaging.max_weight_ratio)
+        if v.exchange.startswith("reduce"):
+            if v.exchange == "reduce-ef":
+                answers = {n: reducer_feedback.encode(n, t) for n, t in mean.items()}
+            else:
+                answers = {n: mean_codec.encode(t) for n, t in mean.items()}
+            mean = {n: decode(e) for n, e in answers.items()}
+            for r in range(replicas):  # member r: its other parts' contributions, then its part's mean
+                sent += sum(payload(encoded[r][n]) for n, p in parts.items() if p != r)
+                sent += (replicas - 1) * sum(payload(answers[n]) for n, p in parts.items() if p == r)
+        else:
+            sent += (replicas - 1) * sum(payload(e) for enc in encoded for e in enc.values())
+        samples += replicas * H * batch
+        state.apply_outer(mean, replicas * H * batch, lr_multiplier(m.schedule, samples) if m.schedule.outer else 1.0)
+    evalmod = modules[0]
+    state.copy_to(evalmod)
+    evalmod.eval()
+    with torch.no_grad():
+        losses = [float(model.loss_fn(evalmod(x), y)) for x, y in val_batches]
+    params = sum(t.numel() for t in state.params.values())
+    return {"val": bits_per_byte(sum(losses) / len(losses)), "bytes_per_sample": sent / samples,
+            "ddp": 8.0 * params / batch, "samples": samples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--manifest", type=Path, default=REFERENCE)
+    ap.add_argument("--rounds", type=int, default=None, help="default: the manifest's max_rounds")
+    ap.add_argument("--inner-steps", type=int, default=None, help="default: the manifest's rounds.inner_steps")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--variants", default="fp32,int8+ef,ctk64b2+ef")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list:
+        for v in VARIANTS.values():
+            print(v)
+        return
+    torch.set_num_threads(args.threads)
+    m = load(args.manifest)
+    m = m.replace(stages={"count": 1})
+    if args.inner_steps:
+        m = m.replace(rounds={"inner_steps": args.inner_steps})
+    rounds = args.rounds or m.rounds.max_rounds
+    if m.schedule.kind != "constant" and rounds != m.rounds.max_rounds:
+        # the schedule spans this run's samples (warmup the same share of them)
+        total = rounds * m.rounds.inner_steps * args.replicas * m.inner.microbatch_size * m.inner.microbatches_per_step
+        share = m.schedule.warmup_samples / max(1, m.schedule.total_samples)
+        m = m.replace(schedule={"total_samples": total, "warmup_samples": int(share * total)})
+    d = m.data
+    train, val = load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None)
+    val_batches = validation_batches(val, m.model.seq_len, m.inner.microbatch_size, d.eval_batches, seed=m.seed)
+    print(f"{args.replicas} replicas, {rounds} rounds of H={m.rounds.inner_steps}, manifest {args.manifest.name}",
+          flush=True)
+    print("| variant | val bits/byte | gap | payload bytes/sample | DDP / that | s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    first = None
+    for name in args.variants.split(";") if ";" in args.variants else args.variants.split(","):
+        v = VARIANTS[name]
+        t = time.monotonic()
+        res = run_variant(m, v, rounds, args.replicas, train, val_batches)
+        first = res["val"] if first is None else first
+        gap = 100.0 * (res["val"] / first - 1.0)
+        ratio = res["ddp"] / res["bytes_per_sample"] if res["bytes_per_sample"] else math.inf
+        print(f"| {name} | {res['val']:.4f} | {gap:+.2f} % | {res['bytes_per_sample']:,.1f} | {ratio:,.0f} "
+              f"| {time.monotonic() - t:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
