@@ -161,6 +161,9 @@ class Averager:
                                             reducer_feedback=avg.reducer_feedback)
         """The reducer's answers come in the reduce codec's names."""
         self._slots: dict[int, _Slot] = {}
+        self._own: set[int] = set()
+        """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
+        round is still in flight when a re-sync moves the clock past it)."""
         self.clock = clock
         """Requests for rounds far from the clock's are refused."""
         self.patience = manifest.timeouts.matchmaking
@@ -177,7 +180,7 @@ class Averager:
     def _slot(self, round: int) -> _Slot:
         if round not in self._slots:
             self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())
-            for old in [r for r in self._slots if r < self.clock.current - 2]:  # nobody waits on those any more
+            for old in [r for r in self._slots if r < self.clock.current - 2 and r not in self._own]:  # nobody waits on those
                 slot = self._slots.pop(old)
                 if slot.result is not None and not slot.result.done():
                     slot.result.cancel()
@@ -286,7 +289,11 @@ class Averager:
         # round's Δ stays in them and is sent again later, on top of the next round's
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
         saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer_feedback) if f is not None]
-        result = await self._average(round, group, weights, delta, weight, digest)
+        self._own.add(round)
+        try:
+            result = await self._average(round, group, weights, delta, weight, digest)
+        finally:
+            self._own.discard(round)
         if not result.complete:
             for feedback, residuals in saved:
                 feedback.load_state_dict(residuals)
