@@ -17,7 +17,10 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
+
+from swarmgrad.peer.launcher import LocalSwarm
 
 PREFIX = "sgwan-"
 TBF = ("burst", "32kb", "latency", "50ms")
@@ -183,3 +186,24 @@ class WanNet:
         while self._namespaces:
             _run("ip", "netns", "del", self._namespaces.pop(), check=False)
         self.endpoints.clear()
+
+
+class NetnsSwarm(LocalSwarm):
+    """A LocalSwarm whose i-th peer runs in namespace i and listens on its address there, on `port`
+    (0: any; each namespace has its own ports, so a fixed one cannot collide), with data seed i;
+    `save` also has each peer save θ_global every round into WORKDIR/NAME.ckpt (the WAN benchmarks
+    score those)."""
+
+    def __init__(self, manifest: Path, workdir: Path, endpoints: list[Endpoint], *, port: int = 0,
+                 save: bool = False):
+        super().__init__(manifest, workdir)
+        self.endpoints = endpoints
+        self.port = port
+        self.save = save
+
+    def command_prefix(self, index: int) -> list[str]:
+        return self.endpoints[index].exec_prefix()
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        args = ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/{self.port}", "--data-seed", str(index)]
+        return args + (["--save-dir", str(self.workdir / f"{name}.ckpt")] if self.save else [])

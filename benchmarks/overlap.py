@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
-from wan import Budget, CheckpointWatch, NetnsSwarm, Task, manifest_for, stages_from  # noqa: E402
+from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from  # noqa: E402
 from swarmgrad.peer.manifest import dumps  # noqa: E402
 
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
@@ -61,7 +61,7 @@ def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task
     (workdir / "manifest.toml").write_text(dumps(manifest))
     t0 = time.time()
     out: dict = {"mode": mode, "link": link, "error": None}
-    with NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
+    with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, save=True) as swarm:
         swarm.start_first(0, "--max-rounds", "0")
         swarm.start(0, "--max-rounds", "0")
         watch = CheckpointWatch([workdir / f"{p.name}.ckpt" for p in swarm.peers])

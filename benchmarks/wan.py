@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
 from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root  # noqa: E402
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess  # noqa: E402
+from swarmgrad.peer.launcher import PeerProcess  # noqa: E402
 from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 from swarmgrad.peer.model import from_manifest, gpt_loss  # noqa: E402
 from swarmgrad.peer.state import load_checkpoint  # noqa: E402
@@ -186,21 +186,6 @@ def stages_from(manifest: Manifest, params_per_stage: list[dict[str, torch.Tenso
 
 
 # --- swarmgrad ------------------------------------------------------------------------------------
-class NetnsSwarm(LocalSwarm):
-    """LocalSwarm whose i-th peer runs in namespace i, listens on its address and saves θ_global."""
-
-    def __init__(self, manifest: Path, workdir: Path, endpoints: list[netns.Endpoint]):
-        super().__init__(manifest, workdir)
-        self.endpoints = endpoints
-
-    def command_prefix(self, index: int) -> list[str]:
-        return self.endpoints[index].exec_prefix()
-
-    def peer_args(self, index: int, name: str) -> list[str]:
-        return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/0",
-                "--save-dir", str(self.workdir / f"{name}.ckpt"), "--data-seed", str(index)]
-
-
 class CheckpointWatch:
     """Keeps every θ_global version the peers save (a file per stage per peer, replaced each round)."""
 
@@ -253,7 +238,7 @@ def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, tas
     res = Result(system, link, samples=budget.samples, processes=n_stages * replicas)
     cpu: dict[int, float] = {}
     t0 = time.time()
-    with NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
+    with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, save=True) as swarm:
         swarm.start_first(0, "--max-rounds", "0")
         for i in range(1, n_stages * replicas):
             swarm.start(i % n_stages, "--max-rounds", "0")

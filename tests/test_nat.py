@@ -17,7 +17,6 @@ from typing import Iterator
 import pytest
 
 from swarmgrad.peer.dial_out import dial_targets
-from swarmgrad.peer.launcher import LocalSwarm
 from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.reachability import plan
 from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
@@ -103,20 +102,6 @@ PORT = 31330
 """Every peer listens on this port: each namespace has its own ports, so they cannot collide."""
 
 
-class NetnsSwarm(LocalSwarm):
-    """A LocalSwarm whose i-th peer runs in namespace i and listens on its address there."""
-
-    def __init__(self, manifest: Path, workdir: Path, endpoints: list[netns.Endpoint]):
-        super().__init__(manifest, workdir)
-        self.endpoints = endpoints
-
-    def command_prefix(self, index: int) -> list[str]:
-        return self.endpoints[index].exec_prefix()
-
-    def peer_args(self, index: int, name: str) -> list[str]:
-        return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/{PORT}", "--data-seed", str(index)]
-
-
 def _connects(source: netns.Endpoint, host: str, port: int) -> bool:
     """Whether a new TCP connection from `source`'s namespace to host:port is accepted within 3 s."""
     probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 3).close()\n"
@@ -152,7 +137,7 @@ def test_a_replica_behind_nat_serves_and_averages(natted_net: netns.WanNet, tmp_
     manifest = tmp_path / "manifest.toml"
     manifest.write_text(dumps(small_manifest()))
     common = ("--max-rounds", "4", "--linger", "10")
-    with NetnsSwarm(manifest, tmp_path / "swarm", natted_net.endpoints) as swarm:
+    with netns.NetnsSwarm(manifest, tmp_path / "swarm", natted_net.endpoints, port=PORT) as swarm:
         swarm.start_first(0, "--reachability", "public", *common)
         b = swarm.start(1, "--reachability", "public", *common)
         c = swarm.start(1, "--reachability", "relay", *common)
@@ -242,7 +227,7 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
     manifest.write_text(dumps(small_manifest()))
     common = ("--max-rounds", "6", "--linger", "10")
     relays: list[subprocess.Popen] = []
-    with NetnsSwarm(manifest, tmp_path / "swarm", two_natted_net.endpoints) as swarm:
+    with netns.NetnsSwarm(manifest, tmp_path / "swarm", two_natted_net.endpoints, port=PORT) as swarm:
         try:
             swarm.start_first(0, "--reachability", "public", *common)
             for ep in two_natted_net.endpoints[3:]:
