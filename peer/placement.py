@@ -63,7 +63,7 @@ import math
 import random
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 # Same strings as swarm.JOINING/ONLINE/LEAVING (a test pins them); not imported from there, so
 # that the policy and the simulator load without hivemind.
@@ -310,17 +310,22 @@ class Snapshot:
         tied = [r for score, r in scored if score >= bar]
         return max(tied, key=lambda r: (tie_hash(r.peer_id, salt), r.peer_id))
 
+    @cached_property
+    def _plans(self) -> dict[tuple[str, int], Any]:
+        return {}
+
+    def _memo(self, kind: str, salt: int, compute: Callable[[int], Any]) -> Any:
+        """Each plan is computed once per snapshot (immutable) and salt, however often it is read."""
+        key = (kind, salt)
+        if key not in self._plans:
+            self._plans[key] = compute(salt)
+        return self._plans[key]
+
     def fill_plan(self, salt: int) -> dict[str, int]:
         """Who fills which empty stage: peer id -> target. Empty stages in order; each takes the
         replica (of a stage keeping another live replica and without a mover) that leaves the
         best pair min(C_a − r, r·c_a/c_e); one mover per donor stage."""
-        if salt not in self._fill_plans:
-            self._fill_plans[salt] = self._compute_fill_plan(salt)
-        return self._fill_plans[salt]
-
-    @cached_property
-    def _fill_plans(self) -> dict[int, dict[str, int]]:
-        return {}
+        return self._memo("fill", salt, self._compute_fill_plan)
 
     def _compute_fill_plan(self, salt: int) -> dict[str, int]:
         caps, counts = list(self.capacities), list(self.live_counts)
@@ -359,13 +364,7 @@ class Snapshot:
         send a replica to one bottleneck on the same snapshot (a herd that overshot it, left the
         donors under it and kept the swarm moving). One mover per stage still holds, and a stage
         that receives in this plan does not give."""
-        if salt not in self._move_plans:
-            self._move_plans[salt] = self._compute_move_plan(salt)
-        return self._move_plans[salt]
-
-    @cached_property
-    def _move_plans(self) -> dict[int, dict[str, PlannedMove]]:
-        return {}
+        return self._memo("move", salt, self._compute_move_plan)
 
     def _compute_move_plan(self, salt: int) -> dict[str, PlannedMove]:
         caps, counts = list(self.capacities), list(self.live_counts)
@@ -411,13 +410,7 @@ class Snapshot:
         if it beats S_b. Serving, not live, capacities: a newcomer JOINING b after a departure
         makes b whole on paper at once but serves only after its download; the holder serves
         after its warm-up, and the newcomers that follow go to the stage it left."""
-        if salt not in self._warm_plans:
-            self._warm_plans[salt] = self._compute_warm_plan(salt)
-        return self._warm_plans[salt]
-
-    @cached_property
-    def _warm_plans(self) -> dict[int, dict[str, PlannedMove]]:
-        return {}
+        return self._memo("warm", salt, self._compute_warm_plan)
 
     def _compute_warm_plan(self, salt: int) -> dict[str, PlannedMove]:
         caps = self.serving
