@@ -150,19 +150,27 @@ class RoundRunner:
         report.utilisation = min(1.0, (compute - self._mark[1]) / report.round_s)
         self._mark = (now, compute)
 
+    async def _pseudo_gradient(self, round: int, report: overlap.RoundReport) -> dict[str, torch.Tensor]:
+        """Δ = θ_global − θ_local to average (corrupted by the --byzantine testing aid), with the
+        matchmaking patience this round's length calls for."""
+        self.averager.patience = policy.matchmaking_patience(
+            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
+        delta = await self.worker.run(self.state.pseudo_gradient, self.worker.module)
+        return corrupt(delta, self.byzantine, round) if self.byzantine else delta
+
+    def _failed(self, round: int, e: Exception) -> RoundResult:
+        """A round that raised is an incomplete round, never a dead peer."""
+        logger.exception("stage %d round %d failed", self.stage, round)
+        return RoundResult(False, f"{type(e).__name__}: {e}", (), None)
+
     async def _plain_round(self, round: int, report: overlap.RoundReport) -> RoundResult:
         worker, state = self.worker, self.state
         samples = report.samples
-        self.averager.patience = policy.matchmaking_patience(
-            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
         try:
-            delta = await worker.run(state.pseudo_gradient, worker.module)
-            if self.byzantine:
-                delta = corrupt(delta, self.byzantine, round)
+            delta = await self._pseudo_gradient(round, report)
             result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)
-        except Exception as e:  # a round that raised is an incomplete round, never a dead peer
-            logger.exception("stage %d round %d failed", self.stage, round)
-            result = RoundResult(False, f"{type(e).__name__}: {e}", (), None)
+        except Exception as e:
+            result = self._failed(round, e)
         next_round = self.clock.next_round(get_dht_time())
         carry = False
         if result.complete:
@@ -201,11 +209,7 @@ class RoundRunner:
     async def _start_overlapped(self, round: int, report: overlap.RoundReport) -> None:
         """Snapshot Δ and θ_local, move the clock on, resume, and average in the background."""
         worker, state = self.worker, self.state
-        self.averager.patience = policy.matchmaking_patience(
-            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
-        delta = await worker.run(state.pseudo_gradient, worker.module)
-        if self.byzantine:
-            delta = corrupt(delta, self.byzantine, round)
+        delta = await self._pseudo_gradient(round, report)
         anchor = await worker.run(overlap.snapshot_local, worker.module)
         weight = float(report.samples)
         report.overlapped = True
@@ -226,9 +230,8 @@ class RoundRunner:
         worker, state, round = self.worker, self.state, flight.round
         try:
             result = await self.averager.run_round(round, delta, flight.weight, digest, applied_rounds)
-        except Exception as e:  # a round that raised is an incomplete round, never a dead peer
-            logger.exception("stage %d round %d failed", self.stage, round)
-            result = RoundResult(False, f"{type(e).__name__}: {e}", (), None)
+        except Exception as e:
+            result = self._failed(round, e)
         del delta
         moved = False
         if result.complete:
