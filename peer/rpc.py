@@ -186,6 +186,7 @@ class FramedRPC:
                           handler: Callable[[Req, PeerID], Awaitable[Message]],
                           refusal: Callable[[int, str], Message]) -> None:
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            logger.debug("%s stream from %s opened", method, str(info.peer_id)[-8:])
             try:
                 await self._serve(method, request_type, handler, refusal, info.peer_id, reader, writer)
             except asyncio.CancelledError:
@@ -249,7 +250,11 @@ class FramedRPC:
                 held = 0
                 self.traffic.add_recv(traffic_kind(method, response=False), size)
                 REQUEST_READ_S.set(time.monotonic() - first_frame if first_frame else 0.0)
-                await self._write(writer, await self._answer(method, handler, refusal, request, peer), answer_kind)
+                answer = await self._answer(method, handler, refusal, request, peer)
+                await self._write(writer, answer, answer_kind)
+                logger.debug("answered %s from %s (status %d) %.3fs after its first frame", method, who,
+                             getattr(answer, "status", -1), time.monotonic() - first_frame if first_frame else -1)
+                await self._drain(reader)  # the answer must reach the caller before we close (_drain says why)
                 return
             logger.info("refused %s from %s: %s", method, who, error)
             await self._write(writer, refusal(error.status, error.reason), answer_kind)
@@ -261,8 +266,13 @@ class FramedRPC:
                 del self._open[peer]
 
     async def _drain(self, reader: asyncio.StreamReader) -> None:
-        """After refusing early, let the caller finish writing (bounded in bytes and time), so it
-        reads the refusal instead of a reset stream."""
+        """After answering, wait (bounded in bytes and time) until the caller closes its side, which
+        it does once it has read the whole answer. Closing first loses answers: the p2p daemon
+        (go-libp2p-daemon's doStreamPipe) resets a stream whose handler side closed while the
+        remote side is still open, and a reset discards what the caller's daemon has received but
+        not yet handed over, so the caller sees its stream end without a response ("stream ended
+        before the last frame", from live peers, under load). After refusing early, the same wait
+        lets the caller finish writing, so it reads the refusal instead of a reset stream."""
         try:
             await asyncio.wait_for(discard(reader, self.max_message_bytes), self.drain_timeout)
         except asyncio.TimeoutError:
@@ -320,7 +330,11 @@ class FramedRPC:
             self.traffic.add_sent(traffic_kind(method, response=False), size)
             timing.sent.set()
 
+        got = 0
+
         def first_frame(n: int) -> None:
+            nonlocal got
+            got += n
             timing.first_byte = timing.first_byte or time.monotonic()
 
         async def exchange() -> Resp:
@@ -348,7 +362,9 @@ class FramedRPC:
         except asyncio.TimeoutError:
             raise RPCFailed(f"{method} to {who} timed out after {timeout:.1f}s") from None
         except ProtocolError as e:
-            raise RPCFailed(f"{method} to {who}: bad response: {e}") from None
+            # how far the exchange got tells a stream reset (nothing came back) from a short answer
+            raise RPCFailed(f"{method} to {who}: bad response: {e} (request {'sent' if timing.sent.is_set() else 'not sent whole'}"
+                            f", {got} response bytes, {time.monotonic() - (timing.started or time.monotonic()):.2f}s after the stream opened)") from None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # ConnectionError, P2PDaemonError, IncompleteReadError and friends

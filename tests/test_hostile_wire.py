@@ -771,3 +771,33 @@ def test_client_survives_hostile_servers() -> None:
     for name in ("huge", "empty", "garbage", "status99"):
         assert outcomes[name][1] < 1.5, (name, outcomes[name])
     assert outcomes["rss growth MB"][1] < 100
+
+
+@pytest.mark.timeout(60)
+def test_server_keeps_its_side_open_until_the_caller_has_the_answer() -> None:
+    """A handler that closed its stream right after writing the answer lost answers under load: the
+    p2p daemon resets a stream whose handler side closed while the caller's side is open, and the
+    reset drops what the caller's daemon had not yet handed over ("stream ended before the last
+    frame" from a live peer). So the server closes only once the caller closed (or drain_timeout)."""
+    from swarmgrad.protocol.framing import encode_stream
+
+    async def body(a: Any, b: Any, server: Any, client: Any) -> None:
+        reader, writer = await raw_stream(b, a)
+        chunks, _ = encode_stream(pb.StateRequest(envelope=pb.Envelope(run_id="x")))
+        for chunk in chunks:
+            writer.write(chunk)
+        await writer.drain()
+        resp = await refusal_of(reader)
+        assert resp.status == pb.OK and resp.state_digest == "echo:x"
+        with pytest.raises(asyncio.TimeoutError):  # no end of stream: the server waits for us
+            await asyncio.wait_for(reader.read(1), 1.0)
+        assert server.open_streams == 1
+        writer.close()
+        for _ in range(100):  # once we closed, the server lets go of the stream
+            if server.open_streams == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert server.open_streams == 0
+        await valid_call(client, a, "after")
+
+    with_pair(body, drain_timeout=30.0)
