@@ -15,10 +15,21 @@ A round r of stage s, on every replica:
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
-A round is complete only if every part came back with the full group as contributors. Anything
-less is a failed round, logged as such: nobody applies a partial mean. A member that failed
-while others completed re-syncs θ_global from one of them (the daemon does this); a member
-that vanished fails the round for the others after at most `patience` + timeouts.allreduce.
+4. outcome vote: every member of a group of two or more posts one vote under
+   {run}/round/{s}/{r}/check: the digest of the mean it decoded, or FAILED_VOTE. A member applies
+   the round only once every member voted its own digest; one FAILED_VOTE (or a different digest,
+   i.e. a reducer that sent different bytes) fails it for all. A member that fails a part (a
+   refusal, a reset stream, a timeout) votes FAILED_VOTE at once and stops waiting for the other
+   parts, and every member watches the votes while its parts are on the way, so one member's
+   failure ends the round for the group within a poll instead of after timeouts.allreduce.
+A round is complete only if every part came back with the full group as contributors and every
+member voted the same digest. Anything less is a failed round, logged as such: nobody applies a
+partial mean. Without the vote a member whose answer was lost (a reset stream) failed while the
+others applied (a split outcome). What the vote leaves is the two-generals case: a member that
+voted its digest but could not read every vote in time fails while the others may have applied;
+it knows it (RoundResult.voted_digest) and re-syncs from one of them at once (the daemon does
+this, peer/state_sync.py). A member that vanished fails the round for the others after at most
+`patience` + timeouts.allreduce.
 
 hivemind's DecentralizedAverager is not used: it returns partial results with only a warning,
 lets each peer apply local + Q(avg − local), and its codec set is a closed enum (see the primer).
@@ -54,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 MATCHMAKING_POLL_SECONDS = 0.2
 """How often matchmaking re-reads the registrations (a poll interval, not a deadline)."""
+VOTE_POLL_SECONDS = 0.25
+"""How often a member re-reads the outcome votes while its parts are on the way and while it
+waits for every vote (a poll interval, not a deadline)."""
+FAILED_VOTE = "failed"
+"""The outcome vote of a member whose round failed (any other vote is a mean digest)."""
 
 
 # pure decisions ---------------------------------------------------------------------------------
@@ -131,6 +147,10 @@ class RoundResult:
     """Samples the whole group trained on this round; 0 means nobody trained, so nobody steps."""
     unreachable: tuple[str, ...] = ()
     """Members that did not answer at all (dead or cut off): a re-sync does not wait for them."""
+    voted_digest: bool = False
+    """This member voted for the mean (or may have: its vote's write failed). A failed round with a
+    digest vote may have been applied by members that read every vote; otherwise (we voted
+    FAILED_VOTE, or never voted) no member of our group applied it."""
 
 
 class Averager:
@@ -327,12 +347,52 @@ class Averager:
 
         # the slowest member may still be in matchmaking when we are done with it
         wait_s = self.patience + self.m.timeouts.allreduce
-        calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        calls = [asyncio.ensure_future(local() if p == my_part else remote(p)) for p in range(len(group.members))]
+        results = await self._collect(round, group, calls)
         result = self._combine(group, parts, results)
-        if result.complete and len(group.members) > 2:
-            result = await self._cross_check(round, group, result)
+        if len(group.members) > 1:
+            result = await self._vote(round, group, result)
+        if not result.complete and not slot.result.done():
+            slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
+
+    async def _collect(self, round: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
+        """Every part's answer, in part order; but as soon as one part failed, or another member
+        voted FAILED_VOTE, the parts still on the way are abandoned (Abandoned): the round has
+        failed for everyone, and waiting for them would only stall this member."""
+        watcher = asyncio.ensure_future(self._watch_failed_votes(round, group)) if len(group.members) > 1 else None
+        pending: set[asyncio.Future] = set(calls)
+        why = ""
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | ({watcher} if watcher else set()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher is not None and watcher in done:
+                    why = watcher.result()
+                    break
+                pending -= done
+                if any(_part_failed(c) for c in done):
+                    why = "another part failed"
+                    break
+        finally:
+            for task in [*pending, *([watcher] if watcher else [])]:
+                task.cancel()
+            await asyncio.gather(*pending, *([watcher] if watcher else []), return_exceptions=True)
+        return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
+                else (c.exception() or c.result()) for c in calls]
+
+    async def _watch_failed_votes(self, round: int, group: Group) -> str:
+        """Returns once another member of `group` voted FAILED_VOTE for `round` (never otherwise)."""
+        while True:
+            await asyncio.sleep(VOTE_POLL_SECONDS)
+            try:
+                votes = await self.swarm.round_checks(self.stage, round)
+            except Exception as e:  # a DHT hiccup: the parts' own deadlines still bound the round
+                logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
+                continue
+            failed = [p for p in group.members if p != self.peer_id and votes.get(p) == FAILED_VOTE]
+            if failed:
+                return f"member {failed[0][-8:]} voted the round failed"
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
@@ -341,8 +401,14 @@ class Averager:
                             if isinstance(res, RPCFailed) and "timed out" not in str(res))
         mean: dict[str, torch.Tensor] = {}
         totals = set()
-        for part, res in enumerate(results):
+        # a part that really failed says why the round failed; the parts abandoned because of it do not
+        order = sorted(range(len(results)), key=lambda p: isinstance(results[p], Abandoned))
+        for part in order:
+            res = results[part]
             reducer = group.members[part][-8:]
+            if isinstance(res, Abandoned):
+                return RoundResult(False, f"part {part} (reducer {reducer}) abandoned: {res.why}", group.members,
+                                   None, unreachable=unreachable)
             if isinstance(res, asyncio.TimeoutError):
                 return RoundResult(False, f"part {part} (reducer {reducer}): timed out", group.members, None,
                                    unreachable=unreachable)
@@ -369,31 +435,56 @@ class Averager:
             return RoundResult(False, f"reducers report different total weights {sorted(totals)}", group.members, None)
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
 
-    async def _cross_check(self, round: int, group: Group, result: RoundResult) -> RoundResult:
-        """A second, tiny exchange: every member posts a digest of the mean it decoded, and the
-        round counts only if all posted the same one. A reducer that sends different bytes to
-        different members would otherwise split θ_global unnoticed until the next round."""
-        assert result.mean_delta is not None
-        mine = mean_digest(result.mean_delta)
+    async def _vote(self, round: int, group: Group, result: RoundResult) -> RoundResult:
+        """The outcome vote (module docstring, step 4): post ours (the digest of the mean we decoded,
+        or FAILED_VOTE), then, if ours is a digest, wait until every member voted: complete only if
+        all voted that digest. A FAILED_VOTE or a different digest (a reducer that sent different
+        bytes to different members) fails the round for all at once."""
+        mine = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else FAILED_VOTE
         try:
-            await self.swarm.post_check(self.stage, round, self.peer_id, mine)
-            deadline = time.monotonic() + self.m.timeouts.allreduce
-            while True:
-                posted = await self.swarm.round_checks(self.stage, round)
-                if set(group.members) <= set(posted) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(MATCHMAKING_POLL_SECONDS)
+            await asyncio.wait_for(self.swarm.post_check(self.stage, round, self.peer_id, mine), self.m.timeouts.dht)
         except Exception as e:
-            return RoundResult(False, f"cross-check failed: {type(e).__name__}: {e}", group.members, None)
-        missing = [p for p in group.members if p not in posted]
-        if missing:
-            return RoundResult(False, f"cross-check: {len(missing)} member(s) posted no digest", group.members, None,
-                               unreachable=tuple(missing))
-        differing = sorted(p[-8:] for p in group.members if posted[p] != mine)
-        if differing:
-            return RoundResult(False, f"cross-check: members {differing} decoded a different mean (a reducer sent "
-                                      f"different bytes)", group.members, None)
-        return result
+            if mine == FAILED_VOTE:  # no digest of ours anywhere: nobody applies this round
+                return result
+            # the write may have landed: others may apply, so a re-sync must look for them
+            return RoundResult(False, f"outcome vote not posted: {type(e).__name__}: {e}", group.members, None,
+                               voted_digest=True)
+        if mine == FAILED_VOTE:
+            return result
+        deadline = time.monotonic() + self.m.timeouts.allreduce
+        posted: dict[str, str] = {}
+        while True:
+            try:
+                posted = await asyncio.wait_for(self.swarm.round_checks(self.stage, round), self.m.timeouts.dht)
+            except Exception as e:
+                logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
+            failed = sorted(p[-8:] for p in group.members if posted.get(p) == FAILED_VOTE)
+            if failed:
+                return RoundResult(False, f"member(s) {failed} voted the round failed", group.members, None,
+                                   voted_digest=True)
+            differing = sorted(p[-8:] for p in group.members if p in posted and posted[p] != mine)
+            if differing:
+                return RoundResult(False, f"cross-check: members {differing} decoded a different mean (a reducer "
+                                          f"sent different bytes)", group.members, None, voted_digest=True)
+            if set(group.members) <= set(posted):
+                return result
+            if time.monotonic() > deadline:
+                missing = tuple(p for p in group.members if p not in posted)
+                return RoundResult(False, f"outcome vote: {len(missing)} member(s) posted no vote", group.members,
+                                   None, unreachable=missing, voted_digest=True)
+            await asyncio.sleep(VOTE_POLL_SECONDS)
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A part this member stopped waiting for: the round had already failed (`why`)."""
+    why: str
+
+
+def _part_failed(call: asyncio.Future) -> bool:
+    if call.cancelled() or call.exception() is not None:
+        return True
+    return getattr(call.result(), "status", pb.OK) != pb.OK
 
 
 def mean_digest(mean: dict[str, torch.Tensor]) -> str:

@@ -81,6 +81,20 @@ def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: 
     return finished == set(others)
 
 
+def nobody_applied(votes: dict[str, str], group: Sequence[str], self_id: str, voted_digest: bool,
+                   failed_vote: str) -> bool:
+    """After a failed round: is it certain that no replica applied it, so a re-sync need not wait?
+    A member applies a round only once every member of its group voted the same mean digest
+    (peer/averaging.py). So if we did not vote a digest, or a member of our group voted
+    `failed_vote`, nobody in our group applied it; unless a replica outside our group (its
+    matchmaking read other registrations) voted a digest: it may have applied it with its own group."""
+    if self_id not in group:
+        return False  # our θ_global was stale: the group may well have applied the round
+    if any(p not in group and v != failed_vote for p, v in votes.items()):
+        return False
+    return not voted_digest or any(votes.get(p) == failed_vote for p in group if p != self_id)
+
+
 def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: int, rounds_done: int,
              finished: bool) -> bool:
     """A driver evaluates every `eval_every` counted rounds while it trains; not after the last

@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
 from swarmgrad.peer import policy
-from swarmgrad.peer.averaging import RoundResult
+from swarmgrad.peer.averaging import FAILED_VOTE, RoundResult
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import TimeoutsConfig
@@ -312,6 +312,8 @@ class StateSync:
         deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
         # members that never answered are dead or cut off: they will not announce a later round
         others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
+        if await self._nobody_applied(round, result):
+            return False
         while time.monotonic() < deadline:
             try:
                 records = await self.swarm.stage_records(self.stage)
@@ -330,3 +332,17 @@ class StateSync:
                 return False
             await asyncio.sleep(0.5)
         return False
+
+    async def _nobody_applied(self, round: int, result: RoundResult) -> bool:
+        """The round's outcome votes say no replica applied it (policy.nobody_applied): then there is
+        no donor to wait for (before the votes, every failed round waited here for the others to
+        announce a later round, which they do only after their own wait: several seconds of stall)."""
+        if not result.group or self.peer_id not in result.group:
+            return False
+        try:
+            votes = await asyncio.wait_for(self.swarm.round_checks(self.stage, round), self.t.dht)
+        except Exception as e:
+            logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+            return False
+        return policy.nobody_applied(votes, result.group, self.peer_id, result.voted_digest, FAILED_VOTE)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from swarmgrad.peer.aggregate import weighted_mean
-from swarmgrad.peer.averaging import Averager, RoundResult
+from swarmgrad.peer.averaging import FAILED_VOTE, Averager, RoundResult
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.policy import nobody_applied
 from swarmgrad.peer.rpc import RPCFailed
 from swarmgrad.peer.swarm import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
@@ -134,7 +135,12 @@ def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
         results = await run_all(avgs[:2], [deltas(0), deltas(1)], [5.0, 5.0])
         assert not any(r.complete for r in results), "nobody may apply a partial mean"
         assert all(r.mean_delta is None for r in results)
-        assert all(r.unreachable == (dying.peer_id,) for r in results), "a re-sync must not wait for the dead"
+        # a re-sync must not wait for the dead: both survivors voted the round failed, so the votes
+        # say nobody applied it (before the votes: it skipped members listed as unreachable)
+        votes = swarm.checks[(1, 0)]
+        assert votes == {a.peer_id: FAILED_VOTE for a in avgs[:2]}, votes
+        assert all(nobody_applied(votes, r.group, a.peer_id, r.voted_digest, FAILED_VOTE)
+                   for a, r in zip(avgs, results))
     asyncio.run(main())
 
 
@@ -242,4 +248,61 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
             left = sum(r for a in avgs if (r := a.reducer_feedback.residual(name)) is not None)
             assert torch.allclose(applied[name] + left, sent[name], atol=1e-4), name
         assert avgs[0].mean_codecs == avgs[0].allowed_codecs == {"chunktopk", "fp32"}
+    asyncio.run(main())
+
+
+def lose_answer_to(net: Network, reducer: Averager, victim: Averager) -> None:
+    """The reducer serves `victim` in full, but the answer never arrives (a stream reset after the
+    reducer wrote it: the victim sees its stream end without a response)."""
+    async def lossy(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
+        resp = await reducer.handle(request, caller)
+        if caller == victim.peer_id:
+            raise RPCFailed(f"average to {reducer.peer_id}: bad response: BAD_REQUEST: stream ended before the last frame")
+        return resp
+
+    net.handlers[reducer.peer_id] = lossy
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_lost_answer_fails_the_round_for_every_member(n: int) -> None:
+    """A split outcome was possible: the reducer completed the round and applied it while the member
+    whose answer was lost failed it (θ_global diverged until a later re-sync). The outcome vote
+    makes every member fail it, at once (a FAILED_VOTE, not a wait for a missing vote)."""
+    async def main() -> None:
+        net, swarm, avgs = group(n, manifest())
+        lose_answer_to(net, avgs[0], avgs[1])
+        results = await run_all(avgs, [deltas(i) for i in range(n)], [1.0] * n)
+        assert not any(r.complete for r in results), [r.reason for r in results]
+        assert "stream ended" in results[1].reason
+        others = [r for i, r in enumerate(results) if i != 1]
+        assert all("voted the round failed" in r.reason for r in others), [r.reason for r in others]
+        assert swarm.checks[(1, 0)][avgs[1].peer_id] == FAILED_VOTE
+        # and every member knows nobody applied it: no re-sync waits for a donor that cannot exist
+        votes = swarm.checks[(1, 0)]
+        assert all(nobody_applied(votes, r.group, a.peer_id, r.voted_digest, FAILED_VOTE) for a, r in zip(avgs, results))
+    asyncio.run(main())
+
+
+def test_a_member_that_voted_its_digest_but_could_not_read_the_votes_looks_for_donors() -> None:
+    """The two-generals remainder: a member that voted the mean's digest and then could not read
+    every vote fails, while the others (who read all votes) apply. It knows (voted_digest), so its
+    re-sync looks for them instead of concluding that nobody applied."""
+    async def main() -> None:
+        _, swarm, avgs = group(2, manifest())
+        blind = avgs[1]
+        real_checks = swarm.round_checks
+
+        async def blind_checks(stage: int, round: int) -> dict[str, str]:
+            raise TimeoutError("DHT get timed out")
+
+        class BlindView:  # the same DHT, but this member cannot read the votes
+            def __getattr__(self, name: str) -> Any:
+                return blind_checks if name == "round_checks" else getattr(swarm, name)
+
+        blind.swarm = BlindView()  # type: ignore[assignment]
+        results = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0])
+        assert results[0].complete, results[0].reason
+        assert not results[1].complete and results[1].voted_digest
+        votes = await real_checks(1, 0)
+        assert not nobody_applied(votes, results[1].group, blind.peer_id, results[1].voted_digest, FAILED_VOTE)
     asyncio.run(main())

@@ -135,3 +135,19 @@ def test_link_meter_learns_from_big_transfers_only() -> None:
     assert meter.estimate(10e6) == (64 << 20) / 2.0
     meter.observe(64 << 20, 8.0)
     assert meter.estimate(10e6) == 0.5 * (64 << 20) / 2.0 + 0.5 * (64 << 20) / 8.0
+
+
+def test_nobody_applied_from_the_outcome_votes() -> None:
+    group = ["a", "b", "c"]
+    # we voted FAILED (or never voted a digest): nobody in our group could see all digests
+    assert policy.nobody_applied({}, group, "a", False, "failed")
+    assert policy.nobody_applied({"b": "d1", "c": "d1"}, group, "a", False, "failed")
+    # we voted a digest: only a FAILED vote in the group proves nobody applied
+    assert not policy.nobody_applied({"a": "d1", "b": "d1"}, group, "a", True, "failed")
+    assert not policy.nobody_applied({"a": "d1", "b": "d1", "c": "d1"}, group, "a", True, "failed")
+    assert policy.nobody_applied({"a": "d1", "b": "d1", "c": "failed"}, group, "a", True, "failed")
+    # a replica outside our group voted a digest: it may have applied with a group of its own
+    assert not policy.nobody_applied({"x": "d2"}, group, "a", False, "failed")
+    assert policy.nobody_applied({"x": "failed"}, group, "a", False, "failed")
+    # our θ_global was not the group's reference: the group may well have applied it
+    assert not policy.nobody_applied({}, ["b", "c"], "a", False, "failed")

@@ -1,0 +1,58 @@
+"""StateSync.resync after a failed round, against a fake swarm view (no network): the outcome
+votes (peer/averaging.py) decide whether there is a donor to wait for."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from swarmgrad.peer.averaging import FAILED_VOTE, RoundResult
+from swarmgrad.peer.manifest import TimeoutsConfig
+from swarmgrad.peer.state_sync import StateSync
+
+from test_policy import rec
+
+
+class Swarm:
+    def __init__(self, votes: dict[str, str], records: list[Any]):
+        self.votes, self.records = votes, records
+        self.record_reads = 0
+
+    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+        return dict(self.votes)
+
+    async def stage_records(self, stage: int) -> list[Any]:
+        self.record_reads += 1
+        return list(self.records)
+
+
+def sync(swarm: Swarm, downloads: list[list[str]]) -> StateSync:
+    s = StateSync(rpc=None, swarm=swarm, identity=None, peer_id="a", stage=1,  # type: ignore[arg-type]
+                  state=SimpleNamespace(applied_rounds=5, digest="d"), worker=None, clock=SimpleNamespace(current=7),  # type: ignore[arg-type]
+                  progress=None, events=SimpleNamespace(emit=lambda *a, **k: None),  # type: ignore[arg-type]
+                  timeouts=TimeoutsConfig(matchmaking=1.0, allreduce=2.0), max_numel=0)
+
+    async def download(peers: list[str]) -> bool:
+        downloads.append(list(peers))
+        return True
+
+    s.download = download  # type: ignore[method-assign]
+    return s
+
+
+def test_a_round_every_member_voted_failed_needs_no_wait() -> None:
+    """Before the votes, every failed round waited here for the other members to announce a later
+    round, which they only do after their own wait: seconds of stall on every member."""
+    swarm = Swarm({"a": FAILED_VOTE, "b": FAILED_VOTE}, [rec("a", round=7, applied=5), rec("b", round=7, applied=5)])
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "part 0: stream ended", ("a", "b"), None)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is False
+    assert swarm.record_reads == 0 and not downloads
+
+
+def test_a_member_that_voted_its_digest_takes_the_state_of_one_that_applied() -> None:
+    swarm = Swarm({"a": "m1", "b": "m1"}, [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b"), None, voted_digest=True)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
+    assert downloads == [["b"]]
