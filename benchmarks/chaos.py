@@ -1,7 +1,7 @@
 """Chaos soak: 6 peers on 2 stages, one SIGKILLed every few seconds and replaced at once.
 
     python benchmarks/chaos.py [--minutes M] [--kill-every S] [--manifest PATH] [--workdir DIR]
-                               [--seed N] [--quick]
+                               [--seed N] [--verbose-peers] [--quick]
 
 Not a CI test (the "Chaos soak" item of the hostile-peers issue). Six peers on 127.0.0.1, three
 replicas of each of 2 fixed stages (`--stage N`, so no rebalancing moves; the three stage-0
@@ -28,10 +28,12 @@ The report (one markdown table, then one JSON line) is computed from the peers' 
   completed; "replica rounds incomplete" counts every replica's incomplete round events.
 - microbatches lost / retried: the drivers' `lost` and `retry` events (evaluation microbatches
   included; a retry event is one re-send).
-- duplicated microbatches: not measurable exactly, since stage 1 does not report which microbatch
-  ids it trained. Estimated as stage-1 samples minus stage-0 samples, summed over rounds in which no
-  peer was killed, crashed or came online (both stages then count the same microbatches once each,
-  unless a driver re-sent one that stage 1 had already trained); divided by the microbatch size.
+- duplicated microbatches: exact, from the `committed` lists of stage-1 round events (every
+  microbatch a replica trained on, "driver:id"; commit on acknowledgement): an id committed n > 1
+  times over all stage-1 replicas counts n - 1. (Commits after a replica's last round event, i.e.
+  just before it was killed, are not reported.) The old estimate is kept beside it: stage-1
+  samples minus stage-0 samples over rounds in which no peer was killed, crashed or came online,
+  divided by the microbatch size.
 - replicas bit-identical: every (stage, round) that several replicas completed has one digest.
 - validation loss: the swarm's first evaluation (before training), the mean of each driver's last
   one before the first kill, and the mean of the last one of each driver alive at the end.
@@ -84,6 +86,13 @@ def find_stalls(progress: Sequence[float], end: float, limit: float) -> list[tup
     SIGTERM). Empty if the peer never came online (that is judged separately)."""
     times = sorted(progress)
     return [(a, b - a) for a, b in zip(times, times[1:] + [end]) if b - a > limit]
+
+
+def duplicated(committed: Sequence[Sequence[str]]) -> tuple[int, int]:
+    """(microbatches trained more than once, microbatches trained) over one stage's round events'
+    `committed` lists: an id seen n times counts n - 1."""
+    counts = Counter(mb for ids in committed for mb in ids)
+    return sum(n - 1 for n in counts.values()), len(counts)
 
 
 def duplicate_estimate(rounds: dict[int, dict[int, int]], disturbed: set[int]) -> tuple[int, int]:
@@ -248,6 +257,7 @@ def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tup
                        if any(e["time"] <= soak.chaos_t0 for e in evals[n])])
     val_end = _mean([evals[n][-1]["val_loss"] for n in drivers if n in shutdown and evals[n]])
     dup, clean = duplicate_estimate(samples, _disturbed_rounds(soak, rounds))
+    dup_exact, trained = duplicated([e.get("committed", []) for e in rounds if e["stage"] == 1])
     hangs = [i for i in soak.incidents if i.kind in ("stall", "not online", "shutdown")]
     stalls = [i for i in hangs if i.kind == "stall"]
     return {
@@ -266,6 +276,7 @@ def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tup
         "incomplete_reasons": Counter(str(e["reason"])[:60] for e in rounds if not e["complete"]).most_common(4),
         "lost": sum(e["event"] == "lost" for n in drivers for e in events[n]),
         "retried": sum(e["event"] == "retry" for n in drivers for e in events[n]),
+        "duplicated": dup_exact, "stage1_microbatches": trained,
         "duplicated_estimate": round(dup / soak.m.inner.microbatch_size, 1), "duplicate_clean_rounds": clean,
         "rounds_compared": len(compared), "digest_mismatches": mismatched,
         "val_loss_start": round(val_start, 3), "val_loss_chaos_start": round(val_chaos, 3),
@@ -304,9 +315,9 @@ def report(s: dict[str, Any], microbatch_size: int, round_s: float) -> str:
         ("rounds no replica completed", ", ".join(f"stage {i}: {s['rounds_incomplete'][i]}" for i in stages)),
         ("replica rounds incomplete", s["replica_rounds_incomplete"]),
         ("microbatches lost / retried (drivers)", f"{s['lost']} / {s['retried']}"),
-        ("duplicated microbatches (estimate)",
-         f"{s['duplicated_estimate']:+.1f} over {s['duplicate_clean_rounds']} undisturbed rounds "
-         f"(stage-1 minus stage-0 samples / {microbatch_size}; exact ids not in events)"),
+        ("duplicated microbatches (stage 1, by id)",
+         f"{s['duplicated']} of {s['stage1_microbatches']} (estimate from samples: {s['duplicated_estimate']:+.1f} "
+         f"over {s['duplicate_clean_rounds']} undisturbed rounds)"),
         ("replicas bit-identical after every complete round",
          f"{'yes' if not s['digest_mismatches'] else 'NO: ' + str(s['digest_mismatches'][:5])} "
          f"({s['rounds_compared']} rounds with >= 2 replicas)"),
@@ -368,7 +379,7 @@ def run(args: argparse.Namespace, m: Manifest, workdir: Path) -> dict[str, Any]:
     path.write_text(dumps(m))
     started = time.monotonic()
     env = {"HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")}
-    with LocalSwarm(path, workdir, env=env) as swarm:
+    with LocalSwarm(path, workdir, env=env, verbose=args.verbose_peers) as swarm:
         soak = Soak(swarm, m, random.Random(args.seed), args.join_limit)
         first = swarm.start_first(0, timeout=180)
         soak.spawned[first.name] = time.time()
@@ -410,6 +421,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the victim choice")
     ap.add_argument("--join-limit", type=float, default=120.0,
                     help="a peer not online this many seconds after it started counts as a hang")
+    ap.add_argument("--verbose-peers", action="store_true", help="peers log at DEBUG (swarmgrad -v)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 minutes, a kill every 20 s")
     args = ap.parse_args()
     if args.minutes is None:
@@ -430,7 +442,7 @@ def main() -> None:
               f"{time.strftime('%H:%M:%S', time.localtime(i['at']))}: {i['detail']}\n{i['log_tail']}")
     print(json.dumps({k: v for k, v in s.items() if k != "incidents"} |
                      {"incidents": [{k: v for k, v in i.items() if k != "log_tail"} for i in s["incidents"]]}))
-    ok = s["hangs"] == 0 and s["crashes"] == 0 and s["bad_exit_codes"] == 0 and not s["leftover_processes"] \
+    ok = s["hangs"] == 0 and s["duplicated"] == 0 and s["crashes"] == 0 and s["bad_exit_codes"] == 0 and not s["leftover_processes"] \
         and not s["digest_mismatches"] and s["val_loss_fell"]
     sys.exit(0 if ok else 1)
 

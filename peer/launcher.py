@@ -69,6 +69,8 @@ class LocalSwarm:
     env: dict[str, str] = field(default_factory=dict)
     peers: list[PeerProcess] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
+    verbose: bool = False
+    """Start peers with `swarmgrad -v` (DEBUG logs, e.g. rpc.serve's stream endings)."""
 
     def __enter__(self) -> "LocalSwarm":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -82,8 +84,8 @@ class LocalSwarm:
         name = name or f"peer{index}"
         events = self.workdir / f"{name}.events.jsonl"
         log = self.workdir / f"{name}.log"
-        cmd = [*self.command_prefix(index), sys.executable, "-m", "swarmgrad.peer.cli", "peer",
-               "--manifest", str(self.manifest), "--events", str(events), "--stage", str(stage),
+        cmd = [*self.command_prefix(index), sys.executable, "-m", "swarmgrad.peer.cli",
+               *(["-v"] if self.verbose else []), "peer", "--manifest", str(self.manifest), "--events", str(events), "--stage", str(stage),
                *self.peer_args(index, name)]
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]

@@ -317,7 +317,7 @@ class RoundRunner:
                          overlapped=r.overlapped,
                          lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,
                          rate=self.worker.rate.rate, skipped_steps=self.worker.skipped_steps,
-                         uncommitted=self.worker.uncommitted)
+                         uncommitted=self.worker.uncommitted, committed=self.worker.take_committed())
         stats = self.presence.stats
         stats.train_loss = train_loss if r.losses else None
         stats.round_s, stats.group_size = round_ms(r.round_s), len(result.group)

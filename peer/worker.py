@@ -107,6 +107,9 @@ class StageWorker:
         self._notifies: set[asyncio.Future] = set()
         self.uncommitted = 0
         """Microbatches whose gradients were dropped because no commit came (reported in round events)."""
+        self._committed: list[str] = []
+        """"driver:microbatch" of every microbatch committed here since the last take_committed()
+        (round events carry them, so the chaos soak counts microbatches trained twice exactly)."""
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         c = self.cfg
@@ -294,18 +297,25 @@ class StageWorker:
         return await asyncio.shield(self._commit(keys))
 
     async def _commit(self, keys: list[HoldKey]) -> int:
-        held = [h for h in (self._held.pop(k, None) for k in keys) if h is not None]
+        popped = [(k, self._held.pop(k, None)) for k in keys]
+        held = [h for _, h in popped if h is not None]
         if not held:
             return 0
         for h in held:
             h.expiry.cancel()
         await self.run(self._add_held, held)
+        self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, h in popped if h is not None)
         for h in held:
             self._finished(h.batch)
             if h.loss is not None:
                 self.losses.append(h.loss)
         await self._notify()
         return len(held)
+
+    def take_committed(self) -> list[str]:
+        """The microbatches committed since the last call ("driver:id", driver's last 8 characters)."""
+        out, self._committed = self._committed, []
+        return out
 
     @property
     def held(self) -> int:
