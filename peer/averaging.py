@@ -16,10 +16,11 @@ A round r of stage s, on every replica:
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
 4. outcome vote: every member of a group of two or more posts one vote under
-   {run}/round/{s}/{r}/check: the digest of the mean it decoded, or FAILED_VOTE. A member applies
-   the round only once every member voted its own digest; one FAILED_VOTE (or a different digest,
-   i.e. a reducer that sent different bytes) fails it for all. A member that fails a part (a
-   refusal, a reset stream, a timeout) votes FAILED_VOTE at once and stops waiting for the other
+   {run}/round/{s}/{r}/check: "<group hash>:<digest of the mean it decoded>", or
+   "<group hash>:failed" (`vote`). A member applies the round only once every member voted
+   exactly its own vote; one failed vote (or a different digest, i.e. a reducer that sent
+   different bytes, or another group hash) fails it for all. A member that fails a part (a
+   refusal, a reset stream, a timeout) votes failed at once and stops waiting for the other
    parts, and every member watches the votes while its parts are on the way, so one member's
    failure ends the round for the group within a poll instead of after timeouts.allreduce.
 A round is complete only if every part came back with the full group as contributors and every
@@ -68,8 +69,14 @@ MATCHMAKING_POLL_SECONDS = 0.2
 VOTE_POLL_SECONDS = 0.25
 """How often a member re-reads the outcome votes while its parts are on the way and while it
 waits for every vote (a poll interval, not a deadline)."""
-FAILED_VOTE = "failed"
-"""The outcome vote of a member whose round failed (any other vote is a mean digest)."""
+FAILED = "failed"
+"""The outcome of a member whose round failed, in its vote (any other outcome is a mean digest)."""
+
+
+def vote(group_hash: str, digest: str | None) -> str:
+    """A member's outcome vote: its group's hash (members whose matchmaking read other
+    registrations formed another group, and may apply without us) and its mean's digest, or FAILED."""
+    return f"{group_hash}:{digest or FAILED}"
 
 
 # pure decisions ---------------------------------------------------------------------------------
@@ -103,7 +110,11 @@ class Group:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(",".join(self.members).encode()).hexdigest()[:16]
+        return group_hash(self.members)
+
+
+def group_hash(members: tuple[str, ...]) -> str:
+    return hashlib.sha256(",".join(members).encode()).hexdigest()[:16]
 
 
 def choose_group(registrations: dict[str, dict[str, Any]]) -> Group | None:
@@ -150,7 +161,7 @@ class RoundResult:
     voted_digest: bool = False
     """This member voted for the mean (or may have: its vote's write failed). A failed round with a
     digest vote may have been applied by members that read every vote; otherwise (we voted
-    FAILED_VOTE, or never voted) no member of our group applied it."""
+    failed, or never voted) no member of our group applied it."""
 
 
 class Averager:
@@ -358,7 +369,7 @@ class Averager:
 
     async def _collect(self, round: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
         """Every part's answer, in part order; but as soon as one part failed, or another member
-        voted FAILED_VOTE, the parts still on the way are abandoned (Abandoned): the round has
+        voted anything but our group's digest, the parts still on the way are abandoned (Abandoned): the round has
         failed for everyone, and waiting for them would only stall this member."""
         watcher = asyncio.ensure_future(self._watch_failed_votes(round, group)) if len(group.members) > 1 else None
         pending: set[asyncio.Future] = set(calls)
@@ -382,7 +393,8 @@ class Averager:
                 else (c.exception() or c.result()) for c in calls]
 
     async def _watch_failed_votes(self, round: int, group: Group) -> str:
-        """Returns once another member of `group` voted FAILED_VOTE for `round` (never otherwise)."""
+        """Returns once another member of `group` voted anything but a digest under our group's hash
+        for `round` (failed, or in another group: either way our round cannot complete)."""
         while True:
             await asyncio.sleep(VOTE_POLL_SECONDS)
             try:
@@ -390,9 +402,11 @@ class Averager:
             except Exception as e:  # a DHT hiccup: the parts' own deadlines still bound the round
                 logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
                 continue
-            failed = [p for p in group.members if p != self.peer_id and votes.get(p) == FAILED_VOTE]
+            ours = f"{group.hash}:"
+            failed = [p for p in group.members if p != self.peer_id and p in votes
+                      and (not votes[p].startswith(ours) or votes[p] == vote(group.hash, None))]
             if failed:
-                return f"member {failed[0][-8:]} voted the round failed"
+                return f"member {failed[0][-8:]} voted the round failed ({votes[failed[0]][:40]})"
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
@@ -436,20 +450,21 @@ class Averager:
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
 
     async def _vote(self, round: int, group: Group, result: RoundResult) -> RoundResult:
-        """The outcome vote (module docstring, step 4): post ours (the digest of the mean we decoded,
-        or FAILED_VOTE), then, if ours is a digest, wait until every member voted: complete only if
-        all voted that digest. A FAILED_VOTE or a different digest (a reducer that sent different
-        bytes to different members) fails the round for all at once."""
-        mine = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else FAILED_VOTE
+        """The outcome vote (module docstring, step 4): post ours (our group's hash and the digest of
+        the mean we decoded, or failed), then, if ours is a digest, wait until every member voted:
+        complete only if all voted exactly ours. A failed vote, a different digest (a reducer that
+        sent different bytes to different members) or another group fails the round for all at once."""
+        digest = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else None
+        mine = vote(group.hash, digest)
         try:
             await asyncio.wait_for(self.swarm.post_check(self.stage, round, self.peer_id, mine), self.m.timeouts.dht)
         except Exception as e:
-            if mine == FAILED_VOTE:  # no digest of ours anywhere: nobody applies this round
+            if digest is None:  # no digest of ours anywhere: nobody applies this round
                 return result
             # the write may have landed: others may apply, so a re-sync must look for them
             return RoundResult(False, f"outcome vote not posted: {type(e).__name__}: {e}", group.members, None,
                                voted_digest=True)
-        if mine == FAILED_VOTE:
+        if digest is None:
             return result
         deadline = time.monotonic() + self.m.timeouts.allreduce
         posted: dict[str, str] = {}
@@ -458,14 +473,15 @@ class Averager:
                 posted = await asyncio.wait_for(self.swarm.round_checks(self.stage, round), self.m.timeouts.dht)
             except Exception as e:
                 logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
-            failed = sorted(p[-8:] for p in group.members if posted.get(p) == FAILED_VOTE)
+            failed = sorted(p[-8:] for p in group.members if posted.get(p, "").endswith(f":{FAILED}"))
             if failed:
                 return RoundResult(False, f"member(s) {failed} voted the round failed", group.members, None,
                                    voted_digest=True)
             differing = sorted(p[-8:] for p in group.members if p in posted and posted[p] != mine)
             if differing:
-                return RoundResult(False, f"cross-check: members {differing} decoded a different mean (a reducer "
-                                          f"sent different bytes)", group.members, None, voted_digest=True)
+                return RoundResult(False, f"cross-check: members {differing} voted another outcome (a reducer sent "
+                                          f"different bytes, or their group differs)", group.members, None,
+                                   voted_digest=True)
             if set(group.members) <= set(posted):
                 return result
             if time.monotonic() > deadline:

@@ -81,18 +81,28 @@ def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: 
     return finished == set(others)
 
 
-def nobody_applied(votes: dict[str, str], group: Sequence[str], self_id: str, voted_digest: bool,
-                   failed_vote: str) -> bool:
+def nobody_applied(votes: dict[str, str], self_id: str, group_hash: str | None, voted_digest: bool,
+                   failed: str = "failed") -> bool:
     """After a failed round: is it certain that no replica applied it, so a re-sync need not wait?
-    A member applies a round only once every member of its group voted the same mean digest
-    (peer/averaging.py). So if we did not vote a digest, or a member of our group voted
-    `failed_vote`, nobody in our group applied it; unless a replica outside our group (its
-    matchmaking read other registrations) voted a digest: it may have applied it with its own group."""
-    if self_id not in group:
+    `votes`: the round's outcome votes, "<group hash>:<digest or `failed`>" (peer/averaging.py);
+    `group_hash`: our group's (None: our θ_global was stale, we were in no group).
+
+    A member applies a round only once every member of its group voted the same digest under
+    that group's hash. A replica that voted a digest under another hash was in a group that
+    excluded us (its matchmaking read other registrations): it may have applied the round, so we
+    cannot tell. Otherwise every digest vote is from our group: if we did not vote a digest, or a
+    member voted failed under our hash, none of them could see all digests, so nobody applied it."""
+    if group_hash is None:
         return False  # our θ_global was stale: the group may well have applied the round
-    if any(p not in group and v != failed_vote for p, v in votes.items()):
-        return False
-    return not voted_digest or any(votes.get(p) == failed_vote for p in group if p != self_id)
+    ours = []
+    for peer, value in votes.items():
+        hash_, _, outcome = value.partition(":")
+        if hash_ != group_hash:
+            if peer != self_id and outcome != failed:
+                return False
+            continue
+        ours.append(outcome)
+    return not voted_digest or failed in ours
 
 
 def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: int, rounds_done: int,

@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
 from swarmgrad.peer import policy
-from swarmgrad.peer.averaging import FAILED_VOTE, RoundResult
+from swarmgrad.peer.averaging import RoundResult, group_hash
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import TimeoutsConfig
@@ -345,4 +345,4 @@ class StateSync:
             logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
                         type(e).__name__, e)
             return False
-        return policy.nobody_applied(votes, result.group, self.peer_id, result.voted_digest, FAILED_VOTE)
+        return policy.nobody_applied(votes, self.peer_id, group_hash(tuple(result.group)), result.voted_digest)

@@ -138,16 +138,17 @@ def test_link_meter_learns_from_big_transfers_only() -> None:
 
 
 def test_nobody_applied_from_the_outcome_votes() -> None:
-    group = ["a", "b", "c"]
-    # we voted FAILED (or never voted a digest): nobody in our group could see all digests
-    assert policy.nobody_applied({}, group, "a", False, "failed")
-    assert policy.nobody_applied({"b": "d1", "c": "d1"}, group, "a", False, "failed")
-    # we voted a digest: only a FAILED vote in the group proves nobody applied
-    assert not policy.nobody_applied({"a": "d1", "b": "d1"}, group, "a", True, "failed")
-    assert not policy.nobody_applied({"a": "d1", "b": "d1", "c": "d1"}, group, "a", True, "failed")
-    assert policy.nobody_applied({"a": "d1", "b": "d1", "c": "failed"}, group, "a", True, "failed")
-    # a replica outside our group voted a digest: it may have applied with a group of its own
-    assert not policy.nobody_applied({"x": "d2"}, group, "a", False, "failed")
-    assert policy.nobody_applied({"x": "failed"}, group, "a", False, "failed")
+    g = "g1"  # our group's hash; the votes are "<group hash>:<digest or failed>"
+    # we voted failed (or never voted a digest): nobody in our group could see all digests
+    assert policy.nobody_applied({}, "a", g, False)
+    assert policy.nobody_applied({"a": "g1:failed", "b": "g1:d1", "c": "g1:d1"}, "a", g, False)
+    # we voted a digest: only a failed vote under our hash proves nobody applied
+    assert not policy.nobody_applied({"a": "g1:d1", "b": "g1:d1"}, "a", g, True)
+    assert not policy.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:d1"}, "a", g, True)
+    assert policy.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:failed"}, "a", g, True)
+    # replicas whose group excluded us (another hash) voted a digest: they may have applied it
+    # (seen in a soak: our group of 3, theirs of 2, both completed their votes)
+    assert not policy.nobody_applied({"a": "g1:failed", "b": "g2:d1", "c": "g2:d1"}, "a", g, False)
+    assert policy.nobody_applied({"a": "g1:failed", "b": "g2:failed"}, "a", g, False)
     # our θ_global was not the group's reference: the group may well have applied it
-    assert not policy.nobody_applied({}, ["b", "c"], "a", False, "failed")
+    assert not policy.nobody_applied({}, "a", None, False)

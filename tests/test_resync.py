@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from swarmgrad.peer.averaging import FAILED_VOTE, RoundResult
+from swarmgrad.peer.averaging import RoundResult, group_hash, vote
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.state_sync import StateSync
 
@@ -43,7 +43,8 @@ def sync(swarm: Swarm, downloads: list[list[str]]) -> StateSync:
 def test_a_round_every_member_voted_failed_needs_no_wait() -> None:
     """Before the votes, every failed round waited here for the other members to announce a later
     round, which they only do after their own wait: seconds of stall on every member."""
-    swarm = Swarm({"a": FAILED_VOTE, "b": FAILED_VOTE}, [rec("a", round=7, applied=5), rec("b", round=7, applied=5)])
+    g = group_hash(("a", "b"))
+    swarm = Swarm({"a": vote(g, None), "b": vote(g, None)}, [rec("a", round=7, applied=5), rec("b", round=7, applied=5)])
     downloads: list[list[str]] = []
     result = RoundResult(False, "part 0: stream ended", ("a", "b"), None)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is False
@@ -51,8 +52,24 @@ def test_a_round_every_member_voted_failed_needs_no_wait() -> None:
 
 
 def test_a_member_that_voted_its_digest_takes_the_state_of_one_that_applied() -> None:
-    swarm = Swarm({"a": "m1", "b": "m1"}, [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
+    g = group_hash(("a", "b"))
+    swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")},
+                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
     downloads: list[list[str]] = []
     result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b"), None, voted_digest=True)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
+    assert downloads == [["b"]]
+
+
+def test_a_group_that_excluded_us_may_have_applied_the_round() -> None:
+    """Seen in a soak: matchmaking views differed, our group of three failed (its reducer refused us
+    as GROUP_MISMATCH) while the two others completed as a group of two. Our own failed vote proves
+    nothing about them: wait for them as donors, at once, instead of a round later as 'stale'."""
+    ours, theirs = group_hash(("a", "b", "c")), group_hash(("b", "c"))
+    swarm = Swarm({"a": vote(ours, None), "b": vote(theirs, "m1"), "c": vote(theirs, "m1")},
+                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e"),
+                   rec("c", round=8, applied=6, digest="e")])
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "part 1 refused by b: GROUP_MISMATCH", ("a", "b", "c"), None)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
     assert downloads == [["b"]]
