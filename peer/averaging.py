@@ -15,22 +15,16 @@ A round r of stage s, on every replica:
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
-4. outcome vote: every member of a group of two or more posts one vote under
-   {run}/round/{s}/{r}/check: "<group hash>:<digest of the mean it decoded>", or
-   "<group hash>:failed" (`vote`). A member applies the round only once every member voted
-   exactly its own vote; one failed vote (or a different digest, i.e. a reducer that sent
-   different bytes, or another group hash) fails it for all. A member that fails a part (a
-   refusal, a reset stream, a timeout) votes failed at once and stops waiting for the other
-   parts, and every member watches the votes while its parts are on the way, so one member's
-   failure ends the round for the group within a poll instead of after timeouts.allreduce.
+4. outcome vote (peer/outcome.py): every member posts its group's hash and the digest of the
+   mean it decoded, or failed, and applies the round only once every member voted exactly that.
+   A member that fails a part (a refusal, a reset stream, a timeout) votes failed at once and
+   stops waiting for its other parts, and every member watches the votes while its parts are on
+   the way, so one member's failure ends the round for the group within a poll instead of after
+   timeouts.allreduce, and no member applies a round another member failed (a split outcome).
 A round is complete only if every part came back with the full group as contributors and every
 member voted the same digest. Anything less is a failed round, logged as such: nobody applies a
-partial mean. Without the vote a member whose answer was lost (a reset stream) failed while the
-others applied (a split outcome). What the vote leaves is the two-generals case: a member that
-voted its digest but could not read every vote in time fails while the others may have applied;
-it knows it (RoundResult.voted_digest) and re-syncs from one of them at once (the daemon does
-this, peer/state_sync.py). A member that vanished fails the round for the others after at most
-`patience` + timeouts.allreduce.
+partial mean. A member that vanished fails the round for the others after at most `patience` +
+timeouts.allreduce.
 
 hivemind's DecentralizedAverager is not used: it returns partial results with only a warning,
 lets each peer apply local + Q(avg − local), and its codec set is a closed enum (see the primer).
@@ -51,6 +45,7 @@ from hivemind.p2p import PeerID
 from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec,
                                    reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
+from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
@@ -66,17 +61,6 @@ logger = logging.getLogger(__name__)
 
 MATCHMAKING_POLL_SECONDS = 0.2
 """How often matchmaking re-reads the registrations (a poll interval, not a deadline)."""
-VOTE_POLL_SECONDS = 0.25
-"""How often a member re-reads the outcome votes while its parts are on the way and while it
-waits for every vote (a poll interval, not a deadline)."""
-FAILED = "failed"
-"""The outcome of a member whose round failed, in its vote (any other outcome is a mean digest)."""
-
-
-def vote(group_hash: str, digest: str | None) -> str:
-    """A member's outcome vote: its group's hash (members whose matchmaking read other
-    registrations formed another group, and may apply without us) and its mean's digest, or FAILED."""
-    return f"{group_hash}:{digest or FAILED}"
 
 
 # pure decisions ---------------------------------------------------------------------------------
@@ -369,9 +353,10 @@ class Averager:
 
     async def _collect(self, round: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
         """Every part's answer, in part order; but as soon as one part failed, or another member
-        voted anything but our group's digest, the parts still on the way are abandoned (Abandoned): the round has
-        failed for everyone, and waiting for them would only stall this member."""
-        watcher = asyncio.ensure_future(self._watch_failed_votes(round, group)) if len(group.members) > 1 else None
+        voted anything but our group's digest, the parts still on the way are abandoned (Abandoned):
+        the round has failed for everyone, and waiting for them would only stall this member."""
+        watcher = asyncio.ensure_future(outcome.first_failure(self.swarm, self.stage, round, group.members, group.hash,
+                                                              self.peer_id)) if len(group.members) > 1 else None
         pending: set[asyncio.Future] = set(calls)
         why = ""
         try:
@@ -391,22 +376,6 @@ class Averager:
             await asyncio.gather(*pending, *([watcher] if watcher else []), return_exceptions=True)
         return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
                 else (c.exception() or c.result()) for c in calls]
-
-    async def _watch_failed_votes(self, round: int, group: Group) -> str:
-        """Returns once another member of `group` voted anything but a digest under our group's hash
-        for `round` (failed, or in another group: either way our round cannot complete)."""
-        while True:
-            await asyncio.sleep(VOTE_POLL_SECONDS)
-            try:
-                votes = await self.swarm.round_checks(self.stage, round)
-            except Exception as e:  # a DHT hiccup: the parts' own deadlines still bound the round
-                logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
-                continue
-            ours = f"{group.hash}:"
-            failed = [p for p in group.members if p != self.peer_id and p in votes
-                      and (not votes[p].startswith(ours) or votes[p] == vote(group.hash, None))]
-            if failed:
-                return f"member {failed[0][-8:]} voted the round failed ({votes[failed[0]][:40]})"
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
@@ -450,45 +419,14 @@ class Averager:
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
 
     async def _vote(self, round: int, group: Group, result: RoundResult) -> RoundResult:
-        """The outcome vote (module docstring, step 4): post ours (our group's hash and the digest of
-        the mean we decoded, or failed), then, if ours is a digest, wait until every member voted:
-        complete only if all voted exactly ours. A failed vote, a different digest (a reducer that
-        sent different bytes to different members) or another group fails the round for all at once."""
+        """The outcome vote (peer/outcome.py): ours is the digest of the mean we decoded, or failed."""
         digest = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else None
-        mine = vote(group.hash, digest)
-        try:
-            await asyncio.wait_for(self.swarm.post_check(self.stage, round, self.peer_id, mine), self.m.timeouts.dht)
-        except Exception as e:
-            if digest is None:  # no digest of ours anywhere: nobody applies this round
-                return result
-            # the write may have landed: others may apply, so a re-sync must look for them
-            return RoundResult(False, f"outcome vote not posted: {type(e).__name__}: {e}", group.members, None,
-                               voted_digest=True)
-        if digest is None:
+        out = await outcome.agree(self.swarm, self.stage, round, group.members, group.hash, self.peer_id, digest,
+                                  self.m.timeouts.allreduce, self.m.timeouts.dht)
+        if out.applied or digest is None:
             return result
-        deadline = time.monotonic() + self.m.timeouts.allreduce
-        posted: dict[str, str] = {}
-        while True:
-            try:
-                posted = await asyncio.wait_for(self.swarm.round_checks(self.stage, round), self.m.timeouts.dht)
-            except Exception as e:
-                logger.debug("stage %d round %d: could not read votes: %s", self.stage, round, e)
-            failed = sorted(p[-8:] for p in group.members if posted.get(p, "").endswith(f":{FAILED}"))
-            if failed:
-                return RoundResult(False, f"member(s) {failed} voted the round failed", group.members, None,
-                                   voted_digest=True)
-            differing = sorted(p[-8:] for p in group.members if p in posted and posted[p] != mine)
-            if differing:
-                return RoundResult(False, f"cross-check: members {differing} voted another outcome (a reducer sent "
-                                          f"different bytes, or their group differs)", group.members, None,
-                                   voted_digest=True)
-            if set(group.members) <= set(posted):
-                return result
-            if time.monotonic() > deadline:
-                missing = tuple(p for p in group.members if p not in posted)
-                return RoundResult(False, f"outcome vote: {len(missing)} member(s) posted no vote", group.members,
-                                   None, unreachable=missing, voted_digest=True)
-            await asyncio.sleep(VOTE_POLL_SECONDS)
+        return RoundResult(False, out.reason, group.members, None, unreachable=out.missing,
+                           voted_digest=out.voted_digest)
 
 
 @dataclass(frozen=True)

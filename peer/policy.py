@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
+from swarmgrad.peer.outcome import FAILED
 from swarmgrad.peer.swarm import ONLINE, PeerRecord
 
 
@@ -82,9 +83,9 @@ def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: 
 
 
 def nobody_applied(votes: dict[str, str], self_id: str, group_hash: str | None, voted_digest: bool,
-                   failed: str = "failed") -> bool:
+                   failed: str = FAILED) -> bool:
     """After a failed round: is it certain that no replica applied it, so a re-sync need not wait?
-    `votes`: the round's outcome votes, "<group hash>:<digest or `failed`>" (peer/averaging.py);
+    `votes`: the round's outcome votes, "<group hash>:<digest or `failed`>" (peer/outcome.py);
     `group_hash`: our group's (None: our θ_global was stale, we were in no group).
 
     A member applies a round only once every member of its group voted the same digest under
