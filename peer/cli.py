@@ -162,11 +162,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
         for addr in visible_maddrs(dht):
             print("  visible at", addr, flush=True)
         admission = checkpoints = None
+        resume_round = 0
         if private is not None:
             admission = private.admission(dht)
             checkpoints = private.checkpoint_source(model, admission)
-        peer = Peer(manifest, model, dht, options, admission=admission, checkpoints=checkpoints)
+            resume_round = private.resume_round()
+        peer = Peer(manifest, model, dht, options, admission=admission, checkpoints=checkpoints,
+                    resume_round=resume_round)
         asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
+        if peer.revoked:
+            print("this peer was revoked by the run's coordinator", file=sys.stderr)
+            code = 3
     except Exception:
         log.exception("peer failed")
         code = 1

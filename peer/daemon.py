@@ -86,15 +86,22 @@ class PeerOptions:
 class Peer:
     def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions,
                  admission: Admission | None = None,
-                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None):
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
+                 resume_round: int = 0):
         """`admission` and `checkpoints` make it a peer of a private run (peer/private.py builds
         them): every RPC server checks callers' certificates, and an empty stage can restore from
         the coordinator's newest checkpoint."""
         self.m = manifest
         self.admission = admission
         self.checkpoints = checkpoints
+        self.resume_round = resume_round
+        """The round of the private run's newest checkpoint (0: none): where a swarm that starts
+        again puts its wall clock."""
         self._admission_task: asyncio.Task | None = None
         self._dial_out_task: asyncio.Task | None = None
+        self._revoked_task: asyncio.Task | None = None
+        self.revoked = False
+        """True when the run's coordinator revoked this peer and it stopped for that reason."""
         self.model = model
         self.dht = dht
         self.opt = options
@@ -127,6 +134,7 @@ class Peer:
             if self.admission is not None:
                 await self.admission.step()  # publish our certificate and learn the others' first
                 self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
+                self._revoked_task = asyncio.create_task(self._stop_when_revoked(stop), name="revoked")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
             if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
@@ -163,7 +171,8 @@ class Peer:
                           slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
                           backup_rpc=backup_rpc, backup_store=self._backup_store,
                           gate=self.admission.check if self.admission is not None else None,
-                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine)
+                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
+                          resume_round=self.resume_round)
         costs = stage_costs(self.m, self.model)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
@@ -280,6 +289,15 @@ class Peer:
                          bandwidth=rebalancer.bandwidth())
         return new
 
+    async def _stop_when_revoked(self, stop: asyncio.Event) -> None:
+        """A revoked peer is refused by every other peer within a heartbeat: leave rather than
+        train alone on a stage nobody averages with."""
+        assert self.admission is not None
+        await self.admission.self_revoked.wait()
+        self.revoked = True
+        self.events.emit("revoked")
+        stop.set()
+
     async def _shutdown(self) -> None:
         rounds = max((r.clock.rounds_done for r in self.replicas if r.clock is not None), default=0)
         stage = self.replicas[-1].stage if self.replicas else None
@@ -287,7 +305,7 @@ class Peer:
             await replica.close()
         if self._backup_rpc is not None:
             await self._backup_rpc.remove_handlers()
-        for task in (self._admission_task, self._dial_out_task):
+        for task in (self._admission_task, self._dial_out_task, self._revoked_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
