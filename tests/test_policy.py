@@ -135,3 +135,14 @@ def test_link_meter_learns_from_big_transfers_only() -> None:
     assert meter.estimate(10e6) == (64 << 20) / 2.0
     meter.observe(64 << 20, 8.0)
     assert meter.estimate(10e6) == 0.5 * (64 << 20) / 2.0 + 0.5 * (64 << 20) / 8.0
+
+
+def test_a_resumed_swarm_clock_goes_on_at_the_checkpoint_round() -> None:
+    from swarmgrad.peer.clock import resume_epoch
+    now = 1_000_000.0
+    clock = RoundClock(RoundsConfig(round_seconds=4.0), counts_steps=True, max_rounds=0,
+                       epoch=resume_epoch(now, 10, 4.0))
+    assert clock.wall_round(now) == 10 and clock.wall_end(10) == now + 4.0
+    clock.adopt(10, now)  # the restored state's round: no wait of ten rounds for the clock
+    assert clock.current == 10
+    assert resume_epoch(now, 0, 4.0) == now and resume_epoch(now, -3, 4.0) == now

@@ -246,6 +246,11 @@ def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.
             epoch = await view_a.epoch()
             assert await view_b.epoch() == epoch
             assert await view_b.refresh_epoch(epoch)
+            # a swarm resuming from round R writes an epoch R rounds back; the next one agrees
+            resume_a, resume_b = (SwarmView(d, "resume-run", "h", 2, timeout=10.0, ttl=30.0) for d in (a, b))
+            origin = get_dht_time() - 40.0
+            assert await resume_a.epoch(origin=origin) == origin
+            assert await resume_b.epoch(origin=get_dht_time() - 999.0) == origin
             assert [r.peer_id for r in await view_b.stage_records(0)] == [id_a]  # honest records travel
             assert await view_b.register_round(0, 3, id_b, {"digest": "d", "applied_rounds": 0, "weight": 8.0})
             with pytest.raises(ValueError, match="only its own"):
