@@ -204,9 +204,21 @@ async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
             await asyncio.wait_for(asyncio.shield(run), shutdown_s)
         except asyncio.TimeoutError:
             log.error("the peer did not stop within timeouts.shutdown (%.0fs); abandoning it", shutdown_s)
+            _log_pending(log)
             run.cancel()
             return
     run.result()
+
+
+def _log_pending(log: logging.Logger) -> None:
+    """Where each unfinished task waits: what a shutdown that overran its deadline was stuck on."""
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task() or task.done():
+            continue
+        frames = task.get_stack(limit=3)
+        where = " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})"
+                            for f in reversed(frames)) or "no frame"
+        log.error("  still running: %s at %s", task.get_name(), where)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
