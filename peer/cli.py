@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -140,6 +141,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     from swarmgrad.peer.identity import IdentityError
     initial_peers = list(args.initial_peers) or (list(private.admitted.initial_peers) if private else [])
+    options = dataclasses.replace(options, initial_peer_ids=tuple(
+        m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m))
     try:
         dht = _start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,

@@ -73,6 +73,8 @@ class PeerOptions:
     reachability: str = "public"
     """How others reach this peer (peer/reachability.py: public, relay, client or auto); reported
     in the `started` event."""
+    initial_peer_ids: tuple[str, ...] = ()
+    """The peer ids of --initial-peers: a NATed peer keeps them in its DHT's routing table."""
     rebalance: str = "auto"
     """"on": move between stages when the placement policy says it pays; "off": stay; "auto": on
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
@@ -140,7 +142,8 @@ class Peer:
             if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
                 dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
                                    stage=lambda: self.replicas[-1].stage if self.replicas else None,
-                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events)
+                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events,
+                                   dht=self.dht, initial_peers=self.opt.initial_peer_ids)
                 self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
             replica = Replica(ctx, stage, rates[stage] if rates else 0.0)
             self.replicas.append(replica)
