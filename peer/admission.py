@@ -70,6 +70,9 @@ class Admission:
         self._lookup_lock = asyncio.Lock()
         self.refused = 0
         """Requests refused so far (a metric: an outsider's calls land here)."""
+        self.self_revoked = asyncio.Event()
+        """Set once a verified revocation list names this peer: every other peer refuses it now, so
+        the daemon stops instead of training alone (peer/daemon.py)."""
 
     # the check ------------------------------------------------------------------------------------
     @property
@@ -129,6 +132,10 @@ class Admission:
         if self.files is not None:
             self.files.write_revoked(revocations.peer_ids)
         logger.info("revocation list v%d: %d peers revoked", revocations.version, len(revocations.peer_ids))
+        if self.peer_id in revocations.peer_ids and not self.self_revoked.is_set():
+            logger.error("this peer (%s) was revoked by the run's coordinator (list v%d): stopping",
+                         self.peer_id, revocations.version)
+            self.self_revoked.set()
         return True
 
     async def _get(self, key: str) -> Any:

@@ -95,3 +95,10 @@ class RoundClock:
             self.rounds_done += 1
         if self.max_rounds and self.rounds_done >= self.max_rounds:
             self.finished = True
+
+
+def resume_epoch(now: float, resume_round: int, round_seconds: float) -> float:
+    """The wall-clock epoch that puts `now` at the start of `resume_round`: what the first peer of
+    a swarm resuming from a checkpoint of that round announces (a fresh epoch would put every
+    restored replica `resume_round` rounds ahead of the clock, waiting that long to average)."""
+    return now - max(0, resume_round) * round_seconds

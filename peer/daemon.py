@@ -73,6 +73,8 @@ class PeerOptions:
     reachability: str = "public"
     """How others reach this peer (peer/reachability.py: public, relay, client or auto); reported
     in the `started` event."""
+    initial_peer_ids: tuple[str, ...] = ()
+    """The peer ids of --initial-peers: a NATed peer keeps them in its DHT's routing table."""
     rebalance: str = "auto"
     """"on": move between stages when the placement policy says it pays; "off": stay; "auto": on
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
@@ -86,15 +88,22 @@ class PeerOptions:
 class Peer:
     def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions,
                  admission: Admission | None = None,
-                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None):
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
+                 resume_round: int = 0):
         """`admission` and `checkpoints` make it a peer of a private run (peer/private.py builds
         them): every RPC server checks callers' certificates, and an empty stage can restore from
         the coordinator's newest checkpoint."""
         self.m = manifest
         self.admission = admission
         self.checkpoints = checkpoints
+        self.resume_round = resume_round
+        """The round of the private run's newest checkpoint (0: none): where a swarm that starts
+        again puts its wall clock."""
         self._admission_task: asyncio.Task | None = None
         self._dial_out_task: asyncio.Task | None = None
+        self._revoked_task: asyncio.Task | None = None
+        self.revoked = False
+        """True when the run's coordinator revoked this peer and it stopped for that reason."""
         self.model = model
         self.dht = dht
         self.opt = options
@@ -127,12 +136,14 @@ class Peer:
             if self.admission is not None:
                 await self.admission.step()  # publish our certificate and learn the others' first
                 self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
+                self._revoked_task = asyncio.create_task(self._stop_when_revoked(stop), name="revoked")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
             if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
                 dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
                                    stage=lambda: self.replicas[-1].stage if self.replicas else None,
-                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events)
+                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events,
+                                   dht=self.dht, initial_peers=self.opt.initial_peer_ids)
                 self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
             replica = Replica(ctx, stage, rates[stage] if rates else 0.0)
             self.replicas.append(replica)
@@ -163,7 +174,8 @@ class Peer:
                           slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
                           backup_rpc=backup_rpc, backup_store=self._backup_store,
                           gate=self.admission.check if self.admission is not None else None,
-                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine)
+                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
+                          resume_round=self.resume_round)
         costs = stage_costs(self.m, self.model)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
@@ -280,6 +292,15 @@ class Peer:
                          bandwidth=rebalancer.bandwidth())
         return new
 
+    async def _stop_when_revoked(self, stop: asyncio.Event) -> None:
+        """A revoked peer is refused by every other peer within a heartbeat: leave rather than
+        train alone on a stage nobody averages with."""
+        assert self.admission is not None
+        await self.admission.self_revoked.wait()
+        self.revoked = True
+        self.events.emit("revoked")
+        stop.set()
+
     async def _shutdown(self) -> None:
         rounds = max((r.clock.rounds_done for r in self.replicas if r.clock is not None), default=0)
         stage = self.replicas[-1].stage if self.replicas else None
@@ -287,7 +308,7 @@ class Peer:
             await replica.close()
         if self._backup_rpc is not None:
             await self._backup_rpc.remove_handlers()
-        for task in (self._admission_task, self._dial_out_task):
+        for task in (self._admission_task, self._dial_out_task, self._revoked_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -8,14 +8,23 @@ connection replaced the relayed one (docs/nat.md). So a peer in `relay` or `clie
 heartbeat, the peers of the run it may work with and has no connection to yet. Two NATed peers
 cannot dial each other: between them the relay (and hole punching where the NATs allow) remains.
 
+The same look keeps our DHT node in the swarm. A NATed peer's DHT runs in client mode: nobody
+sends it requests, so its routing table is filled only by answers to its own, and hivemind drops a
+node from it after one unanswered request. In a small swarm two transient failures empty the table
+for good: every read then finds nothing (seen in tests/test_nat.py: the NATed replica stopped seeing
+its partner's round registrations and averaged alone until the run ended). So each look also pings,
+from inside the DHT process, the peers we are connected to or started from that are missing from
+the table (`keep_in_routing_table`); an answer puts them back.
+
 `dial_targets` is the pure choice; `DialOut` gathers the snapshot (the swarm's records, the
 daemon's open connections) and dials, each dial under `timeouts.dht`.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -59,14 +68,38 @@ def dial_targets(records: Mapping[int, Sequence[PeerRecord]], connected: Iterabl
     return [r for r in candidates if r.peer_id not in open_][:room]
 
 
+async def keep_in_routing_table(_dht: Any, node: Any, peer_ids: Sequence[str]) -> int:
+    """Runs in the DHT process (`DHT.run_coroutine`): ping each of `peer_ids` that our routing table
+    lacks, which adds it back when it answers. Returns how many were added."""
+    from hivemind.p2p import PeerID  # the DHT process unpickles this function by name
+    table = node.protocol.routing_table
+    added = 0
+    for peer_id in peer_ids:
+        try:
+            peer = PeerID.from_base58(peer_id)
+        except Exception:  # a malformed id in a record: nothing to ping
+            continue
+        if peer == node.peer_id or peer in table:
+            continue
+        if await node.protocol.call_ping(peer, validate=False, strict=False) is not None:
+            added += 1
+    return added
+
+
 class DialOut:
     """Every `interval` seconds, connect to the peers `dial_targets` names. Owned by the peer
     daemon, which cancels `run()`; a failed dial is logged and retried at the next look."""
 
     def __init__(self, p2p: P2P, swarm: SwarmView, *, peer_id: str, stage: Callable[[], int | None],
-                 interval: float, timeout: float, events: EventLog | None = None):
-        """`stage`: the stage this peer serves now (it may move)."""
+                 interval: float, timeout: float, events: EventLog | None = None, dht: Any = None,
+                 initial_peers: Sequence[str] = ()):
+        """`stage`: the stage this peer serves now (it may move). `dht` (a hivemind DHT): keep the
+        peers we are connected to, and `initial_peers` (their ids), in its routing table."""
         self.p2p = p2p
+        self.dht = dht
+        self.initial_peers = tuple(initial_peers)
+        self.rejoined = 0
+        """Peers put back into the DHT's routing table so far."""
         self.events = events
         self.swarm = swarm
         self.peer_id = peer_id
@@ -96,7 +129,20 @@ class DialOut:
             if self.events is not None:
                 self.events.emit("dialled_out", peers=opened)
         self.dialled += len(opened)
+        if self.dht is not None:
+            await self._keep_dht_connected([*self.initial_peers, *connected, *opened])
         return len(opened)
+
+    async def _keep_dht_connected(self, peer_ids: Sequence[str]) -> None:
+        wanted = tuple(dict.fromkeys(p for p in peer_ids if p != self.peer_id))[:MAX_DIALS]
+        if not wanted:
+            return
+        added = await asyncio.wait_for(self.dht.run_coroutine(
+            functools.partial(keep_in_routing_table, peer_ids=wanted), return_future=True), self.timeout * 2)
+        if added:
+            logger.info("put %d peer(s) back into the DHT's routing table (client mode forgets unanswering "
+                        "peers)", added)
+            self.rejoined += added
 
     async def run(self) -> None:
         while True:

@@ -68,8 +68,11 @@ class Downstream:
 
     def __init__(self, identity: RunIdentity, rpc: FramedRPC, swarm: SwarmView, bans: BanList,
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
-                 gradient_codecs: frozenset[str] | None = None):
+                 gradient_codecs: frozenset[str] | None = None, self_id: str | None = None):
         self.identity = identity
+        self.self_id = self_id
+        """This peer's id: never a candidate. A peer moving from stage s to s + 1 runs both
+        replicas for a while, and libp2p cannot dial itself ("dial to self attempted")."""
         self.gradient_codecs = gradient_codecs
         """Codecs the next stage may answer gradients in (the manifest's gradient codec); None: any."""
         self.rpc = rpc
@@ -89,7 +92,8 @@ class Downstream:
         if cached is None or now - cached[0] > self.refresh_seconds:
             try:
                 records = await self.swarm.stage_records(stage)
-                cached = (now, [Candidate(r.peer_id, r.throughput) for r in records if r.state == ONLINE])
+                cached = (now, [Candidate(r.peer_id, r.throughput) for r in records
+                                if r.state == ONLINE and r.peer_id != self.self_id])
             except Exception as e:  # the DHT is slow or gone: keep the last view rather than fail
                 logger.warning("could not refresh stage %d replicas: %s", stage, e)
                 cached = (now, cached[1] if cached else [])

@@ -25,7 +25,7 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmgrad.peer.admission import Admission
-from swarmgrad.peer.coordinator.client import Admitted, CoordinatorClient
+from swarmgrad.peer.coordinator.client import Admitted, CoordinatorClient, CoordinatorUnavailable
 from swarmgrad.peer.coordinator.credentials import Authority, CredentialError, parse_invitation
 from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
 from swarmgrad.peer.identity import peer_id_of
@@ -81,6 +81,15 @@ class PrivateRun:
                         snap.applied_rounds)
             return snap
         return fetch
+
+    def resume_round(self) -> int:
+        """The round of the coordinator's newest checkpoint (0 if it has none or does not answer:
+        then a resumed swarm's first round is long, not wrong)."""
+        try:
+            return max((int(c.round) for c in self.client.checkpoints()), default=0)
+        except (CoordinatorUnavailable, CredentialError) as e:
+            logger.warning("could not list the coordinator's checkpoints: %s", e)
+            return 0
 
     def close(self) -> None:
         self.client.close()

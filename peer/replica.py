@@ -19,12 +19,13 @@ from typing import Any, Awaitable, Callable, Coroutine
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import parse_codec_spec
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import Averager
 from swarmgrad.peer.backup import BackupPusher
-from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.clock import RoundClock, resume_epoch
 from swarmgrad.peer.driving import DrivingLoop, data_seed, driver_memory_window
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
@@ -76,6 +77,9 @@ class PeerContext:
     which an empty stage restores when it is newer than any backup."""
     byzantine: str | None = None
     """TESTING AID (--byzantine): this peer's replicas send corrupted pseudo-gradients."""
+    resume_round: int = 0
+    """Private runs: the round of the coordinator's newest checkpoint. A swarm that starts again
+    from it sets a new wall-clock epoch that many rounds back (SwarmView.epoch)."""
     backup_store: Any = None
     """The peer's BackupStore (peer/backup.py): its copies are announced, and a replica joining a
     stage whose current state it holds starts from that copy instead of downloading it."""
@@ -113,7 +117,8 @@ class Replica:
         """Build the replica, take the stage's state, serve, go ONLINE."""
         ctx, m = self.ctx, self.ctx.manifest
         t, stage, n_stages = m.timeouts, self.stage, ctx.model.n_stages
-        epoch = await ctx.swarm.epoch() if m.rounds.round_seconds else None
+        epoch = await ctx.swarm.epoch(origin=resume_epoch(get_dht_time(), ctx.resume_round, m.rounds.round_seconds)) \
+            if m.rounds.round_seconds else None
         self.clock = clock = RoundClock(m.rounds, counts_steps=stage == 0, max_rounds=ctx.max_rounds, epoch=epoch)
         progress = TrainingProgress(m.schedule)
         is_last = stage == n_stages - 1
@@ -137,7 +142,7 @@ class Replica:
                 "banned", failed_peer=peer, seconds=seconds, failures=failures))
             downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
-                                    gradient_codecs=wire_codec_names(m.pipeline.gradient_codec))
+                                    gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, worker=worker, state=state, clock=clock,
@@ -180,7 +185,7 @@ class Replica:
         await rpc.add_handler("state", pb.StateRequest, sync.handle, refusal(pb.StateResponse))
         sync.serving = True
         await presence.announce(ONLINE)
-        self.events.emit("online", round=clock.current, digest=state.digest)
+        self.events.emit("online", round=clock.current, digest=state.digest, epoch=clock.epoch)
         logger.info("peer %s serves stage %d of %d", ctx.peer_id[-8:], stage, n_stages)
 
     # run --------------------------------------------------------------------------------------

@@ -187,12 +187,15 @@ class SwarmView:
                 out[peer_id] = float(value)
         return out
 
-    async def epoch(self) -> float:
-        """The run's time origin (`agreed_epoch` over the signed entries), or now if nobody has
-        set one: then we write ours and read back, so peers that start together agree."""
+    async def epoch(self, origin: float | None = None) -> float:
+        """The run's time origin (`agreed_epoch` over the signed entries). If nobody has set one,
+        we write `origin` (default: now) and read back, so peers that start together agree. A
+        swarm resuming from round R passes now − R·round_seconds, so its wall clock goes on at
+        round R instead of making the restored replicas wait R rounds for a fresh clock."""
         epochs = await self.epochs()
         if not epochs:
-            await self.refresh_epoch(float(get_dht_time()))
+            now = float(get_dht_time())
+            await self.refresh_epoch(now if origin is None or not 0 < origin <= now else float(origin))
             epochs = await self.epochs()
         found = agreed_epoch(epochs.values())
         if found is None:

@@ -189,3 +189,16 @@ def test_only_a_listed_driver_moves_a_replica_a_round_ahead() -> None:
         for w in workers.values():
             w.close()
     asyncio.run(main())
+
+
+def test_a_peer_never_routes_to_itself() -> None:
+    """A peer moving from stage 0 to stage 1 serves both for a while; its driver must not pick its
+    own stage-1 replica (libp2p refuses to dial itself), whatever its announced rate."""
+    async def main() -> None:
+        downstream = Downstream(RunIdentity("r", "h"), None, Swarm(), BanList(5.0, 60.0), parse_codec_spec("fp32"),
+                                1 << 24, seed=0, self_id=A)
+        assert [c.peer_id for c in await downstream.candidates(1)] == [B]
+        plain = Downstream(RunIdentity("r", "h"), None, Swarm(), BanList(5.0, 60.0), parse_codec_spec("fp32"),
+                           1 << 24, seed=0)
+        assert sorted(c.peer_id for c in await plain.candidates(1)) == sorted([A, B])
+    asyncio.run(main())

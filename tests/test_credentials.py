@@ -172,6 +172,10 @@ async def _admission_gate(issuer: Issuer, tmp_path) -> None:
     assert "revoked" in await gate.check(peer_id_of(other))
     assert (tmp_path / "auth" / "revoked.txt").read_text().split() == [peer_id_of(other)]
     assert gate.refused == 3  # the stranger once, the revoked peer twice
+    assert not gate.self_revoked.is_set()
+    assert gate.adopt_revocations(authority.revocations(issuer.revocations([peer_id_of(other), peer_id_of(me)],
+                                                                           version=3)))
+    assert gate.self_revoked.is_set()  # the daemon stops on this
 
 
 def test_dht_authorizer_tokens(issuer: Issuer, tmp_path) -> None:

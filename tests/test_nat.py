@@ -250,3 +250,50 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
     both = [r for r, events in complete_rounds([b, c], 1).items()
             if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
     assert len(both) >= 3, f"the NATed replicas did not average together\n{history}"
+
+
+async def _forget_every_peer(_dht, node) -> int:
+    """In the DHT process: what unanswered requests do to a client-mode node's routing table."""
+    table = node.protocol.routing_table
+    for uid in list(table.uid_to_peer_id):
+        del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+def test_a_client_mode_dht_that_forgot_its_peers_is_put_back() -> None:
+    """A client-mode DHT node (a NATed peer's) whose routing table lost its only peer reads
+    nothing any more; DialOut's look pings the peers it knows back into the table, and reads work
+    again. Two real DHT processes on loopback."""
+    import asyncio
+    import functools
+
+    from hivemind import DHT
+    from hivemind.utils import get_dht_time
+
+    from swarmgrad.peer.dial_out import DialOut, keep_in_routing_table
+
+    public = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    natted = None
+    try:
+        natted = DHT(start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                     initial_peers=[str(a) for a in public.get_visible_maddrs()])
+        assert public.store("k", "v", get_dht_time() + 60)
+        assert natted.get("k", latest=True).value == "v"
+        assert natted.run_coroutine(_forget_every_peer) == 0
+        assert public.store("k2", "v2", get_dht_time() + 60)
+        assert natted.get("k2", latest=True) is None  # isolated: the failure seen in the NAT test
+
+        async def look() -> int:
+            p2p = await natted.replicate_p2p()
+            dial = DialOut(p2p, _FixedSwarm({}), peer_id=str(natted.peer_id), stage=lambda: 0, interval=1.0,
+                           timeout=10.0, dht=natted, initial_peers=[str(public.peer_id)])
+            await dial.step()
+            return dial.rejoined
+        assert asyncio.run(asyncio.wait_for(look(), 60)) == 1
+        assert natted.get("k2", latest=True).value == "v2"
+        # nothing missing: nobody is pinged
+        assert natted.run_coroutine(functools.partial(keep_in_routing_table, peer_ids=(str(public.peer_id),))) == 0
+    finally:
+        if natted is not None:
+            natted.shutdown()
+        public.shutdown()

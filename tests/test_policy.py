@@ -152,3 +152,14 @@ def test_nobody_applied_from_the_outcome_votes() -> None:
     assert policy.nobody_applied({"a": "g1:failed", "b": "g2:failed"}, "a", g, False)
     # our θ_global was not the group's reference: the group may well have applied it
     assert not policy.nobody_applied({}, "a", None, False)
+
+
+def test_a_resumed_swarm_clock_goes_on_at_the_checkpoint_round() -> None:
+    from swarmgrad.peer.clock import resume_epoch
+    now = 1_000_000.0
+    clock = RoundClock(RoundsConfig(round_seconds=4.0), counts_steps=True, max_rounds=0,
+                       epoch=resume_epoch(now, 10, 4.0))
+    assert clock.wall_round(now) == 10 and clock.wall_end(10) == now + 4.0
+    clock.adopt(10, now)  # the restored state's round: no wait of ten rounds for the clock
+    assert clock.current == 10
+    assert resume_epoch(now, 0, 4.0) == now and resume_epoch(now, -3, 4.0) == now

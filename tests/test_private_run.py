@@ -240,6 +240,10 @@ def test_private_run(tmp_path: Path) -> None:
                                                                  "state_loaded"), 120, "state")
             assert restored["event"] == "state_restored" and restored["source"] == "coordinator", restored
             assert restored["applied_rounds"] >= checkpoint["round"]
+            # the wall clock goes on at the checkpoint's round: a fresh epoch would keep every
+            # restored replica in its first round for as many rounds as the checkpoint's number
+            online = swarm.wait_for(p, lambda e: e["event"] == "online", 60, "online")
+            assert (online["time"] - online["epoch"]) / m.rounds.round_seconds >= checkpoint["round"] - 1, online
         val = swarm.wait_for(resumed[0], lambda e: e["event"] == "eval" and e["val_loss"] is not None, 120, "eval")
         # the loss continues from the checkpoint: far from where a fresh start would be
         assert val["val_loss"] < first_val - 0.5 * (first_val - last_val[-1]), (first_val, last_val, val)

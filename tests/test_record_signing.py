@@ -220,16 +220,16 @@ def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.
     from hivemind import DHT
     from hivemind.utils import get_dht_time
 
-    from swarmgrad.peer.cli import _start_dht
+    from swarmgrad.peer.cli_peer import start_dht
     from swarmgrad.peer.status import print_status
     run = "forge-run"
     loopback = ["/ip4/127.0.0.1/tcp/0"]
     dhts = []
     try:
-        a = _start_dht([], loopback, [], None, 30.0)  # a fresh key in a temp folder
+        a = start_dht([], loopback, [], None, 30.0)  # a fresh key in a temp folder
         dhts.append(a)
         maddrs = [str(m) for m in a.get_visible_maddrs()]
-        b = _start_dht(maddrs, loopback, [], str(tmp_path / "b.key"), 30.0)  # --identity PATH, created
+        b = start_dht(maddrs, loopback, [], str(tmp_path / "b.key"), 30.0)  # --identity PATH, created
         dhts.append(b)
         assert str(b.peer_id) == peer_id_of(load_or_create(tmp_path / "b.key"))
         epoch_key_id = DHTID.generate(source=f"{run}/epoch").to_bytes()
@@ -246,6 +246,11 @@ def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.
             epoch = await view_a.epoch()
             assert await view_b.epoch() == epoch
             assert await view_b.refresh_epoch(epoch)
+            # a swarm resuming from round R writes an epoch R rounds back; the next one agrees
+            resume_a, resume_b = (SwarmView(d, "resume-run", "h", 2, timeout=10.0, ttl=30.0) for d in (a, b))
+            origin = get_dht_time() - 40.0
+            assert await resume_a.epoch(origin=origin) == origin
+            assert await resume_b.epoch(origin=get_dht_time() - 999.0) == origin
             assert [r.peer_id for r in await view_b.stage_records(0)] == [id_a]  # honest records travel
             assert await view_b.register_round(0, 3, id_b, {"digest": "d", "applied_rounds": 0, "weight": 8.0})
             with pytest.raises(ValueError, match="only its own"):
