@@ -174,6 +174,10 @@ class SimResult:
     averaging_bytes_per_round: float = 0.0
     """For scale: bytes one round of averaging sends, all stages (every serving replica sends
     about 2 × its stage's parameters in int8: reduce-scatter plus all-gather)."""
+    paper_ratio: float = 1.0
+    """The assignment on paper against the bound, time-averaged: every peer counted on the stage it
+    serves or is joining (newcomers and movers at their target, at true rates), over the fluid
+    bound of all peers. What a repair counts as done before it serves."""
     optimum_method: str = "bound"
     series: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, throughput, optimum) samples, in samples/s."""
@@ -231,6 +235,8 @@ class Simulation:
         self.moves = self.joins = self.leaves = self.refused = 0
         self.peer_seconds = 0.0
         self.series: list[tuple[float, float, float]] = []
+        self.paper: list[float] = []
+        """Samples of the on-paper ratio (``SimResult.paper_ratio``)."""
         self.departures: list[tuple[float, int, float]] = []
         """(time, stage, samples/s it served) of every peer that left while serving."""
         self.reaction_s = cfg.snapshot_s / 2 + switch_time(
@@ -362,16 +368,22 @@ class Simulation:
             p.copies[stage] = k
 
     def _sample(self) -> None:
-        caps = [0.0] * len(self.c)
-        work, mem = [], []
+        caps, paper = [0.0] * len(self.c), [0.0] * len(self.c)
+        work, mem, all_work, all_mem = [], [], [], []
         for p in self.peers.values():
             if p.phase in ("online", "fetch"):
                 caps[p.stage] += p.speed / self.flops[p.stage]
+            on = p.target if p.phase in ("fetch", "warm") else p.stage
+            paper[on] += p.speed / self.flops[on]
+            all_work.append(p.speed / self.mean_flops)
+            all_mem.append(p.memory)
             if p.phase != "join":
                 work.append(p.speed / self.mean_flops)
                 mem.append(p.memory)
         best = fluid_bound(work, self.c, mem, self.need) if work else 0.0
         self.series.append((self.now, min(caps), best))
+        if all_work:
+            self.paper.append(min(paper) / fluid_bound(all_work, self.c, all_mem, self.need))
         for reaction, out in ((self.reaction_s, self.unrepaired), (self.reaction_warm_s, self.unrepaired_warm)):
             lost = [0.0] * len(self.c)
             for t, stage, rate in reversed(self.departures):
@@ -499,6 +511,7 @@ class Simulation:
                          reaction_s=self.reaction_s,
                          reaction_limit_warm=1 - sum(self.unrepaired_warm) / max(len(self.unrepaired_warm), 1),
                          warm_moves=self.warm_moves,
+                         paper_ratio=sum(self.paper) / max(len(self.paper), 1),
                          backup_bytes_per_round=self.backup_bytes / max(self.boundaries, 1),
                          averaging_bytes_per_round=self.averaging_bytes / max(self.boundaries, 1))
 
