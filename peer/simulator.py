@@ -22,7 +22,7 @@ every ``fresh_check_s`` while they hold one, and a mover whose copy of its targe
 when it decides joins without a download: it serves after the warm-up alone.
 
 What is measured (every ``sample_s``): throughput = min over stages of the true rates of the
-peers serving it; optimum = the fluid bound (``placement.fluid_bound``, memory-aware) over the
+peers serving it; optimum = the fluid bound (``placement_optimum.fluid_bound``, memory-aware) over the
 peers that could serve (everyone but newcomers still fetching their first state). The ratio of
 the two is averaged over time; the bound is an upper bound, so the ratio is conservative. It is
 also a tight one here: on snapshots of the 1000-peer runs a discrete assignment (greedy, then
@@ -57,9 +57,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest, from_dict
-from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, PeerFigures, Policy,
-                                      Replica, Snapshot, check_interval, choose_stage_for_newcomer,
-                                      expected_tenure, fluid_bound, should_move, switch_time)
+from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, PeerFigures, Policy, check_interval,
+                                      choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
+from swarmgrad.peer.placement_optimum import fluid_bound
+from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
 
@@ -321,7 +322,7 @@ class Simulation:
         return int(self.now // self.cfg.round_s)
 
     def _fresh(self, p: _Peer) -> frozenset[int]:
-        """Stages whose state of the current round p holds (placement.fresh_backups, with the
+        """Stages whose state of the current round p holds (placement_plan.fresh_backups, with the
         round boundary standing for the majority's applied rounds)."""
         if not p.copies:
             return frozenset()

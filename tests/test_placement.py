@@ -5,11 +5,12 @@ import random
 
 import pytest
 
-from swarmgrad.peer import placement as P
+from swarmgrad.peer import placement_plan as P
 from swarmgrad.peer.manifest import from_dict, load
-from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, MoveDecision, PeerFigures,
-                                      Policy, Replica, Snapshot, brute_force_optimum, check_interval,
-                                      choose_stage_for_newcomer, estimate_rates, fluid_bound, optimum, should_move)
+from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, MoveDecision, PeerFigures, Policy, check_interval,
+                                      choose_stage_for_newcomer, estimate_rates, should_move)
+from swarmgrad.peer.placement_optimum import brute_force_optimum, fluid_bound, optimum
+from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.stage_cost import stage_costs
 
 DEFAULT = "peer/defaults/tiny-gpt.toml"
