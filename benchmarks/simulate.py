@@ -15,7 +15,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from swarmgrad.peer.simulator import SimConfig, SimResult, simulate
+from swarmgrad.peer.sim_config import SimConfig, SimResult
+from swarmgrad.peer.simulator import simulate
 
 VARIANTS = {
     "full": dict(policy="full"),

@@ -5,7 +5,9 @@ import json
 import struct
 import zlib
 
-from swarmgrad.peer.simulator import SimConfig, simulate, write_png
+from swarmgrad.peer.sim_config import SimConfig
+from swarmgrad.peer.sim_report import write_png
+from swarmgrad.peer.simulator import simulate
 
 
 def small(**kw) -> SimConfig:
