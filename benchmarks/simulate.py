@@ -3,7 +3,7 @@ the full policy with warm standbys as the daemon pushes them (BACKUP_COPIES hold
 same with 8 holders pushed in parallel (a what-if the daemon does not do yet), the full policy with no
 backups (every mover downloads: the policy before warm standbys) and no-margin (any improving move, at once).
 
-    .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2] [--extra]
+    .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2] [--extra] [--only NAME ...]
 
 Prints one markdown row per policy and seed, then the mean over seeds.
 """
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each is single-threaded and deterministic)")
     ap.add_argument("--extra", action="store_true", help="also the variants in EXTRA")
+    ap.add_argument("--only", nargs="+", default=None, help="just these variants (exact names)")
     args = ap.parse_args(argv)
     print(f"{args.peers} peers, {args.hours} h, 30 % leave at mid-run; ratio = throughput / fluid optimum, "
           f"time-averaged; on paper = the same with joiners and movers counted at their target; "
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
           "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round | run s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     variants = {**VARIANTS, **(EXTRA if args.extra else {})}
+    if args.only:
+        variants = {name: variants[name] for name in args.only}
     jobs = [(seed, args.peers, args.hours, kw) for kw in variants.values() for seed in args.seeds]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         done = list(pool.map(_run, jobs))
