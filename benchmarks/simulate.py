@@ -26,9 +26,13 @@ VARIANTS = {
 }
 EXTRA = {
     "no-margin, checks every 15 s": dict(policy="no-margin", check_s=15.0),
+    "full, holders kept fresh (what-if)": dict(policy="full", holders_listen=True),
+    "full, 8 holders kept fresh (what-if)": dict(policy="full", backup_copies=8, parallel_push=True,
+                                                 holders_listen=True),
 }
 """Opt-in (``--extra``): the rebalancer at its most eager, every peer checking at every snapshot
-refresh; it balances the assignment on paper far better, which tells what balance is worth."""
+refresh; it balances the assignment on paper far better, which tells what balance is worth. And
+backup holders that stay fresh all round (``SimConfig.holders_listen``, not in the daemon)."""
 
 
 def row(name: str, results: list[SimResult], seconds: float) -> str:

@@ -83,6 +83,10 @@ class SimConfig:
     the swarm's fastest repair, so it looks at every snapshot refresh."""
     backup_copies: int = 2
     """Holders per stage (``backup.BACKUP_COPIES``); 0: no backups, every mover downloads."""
+    holders_listen: bool = False
+    """What-if, not in the daemon: a holder, once it has a copy, stays fresh at every boundary, as
+    if it applied each round's averaged update as a listening member of the stage's group
+    (docs/placement.md, "not built"). Measures what such holders would be worth."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("full", "no-margin"):

@@ -193,7 +193,8 @@ class Simulation:
         if not p.copies:
             return frozenset()
         k = self._round()
-        return frozenset(s for s, held in p.copies.items() if held == k and s != p.stage)
+        return frozenset(s for s, held in p.copies.items()
+                         if (held == k or self.cfg.holders_listen) and s != p.stage)
 
     def _holders(self, stage: int) -> list[_Peer]:
         """backup.backup_holders: ONLINE peers of other stages, highest rendezvous hash first."""
