@@ -36,11 +36,11 @@ up. ``reaction_limit`` measures that: the time-averaged ratio if every departure
 repaired exactly ``reaction_s`` after it and no earlier (half a snapshot refresh to see it, plus
 the switch time at the median link), on the same departures; ``reaction_limit_warm`` the same
 with the warm-up alone (every repair from a fresh backup). They estimate what a policy without
-foresight can reach, not bounds (a stage may hold a surplus when it loses a peer). Measured on
-seed 0 (1000 peers, 8 parallel copies): the assignment on paper (JOINING replicas counted) is
-itself at 0.98 of the bound on time average, and what serves at 0.966; so about half the gap
-is repair latency and half an imbalance that the margin q tolerates and that moves, each a
-download, do not repair at a profit (q = 0.98 or 0.99 did not raise the ratio).
+foresight can reach, not bounds (a stage may hold a surplus when it loses a peer); the warm
+one assumes repairs that add capacity, which a move (it takes a peer from a stage near T) does
+not. ``paper_ratio`` is the assignment on paper (joiners and movers on their target) against
+the bound: 0.972 for the full policy at 1000 peers, yet policies at 0.982–0.987 on paper served
+no more (docs/placement.md): the gap is repair latency, not the imbalance on paper.
 Stage costs, memory needs and state sizes come from ``stage_cost.stage_costs`` of
 ``sim_manifest()``: a 1.3B-parameter byte-level GPT in 8 stages of 3 or 2 blocks, whose 3-block
 stages do not fit a 12 GB card, so memory shapes placement.
