@@ -6,6 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from swarmgrad.peer.manifest import Manifest, from_dict
+from swarmgrad.peer.placement import Policy
+
+SIM_POLICY = Policy(q_bound=1.0)
+"""The simulated "full" policy: q = 0.95 in a handful of peers, no margin in a large swarm
+(``Policy.q_bound``; repay and confirmation stay). Before 2026-12-01: ``Policy()``, q = 0.95 at
+every size."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,9 @@ class SimConfig:
     hours: float = 3.0
     seed: int = 0
     policy: str = "full"
-    """"full" (``Policy()``) or "no-margin" (``NO_MARGIN``)."""
+    """"full" (``SIM_POLICY``) or "no-margin" (``NO_MARGIN``)."""
     q: float | None = None
-    """Override the full policy's margin (None: ``Policy().q``)."""
+    """Override the full policy's margin, small and large swarms alike (None: ``SIM_POLICY``)."""
     check_s: float = 120.0
     """Mean seconds between a peer's placement checks (jittered by ``check_interval``)."""
     confirm_s: float = 30.0
