@@ -110,9 +110,10 @@ class Policy:
     q_bound: float | None = None
     """The margin where T_reach is the fluid bound (more than ``exact_limit`` peers); None: q.
     There one move is a step of about S/N and repay and confirmation already filter moves; the
-    simulator's policy uses 1.0 (no margin): at 1000 peers it served 0.9639 of the bound against
-    0.9612 with q = 0.95 (seeds 0–2, every seed higher) for 0.040 moves per peer-hour against
-    0.028; no-margin (no repay, no confirmation) makes 0.151."""
+    simulator's policy uses 1.0 (no margin): at 1000 peers it served 0.9629 of the bound against
+    0.9619 with q = 0.95 (seeds 0–5, five higher, seed 3 0.0055 lower: within the seed noise),
+    0.9697 against 0.9665 with 1 Gbit/s links (seeds 0–2), for 0.040 moves per peer-hour
+    against 0.029; no-margin (no repay, no confirmation) makes 0.155."""
     exact_limit: int = EXACT_LIMIT
 
 

@@ -11,7 +11,7 @@ from swarmgrad.peer.placement import Policy
 SIM_POLICY = Policy(q_bound=1.0)
 """The simulated "full" policy: q = 0.95 in a handful of peers, no margin in a large swarm
 (``Policy.q_bound``; repay and confirmation stay). Before 2026-12-01: ``Policy()``, q = 0.95 at
-every size."""
+every size (``SimConfig(q=0.95)`` plays it again)."""
 
 
 @dataclass(frozen=True)
