@@ -38,7 +38,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.simulator import run_cli
+    from swarmgrad.peer.sim_report import run_cli
     return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
                    plot=args.plot)
 

@@ -9,8 +9,9 @@ import random
 import time
 from typing import Callable, Sequence
 
-from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, Snapshot, check_interval,
+from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, check_interval,
                                       estimate_rates, expected_tenure, should_move)
+from swarmgrad.peer.placement_plan import Snapshot
 from swarmgrad.peer.stage_cost import StageCost
 from swarmgrad.peer.policy import majority_digest
 from swarmgrad.peer.swarm import ONLINE, PeerRecord, SwarmView

@@ -1,5 +1,7 @@
 """A discrete-event simulator of placement: the policy of ``placement.py``, unchanged, played over
-hundreds to thousands of peers with churn (``swarmgrad simulate``).
+hundreds to thousands of peers with churn (``swarmgrad simulate``). This file is the model (the
+events and what they do); ``sim_config.py`` holds the devices, the configuration and the result,
+``sim_report.py`` the PNG, the summary line and the command's entry point.
 
 What is modelled. Peers draw a GPU from ``DEVICES`` (speed and memory), an efficiency, a link
 bandwidth and an online time (log-normal, heavy-tailed); they arrive as a Poisson process whose
@@ -22,7 +24,7 @@ every ``fresh_check_s`` while they hold one, and a mover whose copy of its targe
 when it decides joins without a download: it serves after the warm-up alone.
 
 What is measured (every ``sample_s``): throughput = min over stages of the true rates of the
-peers serving it; optimum = the fluid bound (``placement.fluid_bound``, memory-aware) over the
+peers serving it; optimum = the fluid bound (``placement_optimum.fluid_bound``, memory-aware) over the
 peers that could serve (everyone but newcomers still fetching their first state). The ratio of
 the two is averaged over time; the bound is an upper bound, so the ratio is conservative. It is
 also a tight one here: on snapshots of the 1000-peer runs a discrete assignment (greedy, then
@@ -34,11 +36,11 @@ up. ``reaction_limit`` measures that: the time-averaged ratio if every departure
 repaired exactly ``reaction_s`` after it and no earlier (half a snapshot refresh to see it, plus
 the switch time at the median link), on the same departures; ``reaction_limit_warm`` the same
 with the warm-up alone (every repair from a fresh backup). They estimate what a policy without
-foresight can reach, not bounds (a stage may hold a surplus when it loses a peer). Measured on
-seed 0 (1000 peers, 8 parallel copies): the assignment on paper (JOINING replicas counted) is
-itself at 0.98 of the bound on time average, and what serves at 0.966; so about half the gap
-is repair latency and half an imbalance that the margin q tolerates and that moves, each a
-download, do not repair at a profit (q = 0.98 or 0.99 did not raise the ratio).
+foresight can reach, not bounds (a stage may hold a surplus when it loses a peer); the warm
+one assumes repairs that add capacity, which a move (it takes a peer from a stage near T) does
+not. ``paper_ratio`` is the assignment on paper (joiners and movers on their target) against
+the bound: 0.972 for the full policy at 1000 peers, yet policies at 0.982–0.987 on paper served
+no more (docs/placement.md): the gap is repair latency, not the imbalance on paper.
 Stage costs, memory needs and state sizes come from ``stage_cost.stage_costs`` of
 ``sim_manifest()``: a 1.3B-parameter byte-level GPT in 8 stages of 3 or 2 blocks, whose 3-block
 stages do not fit a 12 GB card, so memory shapes placement.
@@ -48,148 +50,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import heapq
-import json
 import math
 import random
-import struct
-import zlib
-from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from swarmgrad.peer.manifest import Manifest, from_dict
-from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, PeerFigures, Policy,
-                                      Replica, Snapshot, check_interval, choose_stage_for_newcomer,
-                                      expected_tenure, fluid_bound, should_move, switch_time)
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, PeerFigures, Policy, check_interval,
+                                      choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
+from swarmgrad.peer.placement_optimum import fluid_bound
+from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
+from swarmgrad.peer.sim_config import DEVICES, SIM_POLICY, SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    tflops: float
-    """Peak dense FP16 tensor-core TFLOPS (FP32 accumulate on GeForce cards)."""
-    memory_gb: float
-    share: float
-    """Fraction of the simulated swarm (an assumed mix of volunteer and rented GPUs)."""
-
-
-# Figures from NVIDIA's datasheets and architecture whitepapers: Ampere GA10x whitepaper
-# (RTX 3060, 3090: FP16 tensor with FP32 accumulate), Ada whitepaper (RTX 4090), T4, V100 SXM2,
-# A10, A100 SXM and H100 SXM datasheets. Peak ratios overstate the gaps real training shows
-# (memory bandwidth, kernels); the per-peer efficiency draw below blurs them a little.
-DEVICES = (
-    Device("RTX 3060", 25.6, 12, 0.22),
-    Device("RTX 3090", 71.0, 24, 0.20),
-    Device("RTX 4090", 165.2, 24, 0.15),
-    Device("T4", 65.0, 16, 0.10),
-    Device("V100", 125.0, 16, 0.08),
-    Device("A10", 125.0, 24, 0.10),
-    Device("A100", 312.0, 80, 0.10),
-    Device("H100", 989.0, 80, 0.05),
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    peers: int = 1000
-    """Mean swarm size (the arrival rate is peers / mean online time)."""
-    hours: float = 3.0
-    seed: int = 0
-    policy: str = "full"
-    """"full" (``Policy()``) or "no-margin" (``NO_MARGIN``)."""
-    q: float | None = None
-    """Override the full policy's margin (None: ``Policy().q``)."""
-    check_s: float = 120.0
-    """Mean seconds between a peer's placement checks (jittered by ``check_interval``)."""
-    confirm_s: float = 30.0
-    """Mean seconds to the confirming check after a first decision (two snapshot refreshes)."""
-    snapshot_s: float = 15.0
-    """How often the DHT view peers decide on is refreshed."""
-    sample_s: float = 30.0
-    tenure_median_h: float = 3.0
-    tenure_sigma: float = 1.2
-    """Log-normal online time: median 3 h, mean ~6 h, a tail of day-long peers (an assumption
-    for rented and volunteer GPUs; Petals and BOINC report hours-to-days sessions)."""
-    min_tenure_s: float = 300.0
-    mass_fraction: float = 0.3
-    """Peers that leave at once at mid-run (0: none)."""
-    bandwidth_median_mbit: float = 100.0
-    bandwidth_sigma: float = 0.8
-    warmup_s: float = 30.0
-    mfu: float = 0.35
-    efficiency_sigma: float = 0.15
-    noise: float = 0.03
-    """Relative noise of a measured rate, redrawn per snapshot."""
-    memory_usable: float = 0.9
-    """Share of a card's memory a stage may use (CUDA context, fragmentation)."""
-    recover_ratio: float = 0.95
-    round_s: float = 600.0
-    """Seconds per averaging round (wall-clock rounds, aligned across stages). A 1.3B model's
-    DiLoCo round is minutes of inner steps (H ≈ 500); only the backups' freshness depends on it."""
-    backup_every: int = 1
-    """``averaging.backup_every``: a stage pushes its committed state every this many rounds."""
-    parallel_push: bool = False
-    """Copy i is pushed by the stage's member i (by peer id), all at once; False: the first member
-    pushes every copy in turn (as backup.BackupPusher did), so copy K lands K transfers late."""
-    confirm_warm: bool = True
-    """``Policy.confirm_warm``."""
-    fresh_check_s: float = 15.0
-    """Mean seconds between checks of a peer holding a fresh backup (0: like every peer): it is
-    the swarm's fastest repair, so it looks at every snapshot refresh."""
-    backup_copies: int = 2
-    """Holders per stage (``backup.BACKUP_COPIES``); 0: no backups, every mover downloads."""
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("full", "no-margin"):
-            raise ValueError(f"SimConfig.policy must be 'full' or 'no-margin' (got {self.policy!r})")
-        if self.peers < 1 or not self.hours > 0:
-            raise ValueError("SimConfig.peers must be >= 1 and hours > 0")
-        if not self.round_s > 0 or self.backup_every < 0 or self.backup_copies < 0:
-            raise ValueError("SimConfig.round_s must be > 0, backup_every and backup_copies >= 0")
-
-
-@dataclass
-class SimResult:
-    throughput_ratio: float
-    moves_per_peer_hour: float
-    recovery_s: float | None
-    """Seconds from the mass departure until the ratio is back at recover_ratio (None: never)."""
-    moves: int
-    joins: int
-    leaves: int
-    refused: int
-    """Arrivals whose memory fits no stage."""
-    peer_hours: float
-    min_ratio_after_departure: float
-    policy: str
-    reaction_limit: float = 1.0
-    """The ratio if each departure were repaired exactly reaction_s after it (see the module doc)."""
-    reaction_s: float = 0.0
-    reaction_limit_warm: float = 1.0
-    """The same with every repair after the warm-up alone (a fresh backup for every departure)."""
-    warm_moves: int = 0
-    """Moves that joined from a fresh local backup (no download)."""
-    backup_bytes_per_round: float = 0.0
-    """Mean bytes of backups pushed per round, all stages together."""
-    averaging_bytes_per_round: float = 0.0
-    """For scale: bytes one round of averaging sends, all stages (every serving replica sends
-    about 2 × its stage's parameters in int8: reduce-scatter plus all-gather)."""
-    optimum_method: str = "bound"
-    series: list[tuple[float, float, float]] = field(default_factory=list)
-    """(seconds, throughput, optimum) samples, in samples/s."""
-
-    def summary(self) -> dict:
-        out = asdict(self)
-        out.pop("series")
-        return out
-
-
-def sim_manifest() -> Manifest:
-    """A larger GPT than the demo's, in 8 stages, so that placement matters."""
-    return from_dict({
-        "run_id": "sim-gpt-1b", "model": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "seq_len": 1024},
-        "stages": {"count": 8}, "inner": {"microbatch_size": 6}, "pipeline": {"max_in_flight": 4},
-    })
 
 
 class _Peer:
@@ -212,7 +83,7 @@ class Simulation:
     def __init__(self, cfg: SimConfig, costs: Sequence[StageCost]) -> None:
         self.cfg, self.costs = cfg, tuple(costs)
         self.policy: Policy = NO_MARGIN if cfg.policy == "no-margin" else (
-            Policy() if cfg.q is None else Policy(q=cfg.q))
+            SIM_POLICY if cfg.q is None else Policy(q=cfg.q))
         if not cfg.confirm_warm:
             self.policy = dataclasses.replace(self.policy, confirm_warm=False)
         self.rng = random.Random(cfg.seed)
@@ -231,6 +102,8 @@ class Simulation:
         self.moves = self.joins = self.leaves = self.refused = 0
         self.peer_seconds = 0.0
         self.series: list[tuple[float, float, float]] = []
+        self.paper: list[float] = []
+        """Samples of the on-paper ratio (``SimResult.paper_ratio``)."""
         self.departures: list[tuple[float, int, float]] = []
         """(time, stage, samples/s it served) of every peer that left while serving."""
         self.reaction_s = cfg.snapshot_s / 2 + switch_time(
@@ -315,12 +188,13 @@ class Simulation:
         return int(self.now // self.cfg.round_s)
 
     def _fresh(self, p: _Peer) -> frozenset[int]:
-        """Stages whose state of the current round p holds (placement.fresh_backups, with the
+        """Stages whose state of the current round p holds (placement_plan.fresh_backups, with the
         round boundary standing for the majority's applied rounds)."""
         if not p.copies:
             return frozenset()
         k = self._round()
-        return frozenset(s for s, held in p.copies.items() if held == k and s != p.stage)
+        return frozenset(s for s, held in p.copies.items()
+                         if (held == k or self.cfg.holders_listen) and s != p.stage)
 
     def _holders(self, stage: int) -> list[_Peer]:
         """backup.backup_holders: ONLINE peers of other stages, highest rendezvous hash first."""
@@ -362,16 +236,22 @@ class Simulation:
             p.copies[stage] = k
 
     def _sample(self) -> None:
-        caps = [0.0] * len(self.c)
-        work, mem = [], []
+        caps, paper = [0.0] * len(self.c), [0.0] * len(self.c)
+        work, mem, all_work, all_mem = [], [], [], []
         for p in self.peers.values():
             if p.phase in ("online", "fetch"):
                 caps[p.stage] += p.speed / self.flops[p.stage]
+            on = p.target if p.phase in ("fetch", "warm") else p.stage
+            paper[on] += p.speed / self.flops[on]
+            all_work.append(p.speed / self.mean_flops)
+            all_mem.append(p.memory)
             if p.phase != "join":
                 work.append(p.speed / self.mean_flops)
                 mem.append(p.memory)
         best = fluid_bound(work, self.c, mem, self.need) if work else 0.0
         self.series.append((self.now, min(caps), best))
+        if all_work:
+            self.paper.append(min(paper) / fluid_bound(all_work, self.c, all_mem, self.need))
         for reaction, out in ((self.reaction_s, self.unrepaired), (self.reaction_warm_s, self.unrepaired_warm)):
             lost = [0.0] * len(self.c)
             for t, stage, rate in reversed(self.departures):
@@ -499,6 +379,7 @@ class Simulation:
                          reaction_s=self.reaction_s,
                          reaction_limit_warm=1 - sum(self.unrepaired_warm) / max(len(self.unrepaired_warm), 1),
                          warm_moves=self.warm_moves,
+                         paper_ratio=sum(self.paper) / max(len(self.paper), 1),
                          backup_bytes_per_round=self.backup_bytes / max(self.boundaries, 1),
                          averaging_bytes_per_round=self.averaging_bytes / max(self.boundaries, 1))
 
@@ -506,67 +387,3 @@ class Simulation:
 def simulate(cfg: SimConfig, manifest: Manifest | None = None) -> SimResult:
     """Run one simulation; the same config (seed included) gives the same result."""
     return Simulation(cfg, stage_costs(manifest or sim_manifest())).run()
-
-
-# --------------------------------------------------------------------------- plot
-
-def write_png(path: str, series: Sequence[tuple[float, float, float]], width: int = 900, height: int = 320) -> None:
-    """Throughput (blue) and optimum (grey) over time as a PNG; stdlib only (zlib), no axes text."""
-    pad = 10
-    img = bytearray(b"\xff" * (width * height * 3))
-
-    def dot(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            img[i:i + 3] = bytes(rgb)
-
-    def line(x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(steps + 1):
-            dot(round(x0 + (x1 - x0) * k / steps), round(y0 + (y1 - y0) * k / steps), rgb)
-
-    t_end = max((t for t, _, _ in series), default=1.0) or 1.0
-    top = max((max(a, b) for _, a, b in series), default=1.0) * 1.05 or 1.0
-
-    def xy(t: float, v: float) -> tuple[int, int]:
-        return (pad + round((width - 2 * pad) * t / t_end), height - pad - round((height - 2 * pad) * v / top))
-
-    line(pad, height - pad, width - pad, height - pad, (0, 0, 0))
-    line(pad, pad, pad, height - pad, (0, 0, 0))
-    for frac in (0.25, 0.5, 0.75, 1.0):  # light grid at quarters of the top value
-        _, y = xy(0, top / 1.05 * frac)
-        line(pad + 1, y, width - pad, y, (225, 225, 225))
-    for col, rgb in ((2, (150, 150, 150)), (1, (30, 90, 200))):
-        pts = [xy(s[0], s[col]) for s in series]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            line(x0, y0, x1, y1, rgb)
-    raw = b"".join(b"\x00" + bytes(img[y * width * 3:(y + 1) * width * 3]) for y in range(height))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def format_line(r: SimResult) -> str:
-    rec = "never" if r.recovery_s is None else f"{r.recovery_s:.0f}"
-    return (f"policy={r.policy} throughput_ratio={r.throughput_ratio:.4f} "
-            f"moves_per_peer_hour={r.moves_per_peer_hour:.4f} recovery_s={rec} moves={r.moves} "
-            f"joins={r.joins} leaves={r.leaves} refused={r.refused} "
-            f"min_ratio_after_departure={r.min_ratio_after_departure:.3f} reaction_limit={r.reaction_limit:.4f} "
-            f"warm_moves={r.warm_moves}")
-
-
-def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None) -> int:
-    """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
-    moves_per_peer_hour."""
-    result = simulate(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy))
-    if plot:
-        write_png(plot, result.series)
-    if as_json:
-        print(json.dumps(result.summary(), sort_keys=True))
-    else:
-        print(format_line(result))
-    return 0

@@ -5,11 +5,12 @@ import random
 
 import pytest
 
-from swarmgrad.peer import placement as P
+from swarmgrad.peer import placement_plan as P
 from swarmgrad.peer.manifest import from_dict, load
-from swarmgrad.peer.placement import (JOINING, LEAVING, NO_MARGIN, ONLINE, Confirmation, MoveDecision, PeerFigures,
-                                      Policy, Replica, Snapshot, brute_force_optimum, check_interval,
-                                      choose_stage_for_newcomer, estimate_rates, fluid_bound, optimum, should_move)
+from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, MoveDecision, PeerFigures, Policy, check_interval,
+                                      choose_stage_for_newcomer, estimate_rates, should_move)
+from swarmgrad.peer.placement_optimum import brute_force_optimum, fluid_bound, optimum
+from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.stage_cost import stage_costs
 
 DEFAULT = "peer/defaults/tiny-gpt.toml"
@@ -392,3 +393,18 @@ def test_warm_moves_skip_the_margin_only_in_a_large_swarm() -> None:
     d = should_move(large, figures(large, "h", 0), 0, policy=strict)
     assert d is not None and d.reason == "warm-repair"
     assert should_move(large, figures(large, "h", 0), 0, policy=Policy(q=0.5, warm_exempt=False)) is None
+
+
+def test_a_large_swarm_may_use_its_own_margin() -> None:
+    # 3 stages of ten 1.0s, two 0.2s on stages 0 and 2: T = 10 against a fluid bound of 10.27 (0.974).
+    small = [("s%d" % i, 1.0) for i in range(10)]
+    s = snap([small + [("a", 0.2), ("b", 0.2)], [(f"m{i}", 1.0) for i in range(10)],
+              [(f"n{i}", 1.0) for i in range(10)] + [("c", 0.2), ("d", 0.2)]])
+    assert s.reachable.method == "bound" and 0.95 < s.throughput / s.reachable.throughput < 1.0
+    assert decisions(s, Policy()) == []  # within q = 0.95
+    moves = decisions(s, Policy(q_bound=1.0))
+    assert moves
+    assert {(d.source, d.target) for d in moves} <= {(0, 1), (2, 1)} and all(d.gain > 0 for d in moves)
+    # a handful of peers keeps q: the exact optimum, where one move is a large step
+    few = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.6)], [("e", 2.6)]])
+    assert decisions(few, Policy(q=0.8, q_bound=1.0)) == []

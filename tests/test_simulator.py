@@ -5,7 +5,9 @@ import json
 import struct
 import zlib
 
-from swarmgrad.peer.simulator import SimConfig, simulate, write_png
+from swarmgrad.peer.sim_config import SimConfig
+from swarmgrad.peer.sim_report import write_png
+from swarmgrad.peer.simulator import simulate
 
 
 def small(**kw) -> SimConfig:
@@ -23,6 +25,7 @@ def test_figures_are_sane() -> None:
         r = simulate(small(policy=policy))
         assert 0.5 < r.throughput_ratio <= 1.0 + 1e-9
         assert all(tp <= best * (1 + 1e-9) for _, tp, best in r.series)  # the bound bounds
+        assert 0.5 < r.paper_ratio <= 1.0 + 1e-9  # the bound of all peers bounds any assignment of them
         assert r.moves_per_peer_hour >= 0 and r.joins > 0 and r.leaves > 0
         assert r.min_ratio_after_departure < 1.0  # the mass departure is felt
 
@@ -73,3 +76,18 @@ def test_warm_standbys_join_without_a_download_only_from_fresh_copies() -> None:
     slow = simulate(small(round_s=300, bandwidth_median_mbit=10, bandwidth_sigma=0.0))
     assert slow.backup_bytes_per_round > 0 and slow.warm_moves == 0
     assert warm.reaction_limit_warm > warm.reaction_limit  # a warm-up is shorter than download + warm-up
+
+
+def test_listening_holders_stay_fresh_after_the_round_their_copy_is_of() -> None:
+    from swarmgrad.peer.sim_config import sim_manifest
+    from swarmgrad.peer.simulator import Simulation, _Peer
+    from swarmgrad.peer.stage_cost import stage_costs
+    costs = stage_costs(sim_manifest())
+    for listen, expected in ((False, frozenset()), (True, frozenset({1}))):
+        sim = Simulation(small(holders_listen=listen), costs)
+        p = _Peer("p1", 1e12, 1e12, 0, 1e7, 0.0, 2)
+        p.stage, p.copies = 0, {1: 0, 0: 0}  # a copy of stage 1 of round 0; its own stage never counts
+        sim.now = 0.0
+        assert sim._fresh(p) == frozenset({1})
+        sim.now = 3 * sim.cfg.round_s  # three boundaries later: stale, unless it kept listening
+        assert sim._fresh(p) == expected
