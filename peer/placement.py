@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from swarmgrad.peer.placement_optimum import EXACT_LIMIT, fits
-from swarmgrad.peer.placement_plan import ONLINE, PlannedMove, Replica, Snapshot
+from swarmgrad.peer.placement_plan import ONLINE, PlannedMove, Replica, Snapshot, tie_hash
 
 
 @dataclass(frozen=True)
@@ -169,15 +169,18 @@ def _own_replica(snapshot: Snapshot, peer_id: str, stage: int) -> Replica | None
 def choose_stage_for_newcomer(snapshot: Snapshot, me: PeerFigures) -> int | None:
     """The stage a joining peer should serve, or None if its memory fits no stage.
 
-    An empty stage first (lowest index); otherwise the stage where it raises T the most, ties
-    broken towards the lowest capacity, then the lowest index."""
+    An empty stage first; otherwise the stage where it raises T the most, ties broken towards
+    the lowest capacity, then the lowest index. Among several empty stages the choice is spread by
+    a hash of the peer id: peers that start together decide before they see each other's records,
+    and "the lowest empty index" sent them all to stage 0 (seen: two peers of a resumed private
+    run, 2 s apart, both on stage 0 until a fill-empty move 39 s later)."""
     fitting = [s for s in range(snapshot.n_stages) if fits(me.memory, snapshot.need(s))]
     if not fitting:
         return None
     caps = snapshot.capacities
     empty = [s for s in fitting if snapshot.live_counts[s] == 0]
     if empty:
-        return empty[0]
+        return empty[tie_hash(me.peer_id, 0) % len(empty)]
 
     def key(s: int) -> tuple[float, float, int]:
         after = min(caps[s] + me.rates[s], min((caps[t] for t in range(snapshot.n_stages) if t != s), default=math.inf))

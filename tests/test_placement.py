@@ -135,6 +135,20 @@ def test_newcomer_takes_an_empty_stage_first_then_the_bottleneck() -> None:
     assert choose_stage_for_newcomer(s, me) == 0
 
 
+def test_newcomers_to_an_empty_swarm_spread_over_the_empty_stages() -> None:
+    """Peers that start together do not see each other: each picks an empty stage by its id, the
+    same one every time, and 16 such peers do not all pick one stage."""
+    s = snap([[], [], []])
+    picks = [choose_stage_for_newcomer(s, PeerFigures(f"peer{i}", (1.0, 1.0, 1.0), 0, 1e9, 600.0))
+             for i in range(16)]
+    assert set(picks) == {0, 1, 2}
+    assert picks == [choose_stage_for_newcomer(s, PeerFigures(f"peer{i}", (1.0, 1.0, 1.0), 0, 1e9, 600.0))
+                     for i in range(16)]
+    s = snap([[("a", 5.0)], [], [("b", 1.0)]])  # one empty stage: everyone takes it
+    assert {choose_stage_for_newcomer(s, PeerFigures(f"peer{i}", (1.0, 1.0, 1.0), 0, 1e9, 600.0))
+            for i in range(16)} == {1}
+
+
 def test_newcomer_respects_memory() -> None:
     s = snap([[("a", 5.0)], [("b", 1.0)]], memory_need=(4 * GB, 20 * GB))
     small = PeerFigures("new", (1.0, 1.0), 8 * GB, 1e9, 600.0)
