@@ -40,6 +40,7 @@ from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode,
                                    reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
@@ -47,7 +48,7 @@ from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.codecs import averaging_codecs
 from swarmgrad.protocol.framing import status_name
-from swarmgrad.protocol.responses import validate_average_response
+from swarmgrad.protocol.responses import AverageResult, validate_average_response, validate_gather_response
 from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope, validate_average
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class _Slot:
     part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     my_part: int = -1
     contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    encoded: dict[str, list[pb.NamedTensor]] = field(default_factory=dict)
+    """Each member's part as it encoded it: the gather exchange answers with these (peer/gather.py)."""
     result: asyncio.Future | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -160,6 +163,8 @@ class Averager:
         self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True,
                                             reducer_feedback=avg.reducer_feedback)
         """The reducer's answers come in the reduce codec's names."""
+        self.gather_up_to = avg.gather_up_to
+        """Groups this small exchange the members' own parts instead of a mean (peer/gather.py)."""
         self._slots: dict[int, _Slot] = {}
         self._own: set[int] = set()
         """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
@@ -212,6 +217,7 @@ class Averager:
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
         slot.contributions[sender] = (inp.weight, inp.tensors)
+        slot.encoded[sender] = list(request.tensors)
         self._maybe_reduce(slot)
         assert slot.result is not None
         try:
@@ -225,6 +231,9 @@ class Averager:
             if slot.result.cancelled() and task is not None and not task.cancelling():
                 raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} was abandoned here") from None
             raise
+        if tensors is None:  # the gather exchange
+            return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors}, slot.encoded,
+                                 sender)
         return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
     def _maybe_reduce(self, slot: _Slot) -> None:
@@ -235,6 +244,9 @@ class Averager:
             return
         order = sorted(slot.contributions)
         total = sum(slot.contributions[p][0] for p in order)
+        if gathers(len(group.members), self.gather_up_to):
+            slot.result.set_result((None, order, total))  # every member aggregates the parts itself
+            return
         avg = self.m.averaging
         reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
         if self.reducer_feedback is not None:
@@ -310,6 +322,8 @@ class Averager:
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
         slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
+        slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
+                                      for n in sorted(slot.part_names)]
         slot.ready.set()
         self._maybe_reduce(slot)
 
@@ -323,18 +337,25 @@ class Averager:
 
         async def local() -> pb.AverageResponse:
             tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), wait_s)
+            if tensors is None:  # the gather exchange
+                return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors},
+                                     slot.encoded, self.peer_id)
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
         # the slowest member may still be in matchmaking when we are done with it
         wait_s = self.patience + self.m.timeouts.allreduce
         calls = [local() if p == my_part else remote(p) for p in range(len(group.members))]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        result = self._combine(group, parts, results)
+        mine = (float(weight), {n: decode(encoded[n]) for n in self.shapes}) if gathers(
+            len(group.members), self.gather_up_to) else None
+        result = self._combine(group, parts, results, weights, mine)
         if result.complete and len(group.members) > 2:
             result = await self._cross_check(round, group, result)
         return result
 
-    def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
+    def _combine(self, group: Group, parts: dict[str, int], results: list[Any], weights: dict[str, float],
+                 mine: tuple[float, dict[str, torch.Tensor]] | None) -> RoundResult:
+        """`mine`: our weight and decoded parts in the gather exchange (None: reducers send means)."""
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
         # someone else's part) is dead or cut off; a re-sync will not wait for it.
         unreachable = tuple(group.members[p] for p, res in enumerate(results)
@@ -354,9 +375,12 @@ class Averager:
                                    unreachable=unreachable)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
-                checked = validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
-                                                    what=f"mean of part {part}")
-            except ProtocolError as e:
+                if mine is not None:
+                    checked = self._gathered(res, expected, group, weights, mine, part)
+                else:
+                    checked = validate_average_response(res, expected, group.members, self.max_numel,
+                                                        self.mean_codecs, what=f"mean of part {part}")
+            except (ProtocolError, ValueError) as e:
                 return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None,
                                    unreachable=unreachable)
             if not checked.ok:
@@ -368,6 +392,19 @@ class Averager:
         if len(totals) != 1:
             return RoundResult(False, f"reducers report different total weights {sorted(totals)}", group.members, None)
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
+
+    def _gathered(self, res: pb.AverageResponse, expected: dict[str, tuple[int, ...]], group: Group,
+                  weights: dict[str, float], mine: tuple[float, dict[str, torch.Tensor]], part: int) -> AverageResult:
+        """The gather exchange's answer for one part, aggregated here as every member does."""
+        got = validate_gather_response(res, expected, group.members, self.peer_id, weights, self.max_numel,
+                                       self.allowed_codecs, what=f"part {part}")
+        if not got.ok:
+            return AverageResult(got.status, got.reason)
+        own = {n: mine[1][n] for n in expected}
+        avg = self.m.averaging
+        tensors, total = aggregate_gathered(got, self.peer_id, mine[0], own, avg.robust_min_members,
+                                            avg.max_weight_ratio)
+        return AverageResult(pb.OK, "", tensors, got.contributors, total)
 
     async def _cross_check(self, round: int, group: Group, result: RoundResult) -> RoundResult:
         """A second, tiny exchange: every member posts a digest of the mean it decoded, and the
