@@ -10,7 +10,7 @@ whatever the codec costs in time. Variants run one after another.
 --codecs is a comma-separated list of codec specs; a spec's own parameters stay with it
 ("topk:fraction=0.01,values=fp16" is one entry); trailing flags: "+ef" turns error feedback on,
 "+rf" averaging.reducer_feedback (the reducer answers in the same codec, with error feedback of its
-own), "+g" averaging.gather_up_to = 3 (the reducers forward the members' own parts, every member
+own), "+g" averaging.gather_up_to = 2 (the reducers forward the members' own parts, every member
 aggregates: no second encode), "+all" averaging.small_tensor_threshold = 0 (small tensors use the
 codec too instead of fp32), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
 
@@ -113,7 +113,7 @@ def main() -> None:
     variants = []
     for spec, flags in codecs:
         averaging = {"codec": spec, "error_feedback": "+ef" in flags, "reducer_feedback": "+rf" in flags,
-                     "gather_up_to": 3 if "+g" in flags else 0}
+                     "gather_up_to": 2 if "+g" in flags else 0}
         if "+all" in flags:
             averaging["small_tensor_threshold"] = 0
         try:

@@ -349,7 +349,10 @@ class Averager:
         mine = (float(weight), {n: decode(encoded[n]) for n in self.shapes}) if gathers(
             len(group.members), self.gather_up_to) else None
         result = self._combine(group, parts, results, weights, mine)
-        if result.complete and len(group.members) > 2:
+        if result.complete and (len(group.members) > 2 or mine is not None):
+            # in the gather exchange every member computes the mean itself: the same function of the
+            # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
+            # θ_global, so the digests are compared in groups of 2 as well
             result = await self._cross_check(round, group, result)
         return result
 
