@@ -210,3 +210,28 @@ def test_a_codec_the_manifest_does_not_name_is_refused() -> None:
 def test_manifest_refuses_a_gather_limit_of_one() -> None:
     with pytest.raises(ManifestError, match="gather_up_to"):
         manifest(gather_up_to=1)
+
+
+# a real swarm ----------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_four_peers_gather_one_bit_parts_and_stay_identical(local_swarm) -> None:
+    """2 stages × 2 replicas, real processes over hivemind, the gathered top-40 % sign: every
+    complete round leaves both replicas of a stage with one digest, and validation loss drops."""
+    from test_swarm import assert_replicas_agree, complete_rounds, round_history
+
+    m = small_manifest(averaging={"codec": "chunktopk:chunk=4096,k=1638,bits=1", "error_feedback": True,
+                                  "gather_up_to": 2, "small_tensor_threshold": 0})
+    swarm = local_swarm(m)
+    swarm.start_first(0, "--max-rounds", "5", "--linger", "15")
+    for stage in (1, 0, 1):
+        swarm.start(stage, "--max-rounds", "5", "--linger", "15")
+    codes = swarm.wait_exit(180)
+    assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+    for stage in (0, 1):
+        assert_replicas_agree(swarm.peers, stage)
+        full = [r for r, events in complete_rounds(swarm.peers, stage).items()
+                if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
+        assert len(full) >= 2, f"stage {stage}: too few gathered rounds: {full}\n" + round_history(swarm.peers, stage)
+    evals = sorted((e for p in swarm.peers if p.stage == 0 for e in p.events("eval") if e["val_loss"] is not None),
+                   key=lambda e: e["time"])
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0, evals
