@@ -217,7 +217,8 @@ class Averager:
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
         slot.contributions[sender] = (inp.weight, inp.tensors)
-        slot.encoded[sender] = list(request.tensors)
+        if gathers(len(group.members), self.gather_up_to):
+            slot.encoded[sender] = list(request.tensors)
         self._maybe_reduce(slot)
         assert slot.result is not None
         try:
@@ -322,8 +323,9 @@ class Averager:
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
         slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
-        slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
-                                      for n in sorted(slot.part_names)]
+        if gathers(len(group.members), self.gather_up_to):
+            slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
+                                          for n in sorted(slot.part_names)]
         slot.ready.set()
         self._maybe_reduce(slot)
 
