@@ -12,6 +12,8 @@ A round r of stage s, on every replica:
    codec's reduce codec (compression.reduce_codec: for a sparse codec, every non-zero of the
    mean, i.e. the union of the members' supports, so nothing a member sent is cut again where
    no error feedback would carry it), and answers every member with the same bytes;
+   (a group of at most averaging.gather_up_to members skips the mean: the reducer forwards the
+   other members' encoded parts and every member aggregates them itself, peer/gather.py);
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
