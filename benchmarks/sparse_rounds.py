@@ -102,6 +102,8 @@ VARIANTS = {v.name: v for v in [
     Variant("ctk2048b1+ef/gather/int8s", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather", small="int8"),
     Variant("ctk2048b1+ef/gather/all", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather",
             small="chunktopk:chunk=4096,k=2048,bits=1"),
+    Variant("ctk1638b1+ef.95/gather/all/sgd1", "chunktopk:chunk=4096,k=1638,bits=1", exchange="gather",
+            small="chunktopk:chunk=4096,k=1638,bits=1", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
     Variant("ctk1638b1+ef/gather/all", "chunktopk:chunk=4096,k=1638,bits=1", exchange="gather",
             small="chunktopk:chunk=4096,k=1638,bits=1"),
 ]}
