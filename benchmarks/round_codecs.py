@@ -12,7 +12,8 @@ whatever the codec costs in time. Variants run one after another.
 "+rf" averaging.reducer_feedback (the reducer answers in the same codec, with error feedback of its
 own), "+g" averaging.gather_up_to = 2 (the reducers forward the members' own parts, every member
 aggregates: no second encode), "+all" averaging.small_tensor_threshold = 0 (small tensors use the
-codec too instead of fp32), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
+codec too instead of fp32), "+sl" SparseLoCo's outer recipe (averaging.feedback_decay = 0.95,
+outer.lr = 1, outer.momentum = 0), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
 
 Columns: final validation loss (mean of the drivers' final evals, bits/byte), samples trained by the
 drivers, pseudo-gradient bytes sent per sample (all peers' round events' avg_bytes_sent, each peer's
@@ -47,7 +48,7 @@ DEFAULT_CODECS = ("fp32,int8+ef,topk:fraction=0.01,values=fp16+ef,chunktopk:chun
 QUICK_CODECS = "fp16,topk:fraction=0.01,values=fp16+ef"
 
 
-FLAGS = ("+ef", "+rf", "+g", "+all")
+FLAGS = ("+ef", "+rf", "+g", "+all", "+sl")
 
 
 def parse_codecs(text: str) -> list[tuple[str, set[str]]]:
@@ -116,9 +117,13 @@ def main() -> None:
                      "gather_up_to": 2 if "+g" in flags else 0}
         if "+all" in flags:
             averaging["small_tensor_threshold"] = 0
+        if "+sl" in flags:
+            averaging["feedback_decay"] = 0.95
+        outer = {"lr": 1.0, "momentum": 0.0} if "+sl" in flags else {}
         try:
             variants.append((spec + "".join(f" {f.upper()}" for f in FLAGS if f in flags),
-                             base.replace(rounds={"inner_steps": H, "round_seconds": 0.0}, averaging=averaging)))
+                             base.replace(rounds={"inner_steps": H, "round_seconds": 0.0}, averaging=averaging,
+                                          outer=outer)))
         except ManifestError as e:
             ap.error(str(e))
 

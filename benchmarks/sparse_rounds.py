@@ -109,19 +109,6 @@ VARIANTS = {v.name: v for v in [
 ]}
 
 
-class DecayedFeedback(ErrorFeedback):
-    """Error feedback whose residual decays by β before each encode (SparseLoCo's accumulator)."""
-
-    def __init__(self, codec, decay: float) -> None:
-        super().__init__(codec)
-        self.decay = decay
-
-    def encode(self, name, tensor):
-        if self.decay != 1.0 and name in self._residuals:
-            self._residuals[name] = self._residuals[name] * self.decay
-        return super().encode(name, tensor)
-
-
 def payload(enc) -> int:
     return sum(len(b) for b in enc.buffers)
 
@@ -142,7 +129,7 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
     small = parse_codec_spec(v.small)
     codec = SizeAdaptive(m.averaging.small_tensor_threshold, small, parse_codec_spec(v.codec))
-    feedback = [DecayedFeedback(codec, v.feedback_decay) if v.error_feedback else None for _ in range(replicas)]
+    feedback = [ErrorFeedback(codec, v.feedback_decay) if v.error_feedback else None for _ in range(replicas)]
     mean_codec = reduce_codec(codec)
     reducer_feedback = ErrorFeedback(codec if v.mean_codec is None else
                                      SizeAdaptive(m.averaging.small_tensor_threshold, small,

@@ -154,7 +154,7 @@ class Averager:
         avg = manifest.averaging
         large = parse_codec_spec(avg.codec)
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
-        self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
+        self.feedback = ErrorFeedback(self.codec, avg.feedback_decay) if avg.error_feedback else None
         self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
         """Only the manifest's codecs are decoded on the averaging path."""
         self.reduce_codec = reduce_codec(self.codec, feedback=avg.reducer_feedback)
