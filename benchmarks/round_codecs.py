@@ -10,7 +10,10 @@ whatever the codec costs in time. Variants run one after another.
 --codecs is a comma-separated list of codec specs; a spec's own parameters stay with it
 ("topk:fraction=0.01,values=fp16" is one entry); trailing flags: "+ef" turns error feedback on,
 "+rf" averaging.reducer_feedback (the reducer answers in the same codec, with error feedback of its
-own), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
+own), "+g" averaging.gather_up_to = 2 (the reducers forward the members' own parts, every member
+aggregates: no second encode), "+all" averaging.small_tensor_threshold = 0 (small tensors use the
+codec too instead of fp32), "+sl" SparseLoCo's outer recipe (averaging.feedback_decay = 0.95,
+outer.lr = 1, outer.momentum = 0), e.g. "chunktopk:chunk=4096,k=4096,bits=1+ef+rf".
 
 Columns: final validation loss (mean of the drivers' final evals, bits/byte), samples trained by the
 drivers, pseudo-gradient bytes sent per sample (all peers' round events' avg_bytes_sent, each peer's
@@ -45,13 +48,12 @@ DEFAULT_CODECS = ("fp32,int8+ef,topk:fraction=0.01,values=fp16+ef,chunktopk:chun
 QUICK_CODECS = "fp16,topk:fraction=0.01,values=fp16+ef"
 
 
-FLAGS = ("+ef", "+rf")
+FLAGS = ("+ef", "+rf", "+g", "+all", "+sl")
 
 
-def parse_codecs(text: str) -> list[tuple[str, bool, bool]]:
-    """"fp16,int4+ef,topk:fraction=0.01,values=fp16+ef+rf" -> [(spec, error_feedback,
-    reducer_feedback), ...]. A token holding "=" but no ":" is a parameter of the spec before it,
-    not a codec of its own."""
+def parse_codecs(text: str) -> list[tuple[str, set[str]]]:
+    """"fp16,int4+ef,topk:fraction=0.01,values=fp16+ef+rf" -> [(spec, {flags}), ...]. A token
+    holding "=" but no ":" is a parameter of the spec before it, not a codec of its own."""
     entries: list[str] = []
     for token in (t.strip() for t in text.split(",")):
         if not token:
@@ -65,9 +67,10 @@ def parse_codecs(text: str) -> list[tuple[str, bool, bool]]:
     for e in entries:
         flags = set()
         while e.endswith(FLAGS):
-            flags.add(e[-3:])
-            e = e[:-3]
-        out.append((e, "+ef" in flags, "+rf" in flags))
+            flag = next(f for f in FLAGS if e.endswith(f))
+            flags.add(flag)
+            e = e[:-len(flag)]
+        out.append((e, flags))
     return out
 
 
@@ -109,11 +112,18 @@ def main() -> None:
     base = load(args.manifest)
     codecs = parse_codecs(args.codecs or (QUICK_CODECS if args.quick else DEFAULT_CODECS))
     variants = []
-    for spec, ef, rf in codecs:
+    for spec, flags in codecs:
+        averaging = {"codec": spec, "error_feedback": "+ef" in flags, "reducer_feedback": "+rf" in flags,
+                     "gather_up_to": 2 if "+g" in flags else 0}
+        if "+all" in flags:
+            averaging["small_tensor_threshold"] = 0
+        if "+sl" in flags:
+            averaging["feedback_decay"] = 0.95
+        outer = {"lr": 1.0, "momentum": 0.0} if "+sl" in flags else {}
         try:
-            variants.append((spec + (" +EF" if ef else "") + (" +RF" if rf else ""),
-                             base.replace(rounds={"inner_steps": H, "round_seconds": 0.0},
-                                          averaging={"codec": spec, "error_feedback": ef, "reducer_feedback": rf})))
+            variants.append((spec + "".join(f" {f.upper()}" for f in FLAGS if f in flags),
+                             base.replace(rounds={"inner_steps": H, "round_seconds": 0.0}, averaging=averaging,
+                                          outer=outer)))
         except ManifestError as e:
             ap.error(str(e))
 

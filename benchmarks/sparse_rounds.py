@@ -58,6 +58,10 @@ class Variant:
     """β of SparseLoCo's accumulator: e ← β·e + Δ before the encode (1: plain error feedback)."""
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    mean_codec: str | None = None
+    """reduce-ef: the reducer's codec for the mean (default: the members' codec)."""
+    small: str = "fp32"
+    """The codec of tensors below averaging.small_tensor_threshold."""
 
 
 VARIANTS = {v.name: v for v in [
@@ -86,20 +90,23 @@ VARIANTS = {v.name: v for v in [
     Variant("ctk128b1+ef/gather", "chunktopk:chunk=128,k=128,bits=1", exchange="gather"),
     Variant("ctk128b1+ef/reduce-ef", "chunktopk:chunk=128,k=128,bits=1", exchange="reduce-ef"),
     Variant("fp32/sgd1", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk4096b1+ef/reduce-ef:ctk2048b1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef",
+            mean_codec="chunktopk:chunk=4096,k=2048,bits=1"),
+    Variant("ctk2048b1+ef/reduce-ef", "chunktopk:chunk=4096,k=2048,bits=1", exchange="reduce-ef"),
+    Variant("ctk4096b1+ef/gather/sgd1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="gather",
+            outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk4096b1+ef.95/gather/sgd1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="gather",
+            feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk2048b1+ef.95/gather/sgd1", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather",
+            feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk2048b1+ef/gather/int8s", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather", small="int8"),
+    Variant("ctk2048b1+ef/gather/all", "chunktopk:chunk=4096,k=2048,bits=1", exchange="gather",
+            small="chunktopk:chunk=4096,k=2048,bits=1"),
+    Variant("ctk1638b1+ef.95/gather/all/sgd1", "chunktopk:chunk=4096,k=1638,bits=1", exchange="gather",
+            small="chunktopk:chunk=4096,k=1638,bits=1", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk1638b1+ef/gather/all", "chunktopk:chunk=4096,k=1638,bits=1", exchange="gather",
+            small="chunktopk:chunk=4096,k=1638,bits=1"),
 ]}
-
-
-class DecayedFeedback(ErrorFeedback):
-    """Error feedback whose residual decays by β before each encode (SparseLoCo's accumulator)."""
-
-    def __init__(self, codec, decay: float) -> None:
-        super().__init__(codec)
-        self.decay = decay
-
-    def encode(self, name, tensor):
-        if self.decay != 1.0 and name in self._residuals:
-            self._residuals[name] = self._residuals[name] * self.decay
-        return super().encode(name, tensor)
 
 
 def payload(enc) -> int:
@@ -120,10 +127,13 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
                               weight_decay=inner.weight_decay) for mod in modules]
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
-    codec = SizeAdaptive(m.averaging.small_tensor_threshold, get_codec("fp32"), parse_codec_spec(v.codec))
-    feedback = [DecayedFeedback(codec, v.feedback_decay) if v.error_feedback else None for _ in range(replicas)]
+    small = parse_codec_spec(v.small)
+    codec = SizeAdaptive(m.averaging.small_tensor_threshold, small, parse_codec_spec(v.codec))
+    feedback = [ErrorFeedback(codec, v.feedback_decay) if v.error_feedback else None for _ in range(replicas)]
     mean_codec = reduce_codec(codec)
-    reducer_feedback = ErrorFeedback(codec)
+    reducer_feedback = ErrorFeedback(codec if v.mean_codec is None else
+                                     SizeAdaptive(m.averaging.small_tensor_threshold, small,
+                                                  parse_codec_spec(v.mean_codec)))
     parts = partition(state.shapes, replicas)
     H = m.rounds.inner_steps
     samples = 0

@@ -5,6 +5,11 @@ over steps, ``sum(decoded) = sum(inputs) - e_final``: the error never accumulate
 residual, which is what makes top-k, int4 and PowerSGD converge like the uncompressed run
 (Seide et al. 2014; Karimireddy et al. 2019).
 
+With ``decay`` β < 1 the residual is scaled by β before each encode (``C(x + β·e)``): SparseLoCo's
+accumulator (Sarfi et al. 2025), which replaces outer momentum with this decayed error feedback
+(outer lr 1, no momentum); what β removes is lost on purpose, so old mass fades instead of being
+sent rounds late. β = 1 is plain error feedback.
+
 The residuals are explicit state owned by the caller: save them with :meth:`state_dict`,
 restore with :meth:`load_state_dict`. Residuals are fp32 on the CPU.
 """
@@ -23,16 +28,20 @@ class ErrorFeedback:
 
     Args:
         codec: the (lossy) codec; its ``encode`` receives ``key=name`` (PowerSGD warm start).
+        decay: β in (0, 1]: the residual is multiplied by it before it joins the next input.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
         if not isinstance(codec, Codec):
             raise CodecError(f"ErrorFeedback needs a Codec, got {type(codec).__name__}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise CodecError(f"error feedback decay must be in (0, 1], got {decay!r}")
         self.codec = codec
+        self.decay = float(decay)
         self._residuals: dict[str, torch.Tensor] = {}
 
     def encode(self, name: str, tensor: torch.Tensor) -> Encoded:
-        """Encode ``tensor + residual[name]`` and update the residual.
+        """Encode ``tensor + decay·residual[name]`` and update the residual.
 
         Raises:
             CodecError: non-finite input (the residual is left unchanged), or a shape that
@@ -46,7 +55,7 @@ class ErrorFeedback:
                     f"error feedback {name!r}: shape {tuple(x.shape)} != stored residual "
                     f"{tuple(residual.shape)}; reset({name!r}) first"
                 )
-            x = x + residual
+            x = x + (residual if self.decay == 1.0 else self.decay * residual)
         enc = self.codec.encode(x, key=name)
         # record the original dtype: the receiver may want it back
         enc = Encoded(enc.codec, enc.shape, str(tensor.dtype).removeprefix("torch."), enc.params, enc.buffers)

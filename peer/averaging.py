@@ -12,6 +12,8 @@ A round r of stage s, on every replica:
    codec's reduce codec (compression.reduce_codec: for a sparse codec, every non-zero of the
    mean, i.e. the union of the members' supports, so nothing a member sent is cut again where
    no error feedback would carry it), and answers every member with the same bytes;
+   (a group of at most averaging.gather_up_to members skips the mean: the reducer forwards the
+   other members' encoded parts and every member aggregates them itself, peer/gather.py);
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
@@ -47,6 +49,7 @@ from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode,
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
@@ -54,7 +57,7 @@ from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.codecs import averaging_codecs
 from swarmgrad.protocol.framing import status_name
-from swarmgrad.protocol.responses import validate_average_response
+from swarmgrad.protocol.responses import AverageResult, validate_average_response, validate_gather_response
 from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope, validate_average
 
 logger = logging.getLogger(__name__)
@@ -126,6 +129,8 @@ class _Slot:
     part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     my_part: int = -1
     contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    encoded: dict[str, list[pb.NamedTensor]] = field(default_factory=dict)
+    """Each member's part as it encoded it: the gather exchange answers with these (peer/gather.py)."""
     result: asyncio.Future | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -164,7 +169,7 @@ class Averager:
         avg = manifest.averaging
         large = parse_codec_spec(avg.codec)
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
-        self.feedback = ErrorFeedback(self.codec) if avg.error_feedback else None
+        self.feedback = ErrorFeedback(self.codec, avg.feedback_decay) if avg.error_feedback else None
         self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
         """Only the manifest's codecs are decoded on the averaging path."""
         self.reduce_codec = reduce_codec(self.codec, feedback=avg.reducer_feedback)
@@ -175,6 +180,8 @@ class Averager:
         self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True,
                                             reducer_feedback=avg.reducer_feedback)
         """The reducer's answers come in the reduce codec's names."""
+        self.gather_up_to = avg.gather_up_to
+        """Groups this small exchange the members' own parts instead of a mean (peer/gather.py)."""
         self._slots: dict[int, _Slot] = {}
         self._own: set[int] = set()
         """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
@@ -227,6 +234,8 @@ class Averager:
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
         slot.contributions[sender] = (inp.weight, inp.tensors)
+        if gathers(len(group.members), self.gather_up_to):
+            slot.encoded[sender] = list(request.tensors)
         self._maybe_reduce(slot)
         assert slot.result is not None
         try:
@@ -240,6 +249,9 @@ class Averager:
             if slot.result.cancelled() and task is not None and not task.cancelling():
                 raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} was abandoned here") from None
             raise
+        if tensors is None:  # the gather exchange
+            return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors}, slot.encoded,
+                                 sender)
         return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
     def _maybe_reduce(self, slot: _Slot) -> None:
@@ -250,6 +262,9 @@ class Averager:
             return
         order = sorted(slot.contributions)
         total = sum(slot.contributions[p][0] for p in order)
+        if gathers(len(group.members), self.gather_up_to):
+            slot.result.set_result((None, order, total))  # every member aggregates the parts itself
+            return
         avg = self.m.averaging
         reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
         if self.reducer_feedback is not None:
@@ -325,6 +340,9 @@ class Averager:
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
         slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
+        if gathers(len(group.members), self.gather_up_to):
+            slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
+                                          for n in sorted(slot.part_names)]
         slot.ready.set()
         self._maybe_reduce(slot)
 
@@ -338,13 +356,21 @@ class Averager:
 
         async def local() -> pb.AverageResponse:
             tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), wait_s)
+            if tensors is None:  # the gather exchange
+                return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors},
+                                     slot.encoded, self.peer_id)
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
         # the slowest member may still be in matchmaking when we are done with it
         wait_s = self.patience + self.m.timeouts.allreduce
         calls = [asyncio.ensure_future(local() if p == my_part else remote(p)) for p in range(len(group.members))]
         results = await self._collect(round, group, calls)
-        result = self._combine(group, parts, results)
+        mine = (float(weight), {n: decode(encoded[n]) for n in self.shapes}) if gathers(
+            len(group.members), self.gather_up_to) else None
+        # in the gather exchange every member computes the mean itself: the same function of the
+        # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
+        # θ_global; the outcome vote below compares the digests in groups of 2 as well
+        result = self._combine(group, parts, results, weights, mine)
         if len(group.members) > 1:
             result = await self._vote(round, group, result)
         if not result.complete and not slot.result.done():
@@ -377,7 +403,9 @@ class Averager:
         return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
                 else (c.exception() or c.result()) for c in calls]
 
-    def _combine(self, group: Group, parts: dict[str, int], results: list[Any]) -> RoundResult:
+    def _combine(self, group: Group, parts: dict[str, int], results: list[Any], weights: dict[str, float],
+                 mine: tuple[float, dict[str, torch.Tensor]] | None) -> RoundResult:
+        """`mine`: our weight and decoded parts in the gather exchange (None: reducers send means)."""
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
         # someone else's part) is dead or cut off; a re-sync will not wait for it.
         unreachable = tuple(group.members[p] for p, res in enumerate(results)
@@ -403,9 +431,12 @@ class Averager:
                                    unreachable=unreachable)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
-                checked = validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
-                                                    what=f"mean of part {part}")
-            except ProtocolError as e:
+                if mine is not None:
+                    checked = self._gathered(res, expected, group, weights, mine, part)
+                else:
+                    checked = validate_average_response(res, expected, group.members, self.max_numel,
+                                                        self.mean_codecs, what=f"mean of part {part}")
+            except (ProtocolError, ValueError) as e:
                 return RoundResult(False, f"part {part} from {reducer}: {e}", group.members, None,
                                    unreachable=unreachable)
             if not checked.ok:
@@ -417,6 +448,19 @@ class Averager:
         if len(totals) != 1:
             return RoundResult(False, f"reducers report different total weights {sorted(totals)}", group.members, None)
         return RoundResult(True, "", group.members, mean, total_weight=totals.pop())
+
+    def _gathered(self, res: pb.AverageResponse, expected: dict[str, tuple[int, ...]], group: Group,
+                  weights: dict[str, float], mine: tuple[float, dict[str, torch.Tensor]], part: int) -> AverageResult:
+        """The gather exchange's answer for one part, aggregated here as every member does."""
+        got = validate_gather_response(res, expected, group.members, self.peer_id, weights, self.max_numel,
+                                       self.allowed_codecs, what=f"part {part}")
+        if not got.ok:
+            return AverageResult(got.status, got.reason)
+        own = {n: mine[1][n] for n in expected}
+        avg = self.m.averaging
+        tensors, total = aggregate_gathered(got, self.peer_id, mine[0], own, avg.robust_min_members,
+                                            avg.max_weight_ratio)
+        return AverageResult(pb.OK, "", tensors, got.contributors, total)
 
     async def _vote(self, round: int, group: Group, result: RoundResult) -> RoundResult:
         """The outcome vote (peer/outcome.py): ours is the digest of the mean we decoded, or failed."""

@@ -113,6 +113,19 @@ class AveragingConfig:
     encode dropped joins its next mean), instead of `compression.reduce_codec` (for a sparse codec,
     every non-zero of the mean at >= 8 bits). With a 1-2 bit codec this makes the mean as small as
     a contribution; docs/averaging-codecs.md has the measurements."""
+    feedback_decay: float = 1.0
+    """β in (0, 1]: the members' error-feedback residual is scaled by it before it joins the next
+    round's pseudo-gradient. SparseLoCo's recipe is β = 0.95 with outer.lr = 1 and
+    outer.momentum = 0 (the decayed accumulator replaces outer momentum); 1 is plain error
+    feedback. docs/averaging-codecs.md has the measurements."""
+    gather_up_to: int = 0
+    """Groups of at most this many members exchange the members' encoded parts instead of a
+    reducer's encoded mean (an all-gather through the reducers): every member decodes every part
+    and aggregates them itself, in sorted member order, so no second lossy encode is made and
+    replicas stay bit-identical. With 2 members it sends the same bytes as a mean in the
+    members' codec (reducer_feedback) and loses less; each member sends (n - 1) x its
+    contribution, so it pays from 3 members on. 0: never. docs/averaging-codecs.md has the
+    measurements."""
     robust_min_members: int = 3
     """From this many members on, reducers aggregate by centered clipping around the median
     (one bad member moves the mean by a bounded amount; peer/aggregate.py); 0 disables it."""
@@ -398,6 +411,12 @@ def validate(m: Manifest) -> None:
     _check_codec("pipeline.gradient_codec", m.pipeline.gradient_codec)
     if m.averaging.small_tensor_threshold < 0:
         raise _fail("averaging.small_tensor_threshold", "must be >= 0")
+    if not 0.0 < m.averaging.feedback_decay <= 1.0:
+        raise _fail("averaging.feedback_decay", f"must be in (0, 1], 1 is plain error feedback "
+                                                f"(got {m.averaging.feedback_decay})")
+    if m.averaging.gather_up_to < 0 or m.averaging.gather_up_to == 1:
+        raise _fail("averaging.gather_up_to", f"must be 0 (off) or >= 2, the largest group that gathers "
+                                              f"(got {m.averaging.gather_up_to})")
     if m.averaging.robust_min_members < 0 or m.averaging.robust_min_members in (1, 2):
         raise _fail("averaging.robust_min_members", f"must be 0 (off) or >= 3: with fewer members no member can be "
                                                     f"told from the others (got {m.averaging.robust_min_members})")

@@ -159,6 +159,67 @@ def validate_average_response(resp: pb.AverageResponse, expected: Mapping[str, t
 
 
 @dataclass(frozen=True)
+class GatherResult:
+    status: int
+    reason: str
+    others: tuple[tuple[str, float, dict[str, torch.Tensor]], ...] = ()
+    """(member, weight, decoded part) of every other member, sorted by member (empty for refusals)."""
+    contributors: tuple[str, ...] = ()
+    total_weight: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == pb.OK
+
+
+def validate_gather_response(resp: pb.AverageResponse, expected: Mapping[str, tuple[int, ...]],
+                             members: Sequence[str], me: str, max_weights: Mapping[str, float], max_numel: int,
+                             allowed_codecs: Codecs = None, *, what: str = "gathered part") -> GatherResult:
+    """Check a reducer's answer in the gather exchange (averaging.gather_up_to): the other members'
+    own encoded parts instead of a mean.
+
+    Args:
+        expected: names and shapes of the part's tensors.
+        members: the round's group; `me` is the caller, whose own part is not sent back.
+        max_weights: what each member registered for the round; a contribution may not claim more.
+        allowed_codecs: the members' codecs (protocol.codecs.averaging_codecs(..., mean=False)).
+
+    Raises:
+        ProtocolError(BAD_REQUEST): unknown status, contributors other than the group, others that
+            are not exactly every other member once in sorted order, a weight that is not finite or
+            above the member's registration, a mean in `tensors`, tensors with other names, shapes
+            or codecs, non-finite values.
+    """
+    _check_status(resp.status, f"{what} response")
+    if resp.status != pb.OK:
+        return GatherResult(resp.status, _reason(resp.reason))
+    contributors = tuple(resp.contributors)
+    if sorted(contributors) != sorted(members) or len(set(contributors)) != len(contributors):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {len(contributors)} contributors that are not the group "
+                                            f"of {len(members)}")
+    if len(resp.tensors):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: a mean in a gather answer")
+    wanted = sorted(p for p in members if p != me)
+    got = [c.member for c in resp.others]
+    if got != wanted:
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: {len(got)} parts that are not every other member's, "
+                                            f"sorted")
+    others = []
+    for c in resp.others:
+        w = c.weight
+        if not (math.isfinite(w) and 0.0 <= w <= max_weights.get(c.member, 0.0)):
+            raise ProtocolError(pb.BAD_REQUEST, f"{what}: weight {w} of {c.member[-8:]} is not in "
+                                                f"[0, its registered {max_weights.get(c.member, 0.0)}]")
+        tensors = decode_named(c.tensors, dict(expected), max_numel, f"{what} of {c.member[-8:]}",
+                               allowed_codecs=allowed_codecs)
+        others.append((c.member, float(w), tensors))
+    if not (math.isfinite(resp.total_weight) and 0.0 <= resp.total_weight <= MAX_TOTAL_WEIGHT):
+        raise ProtocolError(pb.BAD_REQUEST, f"{what}: total_weight {resp.total_weight} is not in "
+                                            f"[0, {MAX_TOTAL_WEIGHT}]")
+    return GatherResult(pb.OK, "", tuple(others), contributors, float(resp.total_weight))
+
+
+@dataclass(frozen=True)
 class StateResult:
     status: int
     reason: str

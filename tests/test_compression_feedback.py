@@ -110,3 +110,22 @@ def test_size_adaptive_under_error_feedback() -> None:
     assert ef.encode("bias", torch.randn(10)).codec == "fp32"
     assert float(ef.residual("bias").abs().max()) == 0.0
     assert ef.encode("w", torch.randn(50, 50)).codec == "topk"
+
+
+def test_decayed_feedback_is_sparselocos_accumulator() -> None:
+    """decay β: each encode sees x + β·e, and the new residual is what that encode dropped; β = 1 is
+    plain error feedback; β outside (0, 1] is refused."""
+    codec = get_codec("chunktopk", chunk=64, k=16, bits=1)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(256, generator=g) for _ in range(4)]
+    for beta in (1.0, 0.95, 0.5):
+        ef = ErrorFeedback(codec, decay=beta)
+        e = torch.zeros(256)
+        for x in xs:
+            sent = decode(ef.encode("w", x))
+            assert torch.equal(sent, decode(codec.encode(x + beta * e)))
+            e = x + beta * e - sent
+            assert torch.allclose(ef.residual("w"), e, atol=1e-6)
+    for bad in (0.0, -0.1, 1.5, True):
+        with pytest.raises(CodecError):
+            ErrorFeedback(codec, decay=bad)

@@ -30,7 +30,7 @@ from swarmgrad.protocol.framing import (HEADER_BYTES, MAX_FRAME_BYTES, ProtocolE
                                         read_stream_message, status_name)
 from swarmgrad.protocol.records import MAX_THROUGHPUT, bounded_record_fields, validate_registration
 from swarmgrad.protocol.responses import (validate_average_response, validate_forward_response,
-                                          validate_state_response)
+                                          validate_gather_response, validate_state_response)
 from swarmgrad.protocol.validation import (MAX_ROUND, RunIdentity, StageContract, decode_named, decode_tensor,
                                            encoded_to_proto, envelope, raw_from_tensor, validate_average,
                                            validate_forward)
@@ -454,6 +454,23 @@ def test_fuzz_validate_average_response(data: bytes) -> None:
     resp = fuzz_parse(data, pb.AverageResponse)
     if resp is not None:
         only_protocol_errors(validate_average_response, resp, PART, PEERS, MAX_NUMEL)
+
+
+def ok_gather_response() -> pb.AverageResponse:
+    others = [pb.Contribution(member=PEERS[1], weight=8.0, tensors=named(part(3)))]
+    return pb.AverageResponse(status=pb.OK, contributors=list(PEERS), others=others, total_weight=16.0)
+
+
+def test_the_gather_fuzz_seed_is_valid() -> None:
+    assert validate_gather_response(ok_gather_response(), PART, PEERS, PEERS[0], {PEERS[1]: 8.0}, MAX_NUMEL).ok
+
+
+@FUZZ
+@given(mutations(ok_gather_response().SerializeToString()))
+def test_fuzz_validate_gather_response(data: bytes) -> None:
+    resp = fuzz_parse(data, pb.AverageResponse)
+    if resp is not None:
+        only_protocol_errors(validate_gather_response, resp, PART, PEERS, PEERS[0], {PEERS[1]: 8.0}, MAX_NUMEL)
 
 
 @FUZZ

@@ -33,8 +33,8 @@ PINNED = {
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
-# and rounds.overlap, averaging.reducer_feedback were added
-PINNED_HASH = "31e65cc9c50c40c95aea3730ef161cad"
+# and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added
+PINNED_HASH = "672ea6f53f36bc79305bc01a344cb59b"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -258,6 +258,8 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.robust_min_members": [{"robust_min_members": 4}],
         "data.max_bytes": [{"max_bytes": 100_000}],
         "averaging.backup_every": [{"backup_every": 2}],
+        "averaging.gather_up_to": [{"gather_up_to": 2}],
+        "averaging.feedback_decay": [{"feedback_decay": 0.95}],
     }
     if key in special:
         return [{section: c} for c in special[key]]
