@@ -52,8 +52,6 @@ length, and non-finite or negative scales are refused.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .base import Codec, CodecError, Encoded, ParamValue, dtype_name, expect_buffers, param_int, prepare
