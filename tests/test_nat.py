@@ -225,7 +225,9 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
     (with fewer it waits 3 minutes, docs/nat.md)."""
     manifest = tmp_path / "manifest.toml"
     manifest.write_text(dumps(small_manifest()))
-    common = ("--max-rounds", "6", "--linger", "10")
+    # 10 rounds: the replica that finds stage 1 empty starts training at once, and the other's
+    # download through a relay took 15-30 s (4-8 rounds), so 6 rounds left as few as 2 together
+    common = ("--max-rounds", "10", "--linger", "10")
     relays: list[subprocess.Popen] = []
     with netns.NetnsSwarm(manifest, tmp_path / "swarm", two_natted_net.endpoints, port=PORT) as swarm:
         try:
