@@ -326,6 +326,13 @@ def from_dict(raw: Mapping[str, Any]) -> Manifest:
     return manifest
 
 
+def validate(m: Manifest) -> None:
+    """Cross-field checks (peer/manifest_checks.py); raises ManifestError naming the field and the fix."""
+    # Imported here: the checks name this module's types, so a top-level import would be circular.
+    from swarmgrad.peer.manifest_checks import check
+    check(m)
+
+
 def load(path: str | Path) -> Manifest:
     """Read a TOML manifest; ManifestError names the field of any problem."""
     path = Path(path)
@@ -343,125 +350,6 @@ def loads(text: str) -> Manifest:
         return from_dict(tomllib.loads(text))
     except tomllib.TOMLDecodeError as e:
         raise ManifestError(f"manifest: not valid TOML: {e}") from None
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise _fail(name, f"must be > 0 (got {value})")
-
-
-def validate(m: Manifest) -> None:
-    """Cross-field checks; raises ManifestError naming the field and the fix."""
-    md = m.model
-    if md.kind not in ("gpt", "entry_point"):
-        raise _fail("model.kind", f"must be \"gpt\" or \"entry_point\" (got {md.kind!r})")
-    if md.kind == "gpt":
-        if md.entry_point:
-            raise _fail("model.entry_point", "is only used with model.kind = \"entry_point\"")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
-            _positive(f"model.{name}", getattr(md, name))
-        if md.vocab_size != 256:
-            raise _fail("model.vocab_size", f"must be 256 for the byte-level GPT (got {md.vocab_size})")
-        if md.d_model % md.n_heads:
-            raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
-    elif not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
-        raise _fail("model.entry_point", f"must look like \"package.module:function\" (got {md.entry_point!r})")
-    st = m.stages
-    if st.count < 1:
-        raise _fail("stages.count", f"must be >= 1 (got {st.count})")
-    if st.layers:
-        if len(st.layers) != st.count:
-            raise _fail("stages.layers", f"has {len(st.layers)} entries but stages.count is {st.count}")
-        if any((not isinstance(n, int)) or n < 1 for n in st.layers):
-            raise _fail("stages.layers", f"entries must be integers >= 1 (got {list(st.layers)})")
-        if md.kind == "gpt" and sum(st.layers) != md.n_layers:
-            raise _fail("stages.layers", f"sums to {sum(st.layers)} but model.n_layers is {md.n_layers}")
-    elif md.kind == "gpt" and st.count > md.n_layers:
-        raise _fail("stages.count", f"({st.count}) cannot exceed model.n_layers ({md.n_layers})")
-    inn = m.inner
-    _positive("inner.lr", inn.lr)
-    if len(inn.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in inn.betas):
-        raise _fail("inner.betas", f"must be two numbers in [0, 1) (got {list(inn.betas)})")
-    if inn.weight_decay < 0:
-        raise _fail("inner.weight_decay", f"must be >= 0 (got {inn.weight_decay})")
-    if inn.grad_clip < 0:
-        raise _fail("inner.grad_clip", f"must be >= 0, 0 disables clipping (got {inn.grad_clip})")
-    _positive("inner.microbatch_size", inn.microbatch_size)
-    _positive("inner.microbatches_per_step", inn.microbatches_per_step)
-    _positive("outer.lr", m.outer.lr)
-    if not 0 <= m.outer.momentum < 1:
-        raise _fail("outer.momentum", f"must be in [0, 1) (got {m.outer.momentum})")
-    sc = m.schedule
-    if sc.kind not in ("constant", "cosine", "linear"):
-        raise _fail("schedule.kind", f"must be \"constant\", \"cosine\" or \"linear\" (got {sc.kind!r})")
-    if sc.warmup_samples < 0 or sc.total_samples < 0:
-        raise _fail("schedule", "warmup_samples and total_samples must be >= 0")
-    if sc.kind != "constant" and sc.total_samples <= sc.warmup_samples:
-        raise _fail("schedule.total_samples", f"({sc.total_samples}) must exceed schedule.warmup_samples "
-                                              f"({sc.warmup_samples}) for a {sc.kind} decay")
-    if not 0 <= sc.min_lr_ratio <= 1:
-        raise _fail("schedule.min_lr_ratio", f"must be in [0, 1] (got {sc.min_lr_ratio})")
-    r = m.rounds
-    if r.inner_steps < 0 or r.round_seconds < 0 or r.max_rounds < 0:
-        raise _fail("rounds", "inner_steps, round_seconds and max_rounds must be >= 0")
-    if r.inner_steps == 0 and r.round_seconds == 0:
-        raise _fail("rounds", "needs inner_steps > 0 or round_seconds > 0 (or both) to know when a round ends")
-    _check_codec("averaging.codec", m.averaging.codec)
-    _check_codec("pipeline.activation_codec", m.pipeline.activation_codec)
-    _check_codec("pipeline.gradient_codec", m.pipeline.gradient_codec)
-    if m.averaging.small_tensor_threshold < 0:
-        raise _fail("averaging.small_tensor_threshold", "must be >= 0")
-    if not 0.0 < m.averaging.feedback_decay <= 1.0:
-        raise _fail("averaging.feedback_decay", f"must be in (0, 1], 1 is plain error feedback "
-                                                f"(got {m.averaging.feedback_decay})")
-    if m.averaging.gather_up_to < 0 or m.averaging.gather_up_to == 1:
-        raise _fail("averaging.gather_up_to", f"must be 0 (off) or >= 2, the largest group that gathers "
-                                              f"(got {m.averaging.gather_up_to})")
-    if m.averaging.robust_min_members < 0 or m.averaging.robust_min_members in (1, 2):
-        raise _fail("averaging.robust_min_members", f"must be 0 (off) or >= 3: with fewer members no member can be "
-                                                    f"told from the others (got {m.averaging.robust_min_members})")
-    if m.averaging.backup_every < 0:
-        raise _fail("averaging.backup_every", f"must be >= 0, 0 disables backups (got {m.averaging.backup_every})")
-    if not 1 <= m.averaging.max_weight_ratio < math.inf:
-        raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
-    _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
-    _positive("pipeline.max_retries", m.pipeline.max_retries)
-    if not 1 <= m.pipeline.max_message_mb <= 4096:
-        raise _fail("pipeline.max_message_mb", f"must be in [1, 4096] MiB (got {m.pipeline.max_message_mb}): "
-                                               "smaller cannot carry a microbatch, larger is a memory hazard")
-    d = m.data
-    if d.source not in ("stdlib", "files"):
-        raise _fail("data.source", f"must be \"stdlib\" or \"files\" (got {d.source!r})")
-    if d.source == "files" and not d.paths:
-        raise _fail("data.paths", "must list files or globs when data.source = \"files\"")
-    if not 0 < d.val_fraction < 1:
-        raise _fail("data.val_fraction", f"must be in (0, 1) (got {d.val_fraction})")
-    if d.max_bytes < 0 or d.eval_every < 0:
-        raise _fail("data", "max_bytes and eval_every must be >= 0")
-    if md.kind == "gpt" and 0 < d.max_bytes < md.seq_len + 1:
-        raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
-                                      f"({md.seq_len + 1}): one training window needs that many bytes")
-    _positive("data.eval_batches", d.eval_batches)
-    for f in dataclasses.fields(m.timeouts):
-        _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))
-    if m.timeouts.min_microbatch > m.timeouts.microbatch:
-        raise _fail("timeouts.min_microbatch", "must not exceed timeouts.microbatch")
-    if m.timeouts.announce_ttl * 4 > 600:
-        # round registrations live 4 x announce_ttl, and signed DHT records may not live longer than
-        # 600 s (peer/record_signing.MAX_RECORD_TTL): a longer TTL would be clamped silently
-        raise _fail("timeouts.announce_ttl", f"({m.timeouts.announce_ttl}) must be at most 150 s: DHT records "
-                                             "are capped at 600 s and registrations live 4 x announce_ttl")
-    if m.timeouts.heartbeat >= m.timeouts.announce_ttl:
-        raise _fail("timeouts.heartbeat", "must be shorter than timeouts.announce_ttl, or records expire between refreshes")
-
-
-def _check_codec(name: str, spec: str) -> None:
-    # Imported lazily: the manifest is loadable (and testable) before the codec library is.
-    from swarmgrad.compression import CodecError, parse_codec_spec
-    try:
-        parse_codec_spec(spec)
-    except CodecError as e:
-        raise _fail(name, f"is not a valid codec ({e})") from None
 
 
 def dumps(manifest: Manifest) -> str:
