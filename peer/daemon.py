@@ -25,7 +25,7 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
-from swarmgrad.peer.placement import MoveDecision, PeerFigures, Policy, choose_stage_for_newcomer
+from swarmgrad.peer.placement import MoveDecision, PeerFigures, SWARM_POLICY, choose_stage_for_newcomer
 from swarmgrad.peer.reachability import visible_maddrs
 from swarmgrad.peer.rebalance import DEFAULT_BANDWIDTH, Rebalancer, snapshot_from_view
 from swarmgrad.peer.replica import PeerContext, Replica
@@ -40,10 +40,6 @@ from swarmgrad.protocol.validation import RunIdentity
 
 logger = logging.getLogger(__name__)
 
-DAEMON_POLICY = Policy(q=0.8, confirmations=2)
-"""A real peer moves only when the swarm is more than 20 % below what placement can reach
-(DESIGN.md's q ≈ 0.8): measured rates are noisy (shared machines, contention), and a move costs a
-state download and a round; the simulator's 0.95 suits its noise-free rates at 1000 peers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +146,7 @@ class Peer:
             await replica.start()
             rebalancer = Rebalancer(swarm=self.swarm, peer_id=self.peer_id, costs=costs, bench_rates=rates,
                                     memory=ctx.memory, interval_s=self.m.timeouts.rebalance_check,
-                                    policy=DAEMON_POLICY,
+                                    policy=SWARM_POLICY,
                                     bandwidth=lambda: self.traffic.link.estimate(DEFAULT_BANDWIDTH)) \
                 if self.opt.rebalancing else None
             await self._serve(replica, rebalancer, stop)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from swarmgrad.peer.manifest import Manifest, from_dict
-from swarmgrad.peer.placement import Policy
+from swarmgrad.peer.placement import SWARM_POLICY
 
-SIM_POLICY = Policy(q_bound=1.0)
-"""The simulated "full" policy: q = 0.95 in a handful of peers, no margin in a large swarm
-(``Policy.q_bound``; repay and confirmation stay). Before 2026-12-01: ``Policy()``, q = 0.95 at
-every size (``SimConfig(q=0.95)`` plays it again)."""
+SIM_POLICY = SWARM_POLICY
+"""The simulated "full" policy is the daemon's (``placement.SWARM_POLICY``): q = 0.8 in a handful
+of peers, no margin in a large swarm (``Policy.q_bound``; repay and confirmation stay). Until
+2026-12-01 the simulator played q = 0.95 in a handful of peers and the daemon 0.8 at every size;
+1000-peer figures do not depend on the small-swarm q. ``SimConfig(q=0.95)`` plays q = 0.95 at
+every size (the policy before 2026-12-01)."""
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
 def _placement(manifest, swarm: dict[int, list]) -> dict:
     """The swarm as the placement policy sees it: bottleneck, what is reachable, and the move each
     online replica would decide now (one check; a real move also needs a second, confirming one)."""
-    from swarmgrad.peer.daemon import DAEMON_POLICY
-    from swarmgrad.peer.placement import PeerFigures, estimate_rates, should_move
+    from swarmgrad.peer.placement import SWARM_POLICY, PeerFigures, estimate_rates, should_move
     from swarmgrad.peer.rebalance import DEFAULT_BANDWIDTH, snapshot_from_view
     from swarmgrad.peer.stage_cost import stage_costs
     try:
@@ -88,7 +87,7 @@ def _placement(manifest, swarm: dict[int, list]) -> dict:
                 continue
             me = PeerFigures(peer_id=r.peer_id, rates=estimate_rates(r.throughput, stage, [c.cost for c in costs]),
                              memory=r.memory, bandwidth=DEFAULT_BANDWIDTH, tenure=3600.0)
-            decision = should_move(snap, me, stage, salt=r.round, policy=DAEMON_POLICY)
+            decision = should_move(snap, me, stage, salt=r.round, policy=SWARM_POLICY)
             if decision is not None:
                 moves.append({"peer_id": r.peer_id, "from_stage": decision.source, "to_stage": decision.target,
                               "reason": decision.reason, "expected_gain": decision.gain})
