@@ -16,7 +16,9 @@ run's first process. kB/sample: the `tx_bytes` of every peer's interface (all tr
 samples trained. Utilisation: CPU seconds of the training processes (each with one thread; DHT
 children and p2pd not counted) over (processes x wall); all processes share this machine's cores.
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
-2 microbatches of 32 per step), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync, hm-local.
+2 microbatches of 32 per step, fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
+codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
+than fp32), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync, hm-local.
 Without root or `ip netns` the script says why and exits 0.
 """
 from __future__ import annotations
@@ -49,7 +51,8 @@ from swarmgrad.peer.model import from_manifest, gpt_loss  # noqa: E402
 from swarmgrad.peer.state import load_checkpoint  # noqa: E402
 
 REFERENCE = HERE.parent / "examples" / "reference.toml"
-SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-2x2")
+SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-2x2")
+COMPRESSED_BOUNDARY = {"activation_codec": "lowrank:rank=32", "gradient_codec": "hadamard:bits=4,stochastic=true"}
 BASELINES = ("ddp", "hm-sync", "hm-local")
 SYSTEMS = SWARMGRAD + BASELINES
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
@@ -165,8 +168,9 @@ def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
         rounds={"inner_steps": budget.inner_steps, "max_rounds": budget.steps // budget.inner_steps},
         schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
-    if system == "swarmgrad-pipe":
-        return m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
+    if system in ("swarmgrad-pipe", "swarmgrad-pipe-c"):
+        m = m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
+        return m.replace(pipeline=COMPRESSED_BOUNDARY) if system == "swarmgrad-pipe-c" else m
     if system == "swarmgrad-2x2":
         return m.replace(stages={"count": 2})
     return m
@@ -229,7 +233,7 @@ class CheckpointWatch:
 def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
     manifest = manifest_for(system, budget, task)
     n_stages = manifest.stages.count
-    replicas = 1 if system == "swarmgrad-pipe" else 2
+    replicas = 1 if system in ("swarmgrad-pipe", "swarmgrad-pipe-c") else 2
     # Peers run until stopped (--max-rounds 0) and the run ends when θ_global holds the budget's
     # samples: a peer that joins late (seconds, on a loaded machine) would otherwise leave the
     # swarm's 10 rounds short of 32,000 samples.
