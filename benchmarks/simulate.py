@@ -23,6 +23,8 @@ VARIANTS = {
     "full, 8 parallel copies": dict(policy="full", backup_copies=8, parallel_push=True),
     "full, no backups": dict(policy="full", backup_copies=0),
     "no-margin": dict(policy="no-margin"),
+    "full, data-centre cards on 1 Gbit/s": dict(policy="full", hosted_bandwidth_median_mbit=1000.0),
+    "no-margin, data-centre cards on 1 Gbit/s": dict(policy="no-margin", hosted_bandwidth_median_mbit=1000.0),
 }
 EXTRA = {
     "no-margin, checks every 15 s": dict(policy="no-margin", check_s=15.0),

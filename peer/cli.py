@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from swarmgrad.peer.sim_report import run_cli
     return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
-                   plot=args.plot)
+                   plot=args.plot, link_mbit=args.link_mbit, hosted_link_mbit=args.hosted_link_mbit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--policy", choices=["full", "no-margin"], default="full",
                    help="no-margin: move on any improvement, at once (the ablation)")
+    m.add_argument("--link-mbit", type=float, default=100.0,
+                   help="median link of a peer, Mbit/s (log-normal; state downloads and backups)")
+    m.add_argument("--hosted-link-mbit", type=float, default=0.0,
+                   help="median link of the data-centre GPUs (T4, V100, A10, A100, H100); 0: as --link-mbit")
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
     m.set_defaults(fn=cmd_simulate)

@@ -24,6 +24,9 @@ class Device:
     memory_gb: float
     share: float
     """Fraction of the simulated swarm (an assumed mix of volunteer and rented GPUs)."""
+    hosted: bool = False
+    """A data-centre card (rented by the hour): its link is drawn from
+    ``SimConfig.hosted_bandwidth_median_mbit`` when that is set."""
 
 
 # Figures from NVIDIA's datasheets and architecture whitepapers: Ampere GA10x whitepaper
@@ -34,11 +37,11 @@ DEVICES = (
     Device("RTX 3060", 25.6, 12, 0.22),
     Device("RTX 3090", 71.0, 24, 0.20),
     Device("RTX 4090", 165.2, 24, 0.15),
-    Device("T4", 65.0, 16, 0.10),
-    Device("V100", 125.0, 16, 0.08),
-    Device("A10", 125.0, 24, 0.10),
-    Device("A100", 312.0, 80, 0.10),
-    Device("H100", 989.0, 80, 0.05),
+    Device("T4", 65.0, 16, 0.10, hosted=True),
+    Device("V100", 125.0, 16, 0.08, hosted=True),
+    Device("A10", 125.0, 24, 0.10, hosted=True),
+    Device("A100", 312.0, 80, 0.10, hosted=True),
+    Device("H100", 989.0, 80, 0.05, hosted=True),
 )
 
 
@@ -67,7 +70,12 @@ class SimConfig:
     mass_fraction: float = 0.3
     """Peers that leave at once at mid-run (0: none)."""
     bandwidth_median_mbit: float = 100.0
+    """Median of a peer's link (log-normal, clamped to 10–1000 Mbit/s): home broadband."""
     bandwidth_sigma: float = 0.8
+    hosted_bandwidth_median_mbit: float = 0.0
+    """Median link of the data-centre cards (``Device.hosted``: T4, V100, A10, A100, H100; 43 % of
+    the swarm), clamped to 10–10,000 Mbit/s; 0: the same law as every peer. Cloud instances with
+    these GPUs have 1–100+ Gbit/s NICs; 1000 is a conservative setting for that."""
     warmup_s: float = 30.0
     mfu: float = 0.35
     efficiency_sigma: float = 0.15
@@ -101,6 +109,8 @@ class SimConfig:
             raise ValueError(f"SimConfig.policy must be 'full' or 'no-margin' (got {self.policy!r})")
         if self.peers < 1 or not self.hours > 0:
             raise ValueError("SimConfig.peers must be >= 1 and hours > 0")
+        if self.hosted_bandwidth_median_mbit < 0 or not self.bandwidth_median_mbit > 0:
+            raise ValueError("SimConfig.bandwidth_median_mbit must be > 0 and hosted_bandwidth_median_mbit >= 0")
         if not self.round_s > 0 or self.backup_every < 0 or self.backup_copies < 0:
             raise ValueError("SimConfig.round_s must be > 0, backup_every and backup_copies >= 0")
 

@@ -91,3 +91,18 @@ def test_listening_holders_stay_fresh_after_the_round_their_copy_is_of() -> None
         assert sim._fresh(p) == frozenset({1})
         sim.now = 3 * sim.cfg.round_s  # three boundaries later: stale, unless it kept listening
         assert sim._fresh(p) == expected
+
+
+def test_hosted_cards_draw_their_links_from_their_own_law_and_nothing_else_changes() -> None:
+    from swarmgrad.peer.sim_config import sim_manifest
+    from swarmgrad.peer.simulator import Simulation
+    from swarmgrad.peer.stage_cost import stage_costs
+    costs = stage_costs(sim_manifest())
+    home, mixed = Simulation(small(), costs), Simulation(small(hosted_bandwidth_median_mbit=5000.0), costs)
+    a = [home._new_peer() for _ in range(400)]
+    b = [mixed._new_peer() for _ in range(400)]
+    assert [(p.speed, p.memory) for p in a] == [(p.speed, p.memory) for p in b]  # same devices, same draws
+    changed = [(p.bandwidth, q.bandwidth) for p, q in zip(a, b) if p.bandwidth != q.bandwidth]
+    assert 0.3 < len(changed) / len(a) < 0.56  # the data-centre cards: 43 % of the mix
+    assert all(faster > slow for slow, faster in changed)
+    assert all(p.bandwidth <= 1000e6 / 8 for p in a) and max(q for _, q in changed) > 1000e6 / 8
