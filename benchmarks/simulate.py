@@ -28,6 +28,7 @@ VARIANTS = {
 }
 EXTRA = {
     "no-margin, checks every 15 s": dict(policy="no-margin", check_s=15.0),
+    "full, checks every 120 s (the simulator's default until 2026-12-01)": dict(policy="full", check_s=120.0),
     "full, holders kept fresh (what-if)": dict(policy="full", holders_listen=True),
     "full, 8 holders kept fresh (what-if)": dict(policy="full", backup_copies=8, parallel_push=True,
                                                  holders_listen=True),

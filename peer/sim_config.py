@@ -55,8 +55,9 @@ class SimConfig:
     """"full" (``SIM_POLICY``) or "no-margin" (``NO_MARGIN``)."""
     q: float | None = None
     """Override the full policy's margin, small and large swarms alike (None: ``SIM_POLICY``)."""
-    check_s: float = 120.0
-    """Mean seconds between a peer's placement checks (jittered by ``check_interval``)."""
+    check_s: float = 30.0
+    """Mean seconds between a peer's placement checks (jittered by ``check_interval``): the
+    daemon's ``timeouts.rebalance_check``. (120 s until 2026-12-01, four times the daemon's.)"""
     confirm_s: float = 30.0
     """Mean seconds to the confirming check after a first decision (two snapshot refreshes)."""
     snapshot_s: float = 15.0
