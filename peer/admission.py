@@ -29,6 +29,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.coordinator.client import CoordinatorClient, CoordinatorUnavailable
 from swarmgrad.peer.coordinator.credentials import Authority, Certificate, CredentialError, Revocations
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.dht_auth import AuthFiles
 from swarmgrad.peer.identity import is_peer_id
 from swarmgrad.peer.record_signing import MAX_RECORD_TTL
@@ -140,7 +141,7 @@ class Admission:
 
     async def _get(self, key: str) -> Any:
         assert self.dht is not None
-        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), self.dht_timeout)
+        found = await within(self.dht.get(key, latest=True, return_future=True), self.dht_timeout)
         return None if found is None else found.value
 
     async def refresh_certificates(self) -> None:
@@ -177,7 +178,7 @@ class Admission:
         """Store our certificate where the others look for it."""
         assert self.dht is not None
         ttl = max(1.0, min(MAX_RECORD_TTL, self.certificate.remaining()))
-        await asyncio.wait_for(self.dht.store(certificates_key(self.authority.run_id),
+        await within(self.dht.store(certificates_key(self.authority.run_id),
                                               self.certificate.signed.SerializeToString(),
                                               get_dht_time() + ttl, subkey=self.peer_id, return_future=True),
                                self.dht_timeout)

@@ -49,6 +49,7 @@ from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode,
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
@@ -216,7 +217,7 @@ class Averager:
         slot = self._slot(request.round)
         timeouts = self.m.timeouts
         try:
-            await asyncio.wait_for(slot.ready.wait(), self.patience + timeouts.allreduce)
+            await within(slot.ready.wait(), self.patience + timeouts.allreduce)
         except asyncio.TimeoutError:
             raise ProtocolError(pb.WRONG_ROUND, f"this peer is not in round {request.round}") from None
         group = slot.group
@@ -239,7 +240,7 @@ class Averager:
         self._maybe_reduce(slot)
         assert slot.result is not None
         try:
-            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), timeouts.allreduce)
+            tensors, contributors, total = await within(asyncio.shield(slot.result), timeouts.allreduce)
         except asyncio.TimeoutError:
             raise ProtocolError(pb.DEADLINE_EXCEEDED, "not every member's part arrived in time") from None
         except asyncio.CancelledError:
@@ -355,7 +356,7 @@ class Averager:
             return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse, timeout=wait_s)
 
         async def local() -> pb.AverageResponse:
-            tensors, contributors, total = await asyncio.wait_for(asyncio.shield(slot.result), wait_s)
+            tensors, contributors, total = await within(asyncio.shield(slot.result), wait_s)
             if tensors is None:  # the gather exchange
                 return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors},
                                      slot.encoded, self.peer_id)
@@ -397,9 +398,17 @@ class Averager:
                     why = "another part failed"
                     break
         finally:
-            for task in [*pending, *([watcher] if watcher else [])]:
+            leftovers = [*pending, *([watcher] if watcher else [])]
+            for task in leftovers:
                 task.cancel()
-            await asyncio.gather(*pending, *([watcher] if watcher else []), return_exceptions=True)
+            if leftovers:  # bounded: a task that lost its cancel must not hold the round (peer/deadline.py)
+                done, stuck = await asyncio.wait(leftovers, timeout=self.m.timeouts.dht)
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()  # retrieved: a part that failed as it was abandoned is not news
+                if stuck:
+                    logger.warning("stage %d round %d: %d task(s) did not end within timeouts.dht of their "
+                                   "cancel; left behind", self.stage, round, len(stuck))
         return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
                 else (c.exception() or c.result()) for c in calls]
 

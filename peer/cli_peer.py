@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from swarmgrad.peer.cli_args import parse_bytes
+from swarmgrad.peer.deadline import within
 
 
 def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
@@ -195,7 +196,7 @@ async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
     stopper.cancel()
     if not run.done():
         try:
-            await asyncio.wait_for(asyncio.shield(run), shutdown_s)
+            await within(asyncio.shield(run), shutdown_s)
         except asyncio.TimeoutError:
             log.error("the peer did not stop within timeouts.shutdown (%.0fs); abandoning it", shutdown_s)
             _log_pending(log)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.manifest import RoundsConfig
 
 
@@ -69,7 +70,7 @@ class RoundClock:
     async def wait_change(self, timeout: float) -> None:
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await within(self._wake.wait(), timeout)
         except asyncio.TimeoutError:
             pass
 

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 from hivemind import DHT
 
 from swarmgrad.peer.admission import Admission
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.state import StateSnapshot
 
 from swarmgrad.peer.dial_out import DialOut
@@ -273,7 +274,7 @@ class Peer:
         await old.leave_after_round()
         assert old.main is not None
         try:
-            await asyncio.wait_for(asyncio.shield(old.main), self.m.timeouts.move)
+            await within(asyncio.shield(old.main), self.m.timeouts.move)
         except asyncio.TimeoutError:
             logger.warning("stage %d's round did not end within timeouts.move; leaving it anyway", old.stage)
         except Exception as e:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.swarm import LEAVING, PeerRecord, SwarmView
 
@@ -112,14 +113,14 @@ class DialOut:
     async def step(self) -> int:
         """One look: dial whom `dial_targets` names; returns how many connections it opened."""
         records = await self.swarm.swarm()
-        connected = [str(p.peer_id) for p in await asyncio.wait_for(self.p2p.list_peers(), self.timeout)]
+        connected = [str(p.peer_id) for p in await within(self.p2p.list_peers(), self.timeout)]
         opened: list[str] = []
         for r in dial_targets(records, connected, self.peer_id, self.stage()):
             try:
                 # hivemind's P2P has no public connect(): its daemon client does the one call we need
                 # (the daemon wants transport addresses: records carry them with a /p2p/<id> suffix)
                 addrs = [Multiaddr(a.split("/p2p/")[0]) for a in r.maddrs]
-                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(r.peer_id), addrs), self.timeout)
+                await within(self.p2p._client.connect(PeerID.from_base58(r.peer_id), addrs), self.timeout)
                 opened.append(r.peer_id)
             except Exception as e:  # unreachable (another NATed peer), gone, or a bad address in its record
                 logger.debug("dial-out to %s failed: %s: %s", r.peer_id[-8:], type(e).__name__, e)
@@ -137,7 +138,7 @@ class DialOut:
         wanted = tuple(dict.fromkeys(p for p in peer_ids if p != self.peer_id))[:MAX_DIALS]
         if not wanted:
             return
-        added = await asyncio.wait_for(self.dht.run_coroutine(
+        added = await within(self.dht.run_coroutine(
             functools.partial(keep_in_routing_table, peer_ids=wanted), return_future=True), self.timeout * 2)
         if added:
             logger.info("put %d peer(s) back into the DHT's routing table (client mode forgets unanswering "

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from swarmgrad.peer.deadline import cancel_requested, within
+
 logger = logging.getLogger(__name__)
 
 VOTE_POLL_SECONDS = 0.25
@@ -61,7 +63,7 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
     `timeout` until every member voted. Each DHT call has `dht_timeout`."""
     mine = vote(group_hash, digest)
     try:
-        await asyncio.wait_for(board.post_check(stage, round, me, mine), dht_timeout)
+        await within(board.post_check(stage, round, me, mine), dht_timeout)
     except Exception as e:
         # a failed vote that did not land still leaves no digest of ours anywhere; a digest may have
         return Outcome(False, f"outcome vote not posted: {type(e).__name__}: {e}", voted_digest=digest is not None)
@@ -71,7 +73,7 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
     posted: dict[str, str] = {}
     while True:
         try:
-            posted = await asyncio.wait_for(board.round_checks(stage, round), dht_timeout)
+            posted = await within(board.round_checks(stage, round), dht_timeout)
         except Exception as e:  # a DHT hiccup: try again until the deadline
             logger.debug("stage %d round %d: could not read votes: %s", stage, round, e)
         failed = sorted(p[-8:] for p in members if posted.get(p, "").endswith(f":{FAILED}"))
@@ -97,6 +99,8 @@ async def first_failure(board: VoteBoard, stage: int, round: int, members: Seque
     ours = f"{group_hash}:"
     while True:
         await asyncio.sleep(VOTE_POLL_SECONDS)
+        if cancel_requested():  # our owner cancelled us and something below lost it: stop anyway
+            raise asyncio.CancelledError()
         try:
             votes = await board.round_checks(stage, round)
         except Exception as e:  # a DHT hiccup: the parts' own deadlines still bound the round

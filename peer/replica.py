@@ -26,6 +26,7 @@ from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import Averager
 from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock, resume_epoch
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.driving import DrivingLoop, data_seed, driver_memory_window
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
@@ -230,7 +231,7 @@ class Replica:
             if await self._drivers_gone():
                 return
             try:
-                await asyncio.wait_for(stop.wait(), self.ctx.manifest.timeouts.heartbeat)
+                await within(stop.wait(), self.ctx.manifest.timeouts.heartbeat)
             except asyncio.TimeoutError:
                 pass
 
@@ -266,7 +267,7 @@ class Replica:
             self.driving.stop_training.set()
         if self.presence is not None:
             try:
-                await asyncio.wait_for(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
+                await within(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
             except asyncio.TimeoutError:
                 logger.info("could not announce LEAVING within timeouts.shutdown / 3")
         tasks = self.tasks + ([self.main] if self.main is not None else [])

@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, TypeVar
 from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
 
+from swarmgrad.peer.deadline import within
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, ProtocolError, discard, encode_stream, read_stream_message,
                                         write_chunks)
@@ -239,7 +240,7 @@ class FramedRPC:
                     await self._drain(reader)
                     return
             try:
-                request, size = await asyncio.wait_for(self._read(reader, request_type, reserve_timed),
+                request, size = await within(self._read(reader, request_type, reserve_timed),
                                                        self.read_timeout)
             except asyncio.TimeoutError:
                 error = ProtocolError(pb.DEADLINE_EXCEEDED, f"request not received within {self.read_timeout:g}s")
@@ -274,7 +275,7 @@ class FramedRPC:
         before the last frame", from live peers, under load). After refusing early, the same wait
         lets the caller finish writing, so it reads the refusal instead of a reset stream."""
         try:
-            await asyncio.wait_for(discard(reader, self.max_message_bytes), self.drain_timeout)
+            await within(discard(reader, self.max_message_bytes), self.drain_timeout)
         except asyncio.TimeoutError:
             pass
 
@@ -358,7 +359,7 @@ class FramedRPC:
             return response
 
         try:
-            return await asyncio.wait_for(exchange(), timeout=timeout)
+            return await within(exchange(), timeout)
         except asyncio.TimeoutError:
             raise RPCFailed(f"{method} to {who} timed out after {timeout:.1f}s") from None
         except ProtocolError as e:

@@ -20,6 +20,7 @@ from swarmgrad.compression import get_codec
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging import RoundResult, group_hash
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
@@ -159,7 +160,7 @@ class StateSync:
             # An overlapped round in flight: answer with the state it produces. Polling for a gap
             # would starve a joiner when averaging takes a whole round (each ends as the next begins).
             try:
-                await asyncio.wait_for(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
+                await within(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
             except asyncio.TimeoutError:
                 raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change") from None
         elif self.worker.paused:
@@ -340,7 +341,7 @@ class StateSync:
         if not result.group or self.peer_id not in result.group:
             return False
         try:
-            votes = await asyncio.wait_for(self.swarm.round_checks(self.stage, round), self.t.dht)
+            votes = await within(self.swarm.round_checks(self.stage, round), self.t.dht)
         except Exception as e:
             logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
                         type(e).__name__, e)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.identity import is_peer_id
 from swarmgrad.peer.record_signing import MAX_CLOCK_SKEW, MAX_RECORD_TTL
 from swarmgrad.protocol.framing import ProtocolError
@@ -146,11 +147,11 @@ class SwarmView:
             raise ValueError(f"a peer writes only its own entries ({subkey} is not {self.peer_id})")
         ttl = min(ttl, MAX_RECORD_TTL)  # other peers refuse anything longer
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
-        return bool(await asyncio.wait_for(future, self.timeout))
+        return bool(await within(future, self.timeout))
 
     async def _get(self, key: str) -> Any:
         future = self.dht.get(key, latest=True, return_future=True)
-        found = await asyncio.wait_for(future, self.timeout)
+        found = await within(future, self.timeout)
         return None if found is None else found.value
 
     async def _entries(self, key: str, ttl: float) -> list[tuple[str, Any]]:
