@@ -1,8 +1,9 @@
 """Local swarms of real peer processes, for the demo, the tests and the benchmarks.
 
-Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session (process group), so
-stopping it reaches its forked DHT child and p2pd daemons too (a killed hivemind peer otherwise
-leaves both running, see the primer). `LocalSwarm` is a context manager that always reaps.
+Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session. Its DHT process and
+p2pd run in a process group of their own inside that session (peer/dht_process.py) and stop when
+the peer dies, so `kill_group` SIGKILLs the peer's group and then waits for them (SIGKILL after a
+few seconds). `LocalSwarm` is a context manager that always reaps.
 """
 from __future__ import annotations
 
@@ -41,19 +42,29 @@ class PeerProcess:
             self.proc.send_signal(sig)
 
     def kill_group(self, sig: int = 9) -> None:  # SIGKILL (the method `signal` shadows the module here)
-        """Signal the whole process group (peer, DHT child, p2pd): a machine that vanished. Unix
-        sockets its p2p daemons leave behind are removed."""
+        """Signal the peer's process group: with SIGKILL, a machine that vanished. The DHT process
+        and p2pd (their own group, in the peer's session) stop when the peer dies; with SIGKILL this
+        waits for them, SIGKILLs what is left after `DHT_GRACE_S`, and removes the unix sockets
+        hivemind leaves behind."""
+        import psutil
+        session = _session_processes(self.proc.pid)
         sockets = _daemon_sockets(self.proc.pid)
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
-        if sockets:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-            for path in sockets:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        if sig != signal.SIGKILL:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        _, left = psutil.wait_procs(session, timeout=DHT_GRACE_S)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=5)
+        for path in sockets:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -147,7 +158,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 pass
         for peer in self.peers:
-            peer.kill_group(signal.SIGKILL)  # also reaps the DHT child and p2pd of a peer that exited itself
+            peer.kill_group(signal.SIGKILL)  # also any DHT process or p2pd still running after the peer exited
             try:
                 peer.proc.wait(5)
             except subprocess.TimeoutExpired:
@@ -229,12 +240,38 @@ class PrivateSwarm(LocalSwarm):
         return ["--join", self.invite()] if self.address and self._invite_next else []
 
 
+DHT_GRACE_S = 5.0
+"""How long `kill_group(SIGKILL)` waits for a peer's DHT process and p2pd to follow the peer
+(they stop within a second when its death reaches them) before it SIGKILLs them."""
+
+
+def _session_processes(pid: int) -> list:
+    """The processes under a peer that share its session: its DHT process and p2pd; not torch's
+    shm manager (a session of its own; it exits when its clients are gone)."""
+    import psutil
+    with contextlib.suppress(psutil.Error, OSError):  # OSError: the peer is gone (getsid)
+        sid = os.getsid(pid)
+        out = []
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(child.pid) == sid:
+                    out.append(child)
+        return out
+    return []
+
+
 def _daemon_sockets(pid: int) -> list[str]:
-    """The -listen unix sockets of the p2pd daemons under a peer process."""
+    """The -listen unix sockets of the p2pd daemons under a peer process and hivemind's client
+    sockets of the peer process itself (a SIGKILLed process cannot remove its own)."""
     import psutil
     out = []
     with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
+        peer = psutil.Process(pid)
+        # (not through peer/dht_process.py's helper: that module imports hivemind, and this one is
+        # the demo's, which does not)
+        out += [c.laddr for c in peer.net_connections(kind="unix") if isinstance(c.laddr, str)
+                and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
+        for child in peer.children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 for arg in child.cmdline():
                     if arg.startswith("-listen=/unix/"):
