@@ -90,7 +90,8 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
 
     def stop(peer: PeerProcess, sig: int, records: Callable[[], dict[str, str]]) -> None:
         os.killpg(peer.proc.pid, sig)  # the whole group, as a terminal or supervisor does
-        leaving = swarm.wait_for(peer, lambda e: e["event"] == "leaving", m.timeouts.shutdown, "leaving")
+        leaving = swarm.wait_for(peer, lambda e: e["event"] == "leaving", m.timeouts.shutdown + 10,
+                                 "leaving")
         assert leaving["announced"] is True, peer.log_tail()
         # read at once: the record expires timeouts.announce_ttl after the announce
         assert records().get(leaving["peer"]) == "leaving"
