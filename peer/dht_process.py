@@ -83,13 +83,14 @@ class PeerDHT(DHT):
             logger.warning("the DHT process did not stop within %.0fs of shutdown; killing it", STOP_GRACE_S)
             self.kill()
             self.join(STOP_GRACE_S)
-        _kill_all(descendants, grace=STOP_GRACE_S if self.exitcode is None else 1.0)
+        _kill_all(descendants, grace=CHILDREN_GRACE_S)  # p2pd got SIGTERM from it or from hivemind
 
 
 def start_dht_process(**kwargs: Any) -> PeerDHT:
     """`hivemind.DHT(**kwargs)` in its own process group, started and ready (same errors as
-    hivemind's: P2PDaemonError, a failed bootstrap). Call it from the main thread before torch
-    starts threads (hivemind forks)."""
+    hivemind's: P2PDaemonError, a failed bootstrap). Call it before torch starts threads (hivemind
+    forks), from the main thread: the process then learns of the caller's death at once
+    (PR_SET_PDEATHSIG); from another thread, within `PARENT_POLL_S`."""
     kwargs.setdefault("start", True)
     return PeerDHT(**kwargs)
 
@@ -118,29 +119,13 @@ def _poll_parent(owner: int) -> None:
 
 def _stop_descendants_and_exit(signum: int, frame: object) -> None:
     """SIGTERM in the DHT's process: its parent died, hivemind's shutdown fell back to
-    `terminate()`, or someone signals it. p2pd gets SIGTERM (it removes its control socket), what
-    is left after `CHILDREN_GRACE_S` SIGKILL; hivemind's unix sockets this process listens on are
-    removed (hivemind removes them only on a clean shutdown); then exit."""
+    `terminate()`, or someone signals it. p2pd gets SIGTERM (it closes its host and removes its
+    control socket), what is left after `CHILDREN_GRACE_S` SIGKILL; then exit."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        me = psutil.Process()
-        sockets = _hivemind_sockets(me)
-        _kill_all(me.children(recursive=True), grace=CHILDREN_GRACE_S, term_first=True)
-        for path in sockets:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        _kill_all(psutil.Process().children(recursive=True), grace=CHILDREN_GRACE_S, term_first=True)
     finally:
         os._exit(128 + signum)
-
-
-def _hivemind_sockets(proc: psutil.Process) -> list[str]:
-    """Paths of hivemind's unix sockets (/tmp/hivemind-*.sock) among `proc`'s sockets: ours, as
-    this process's P2P created them (other inherited descriptors are not ours to remove)."""
-    connections = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6
-    with contextlib.suppress(psutil.Error):
-        return sorted({c.laddr for c in connections(kind="unix") if isinstance(c.laddr, str)
-                       and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")})
-    return []
 
 
 # helpers (either process) -----------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Local swarms of real peer processes, for the demo, the tests and the benchmarks.
 
 Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session. Its DHT process and
-p2pd run in a process group of their own inside that session (peer/dht_process.py) and stop when
-the peer dies, so `kill_group` SIGKILLs the peer's group and then waits for them (SIGKILL after a
-few seconds). `LocalSwarm` is a context manager that always reaps.
+p2pd run in a process group of their own inside that session (peer/dht_process.py), stop when
+the peer dies, and `kill_group` SIGKILLs them with the peer. `LocalSwarm` is a context manager
+that always reaps.
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ class PeerProcess:
             self.proc.send_signal(sig)
 
     def kill_group(self, sig: int = 9) -> None:  # SIGKILL (the method `signal` shadows the module here)
-        """Signal the peer's process group: with SIGKILL, a machine that vanished. The DHT process
-        and p2pd (their own group, in the peer's session) stop when the peer dies; with SIGKILL this
-        waits for them, SIGKILLs what is left after `DHT_GRACE_S`, and removes the unix sockets
-        hivemind leaves behind."""
+        """Signal the peer's process group. With SIGKILL, a machine that vanished: its DHT process
+        and p2pd (a group of their own in the peer's session, peer/dht_process.py) are SIGKILLed at
+        the same moment rather than left to follow the peer, and the unix sockets hivemind leaves
+        behind are removed."""
         import psutil
         session = _session_processes(self.proc.pid)
         sockets = _daemon_sockets(self.proc.pid)
@@ -55,13 +55,12 @@ class PeerProcess:
             pass
         if sig != signal.SIGKILL:
             return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        _, left = psutil.wait_procs(session, timeout=DHT_GRACE_S)
-        for p in left:
+        for p in session:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(left, timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        psutil.wait_procs(session, timeout=5)
         for path in sockets:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -240,11 +239,6 @@ class PrivateSwarm(LocalSwarm):
         return ["--join", self.invite()] if self.address and self._invite_next else []
 
 
-DHT_GRACE_S = 5.0
-"""How long `kill_group(SIGKILL)` waits for a peer's DHT process and p2pd to follow the peer
-(they stop within a second when its death reaches them) before it SIGKILLs them."""
-
-
 def _session_processes(pid: int) -> list:
     """The processes under a peer that share its session: its DHT process and p2pd; not torch's
     shm manager (a session of its own; it exits when its clients are gone)."""
@@ -262,17 +256,20 @@ def _session_processes(pid: int) -> list:
 
 def _daemon_sockets(pid: int) -> list[str]:
     """The -listen unix sockets of the p2pd daemons under a peer process and hivemind's client
-    sockets of the peer process itself (a SIGKILLed process cannot remove its own)."""
+    sockets of the peer and its DHT process (a SIGKILLed process cannot remove its own)."""
     import psutil
+
+    def client_sockets(proc: psutil.Process) -> list[str]:
+        # (not peer/dht_process.py's helper: that module imports hivemind, the demo's process does not)
+        return [c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str)
+                and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
     out = []
     with contextlib.suppress(psutil.Error):
         peer = psutil.Process(pid)
-        # (not through peer/dht_process.py's helper: that module imports hivemind, and this one is
-        # the demo's, which does not)
-        out += [c.laddr for c in peer.net_connections(kind="unix") if isinstance(c.laddr, str)
-                and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
+        out += client_sockets(peer)
         for child in peer.children(recursive=True):
             with contextlib.suppress(psutil.Error):
+                out += client_sockets(child)
                 for arg in child.cmdline():
                     if arg.startswith("-listen=/unix/"):
                         out.append(arg.removeprefix("-listen=/unix"))
