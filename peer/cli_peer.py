@@ -24,8 +24,7 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
     Raises identity.IdentityError for a key file swarmgrad cannot use."""
     from contextlib import nullcontext
 
-    from hivemind import DHT
-
+    from swarmgrad.peer.dht_process import start_dht_process
     from swarmgrad.peer.identity import ephemeral_key_file, load_or_create, peer_id_of
     from swarmgrad.peer.record_signing import SignedRecordValidator
     if identity:
@@ -35,7 +34,7 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
         key_file = ephemeral_key_file(key)
     with key_file as (path, key):
         # check_if_identity_free=False: hivemind's check parses RSA key files only (PeerID.from_identity)
-        kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True,
+        kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs,
                       startup_timeout=timeout, identity_path=str(path), check_if_identity_free=False,
                       record_validators=[SignedRecordValidator(key)])
         if authorizer is not None:
@@ -43,7 +42,9 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
         if announce_maddrs:
             kwargs["announce_maddrs"] = announce_maddrs
         kwargs.update(network or {})
-        dht = DHT(**kwargs)
+        # its own process group, so that Ctrl-C or a group SIGTERM reaches only this process, which
+        # then leaves cleanly and stops the DHT (peer/dht_process.py)
+        dht = start_dht_process(**kwargs)
     if str(dht.peer_id) != peer_id_of(key):  # p2pd runs with another key: every record we sign would be refused
         dht.shutdown()
         raise RuntimeError(f"p2pd runs as {dht.peer_id}, not as the identity key's {peer_id_of(key)}")
@@ -188,7 +189,7 @@ async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
     seconds to leave cleanly before its tasks are abandoned."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
         loop.add_signal_handler(sig, stop.set)
     run = asyncio.create_task(peer.run(stop), name="peer")
     stopper = asyncio.create_task(stop.wait(), name="stop-signal")

@@ -1,8 +1,9 @@
 """Local swarms of real peer processes, for the demo, the tests and the benchmarks.
 
-Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session (process group), so
-stopping it reaches its forked DHT child and p2pd daemons too (a killed hivemind peer otherwise
-leaves both running, see the primer). `LocalSwarm` is a context manager that always reaps.
+Each peer is `python -m swarmgrad.peer.cli peer ...` in its own session. Its DHT process and
+p2pd run in a process group of their own inside that session (peer/dht_process.py), stop when
+the peer dies, and `kill_group` SIGKILLs them with the peer. `LocalSwarm` is a context manager
+that always reaps.
 """
 from __future__ import annotations
 
@@ -41,19 +42,28 @@ class PeerProcess:
             self.proc.send_signal(sig)
 
     def kill_group(self, sig: int = 9) -> None:  # SIGKILL (the method `signal` shadows the module here)
-        """Signal the whole process group (peer, DHT child, p2pd): a machine that vanished. Unix
-        sockets its p2p daemons leave behind are removed."""
+        """Signal the peer's process group. With SIGKILL, a machine that vanished: its DHT process
+        and p2pd (a group of their own in the peer's session, peer/dht_process.py) are SIGKILLed at
+        the same moment rather than left to follow the peer, and the unix sockets hivemind leaves
+        behind are removed."""
+        import psutil
+        session = _session_processes(self.proc.pid)
         sockets = _daemon_sockets(self.proc.pid)
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
-        if sockets:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-            for path in sockets:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        if sig != signal.SIGKILL:
+            return
+        for p in session:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        psutil.wait_procs(session, timeout=5)
+        for path in sockets:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -147,7 +157,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 pass
         for peer in self.peers:
-            peer.kill_group(signal.SIGKILL)  # also reaps the DHT child and p2pd of a peer that exited itself
+            peer.kill_group(signal.SIGKILL)  # also any DHT process or p2pd still running after the peer exited
             try:
                 peer.proc.wait(5)
             except subprocess.TimeoutExpired:
@@ -229,13 +239,37 @@ class PrivateSwarm(LocalSwarm):
         return ["--join", self.invite()] if self.address and self._invite_next else []
 
 
-def _daemon_sockets(pid: int) -> list[str]:
-    """The -listen unix sockets of the p2pd daemons under a peer process."""
+def _session_processes(pid: int) -> list:
+    """The processes under a peer that share its session: its DHT process and p2pd; not torch's
+    shm manager (a session of its own; it exits when its clients are gone)."""
     import psutil
+    with contextlib.suppress(psutil.Error, OSError):  # OSError: the peer is gone (getsid)
+        sid = os.getsid(pid)
+        out = []
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(child.pid) == sid:
+                    out.append(child)
+        return out
+    return []
+
+
+def _daemon_sockets(pid: int) -> list[str]:
+    """The -listen unix sockets of the p2pd daemons under a peer process and hivemind's client
+    sockets of the peer and its DHT process (a SIGKILLed process cannot remove its own)."""
+    import psutil
+
+    def client_sockets(proc: psutil.Process) -> list[str]:
+        # (not peer/dht_process.py's helper: that module imports hivemind, the demo's process does not)
+        return [c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str)
+                and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
     out = []
     with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
+        peer = psutil.Process(pid)
+        out += client_sockets(peer)
+        for child in peer.children(recursive=True):
             with contextlib.suppress(psutil.Error):
+                out += client_sockets(child)
                 for arg in child.cmdline():
                     if arg.startswith("-listen=/unix/"):
                         out.append(arg.removeprefix("-listen=/unix"))

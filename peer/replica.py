@@ -266,10 +266,12 @@ class Replica:
         if self.driving is not None:
             self.driving.stop_training.set()
         if self.presence is not None:
+            announced = False
             try:
-                await within(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
+                announced = await within(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
             except asyncio.TimeoutError:
                 logger.info("could not announce LEAVING within timeouts.shutdown / 3")
+            self.events.emit("leaving", announced=bool(announced))
         tasks = self.tasks + ([self.main] if self.main is not None else [])
         for task in tasks:
             task.cancel()

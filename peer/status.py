@@ -11,8 +11,7 @@ MAX_PROBED_STAGES = 32
 
 def print_status(initial_peers: list[str], run_id: str | None, manifest_path: str | None, as_json: bool,
                  timeout: float) -> int:
-    from hivemind import DHT
-
+    from swarmgrad.peer.dht_process import start_dht_process
     from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
     from swarmgrad.peer.swarm import SwarmView
     n_stages, manifest_hash, ttl, manifest = MAX_PROBED_STAGES, None, MAX_RECORD_TTL, None
@@ -24,8 +23,8 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
     assert run_id is not None
     # The swarm's validator without a key: it verifies and strips signatures, and signs nothing
     # (this client only reads). Unsigned or forged records never reach the table.
-    dht = DHT(initial_peers=initial_peers, start=True, client_mode=True, startup_timeout=timeout,
-              record_validators=[SignedRecordValidator()])
+    dht = start_dht_process(initial_peers=initial_peers, client_mode=True, startup_timeout=timeout,
+                            record_validators=[SignedRecordValidator()])
     try:
         # ttl: the read cap on expiries (2 x announce_ttl); without a manifest, the protocol's cap
         view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=ttl)

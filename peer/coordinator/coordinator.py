@@ -32,6 +32,7 @@ from swarmgrad.peer.coordinator.service import CoordinatorService
 from swarmgrad.peer.coordinator.store import StateDir
 from swarmgrad.peer.coordinator.watch import History, checkpoint_rows, swarm_snapshot
 from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.dht_process import start_dht_process
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
@@ -103,13 +104,13 @@ class Coordinator:
         revoked = self.store.state.revoked
         self.files.write_revoked(revoked)
         kwargs: dict[str, Any] = dict(
-            initial_peers=list(self.initial_peers) or None, host_maddrs=list(self.host_maddrs), start=True,
+            initial_peers=list(self.initial_peers) or None, host_maddrs=list(self.host_maddrs),
             startup_timeout=timeout, identity_path=str(self.key_path), check_if_identity_free=False,
             record_validators=[SignedRecordValidator(self.key)],
             authorizer=CertificateAuthorizer(self.peer_id, self.m.run_id, self.files.folder, self.rsa))
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
-        self.dht = DHT(**kwargs)
+        self.dht = start_dht_process(**kwargs)  # its own process group: peer/dht_process.py
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
         return self.dht
 
