@@ -106,6 +106,19 @@ VARIANTS = {v.name: v for v in [
             small="chunktopk:chunk=4096,k=1638,bits=1", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
     Variant("ctk1638b1+ef/gather/all", "chunktopk:chunk=4096,k=1638,bits=1", exchange="gather",
             small="chunktopk:chunk=4096,k=1638,bits=1"),
+    # dense signs with a scale per 256 values (1.125 bits) and 25 % at 2 bits (1.5 bits): the two
+    # other ways to spend SparseLoCo's ~1.5 bits per value at H = 50
+    Variant("ctk256x256b1+ef.95/gather/all/sgd1", "chunktopk:chunk=256,k=256,bits=1", exchange="gather",
+            small="chunktopk:chunk=256,k=256,bits=1", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk1024b2+ef.95/gather/all/sgd1", "chunktopk:chunk=4096,k=1024,bits=2", exchange="gather",
+            small="chunktopk:chunk=4096,k=1024,bits=2", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
+    Variant("ctk256x256b1+ef/gather/all", "chunktopk:chunk=256,k=256,bits=1", exchange="gather",
+            small="chunktopk:chunk=256,k=256,bits=1"),
+    # 2 bits per value (2.125 with the scales): the budget at H = 100
+    Variant("ctk256x256b2+ef/gather/all", "chunktopk:chunk=256,k=256,bits=2", exchange="gather",
+            small="chunktopk:chunk=256,k=256,bits=2"),
+    Variant("ctk256x256b2+ef.95/gather/all/sgd1", "chunktopk:chunk=256,k=256,bits=2", exchange="gather",
+            small="chunktopk:chunk=256,k=256,bits=2", feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0),
 ]}
 
 
@@ -186,13 +199,43 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
             "ddp": 8.0 * params / batch, "samples": samples}
 
 
+def run_ddp(m: Manifest, steps: int, replicas: int, train, val_batches) -> dict:
+    """What data-parallel training computes: one model, each step on every replica's microbatch
+    (the same streams as the variants), AdamW on the mean gradient, the same lr schedule."""
+    torch.manual_seed(m.seed)
+    model = from_manifest(m)
+    mod = model.build_stage(0)
+    inner = m.inner
+    opt = torch.optim.AdamW(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay)
+    batch = inner.microbatch_size * inner.microbatches_per_step
+    streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
+    mod.train()
+    for step in range(steps):
+        xs, ys = zip(*(next(s) for s in streams))
+        loss = model.loss_fn(mod(torch.cat(xs)), torch.cat(ys))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(mod.parameters(), inner.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = inner.lr * lr_multiplier(m.schedule, step * replicas * batch)
+        opt.step()
+    mod.eval()
+    with torch.no_grad():
+        losses = [float(model.loss_fn(mod(x), y)) for x, y in val_batches]
+    ddp = 8.0 * sum(p.numel() for p in mod.parameters()) / batch
+    return {"val": bits_per_byte(sum(losses) / len(losses)), "bytes_per_sample": ddp, "ddp": ddp,
+            "samples": steps * replicas * batch}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--manifest", type=Path, default=REFERENCE)
     ap.add_argument("--rounds", type=int, default=None, help="default: the manifest's max_rounds")
     ap.add_argument("--inner-steps", type=int, default=None, help="default: the manifest's rounds.inner_steps")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--variants", default="fp32,int8+ef,ctk64b2+ef")
+    ap.add_argument("--variants", default="fp32,int8+ef,ctk64b2+ef",
+                    help="names from --list, or ddp (one model on every replica's batches: the baseline)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -220,9 +263,11 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     first = None
     for name in args.variants.split(";") if ";" in args.variants else args.variants.split(","):
-        v = VARIANTS[name]
         t = time.monotonic()
-        res = run_variant(m, v, rounds, args.replicas, train, val_batches)
+        if name == "ddp":
+            res = run_ddp(m, rounds * m.rounds.inner_steps, args.replicas, train, val_batches)
+        else:
+            res = run_variant(m, VARIANTS[name], rounds, args.replicas, train, val_batches)
         first = res["val"] if first is None else first
         gap = 100.0 * (res["val"] / first - 1.0)
         ratio = res["ddp"] / res["bytes_per_sample"] if res["bytes_per_sample"] else math.inf

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +70,9 @@ class Budget:
     ckpt_every: int = 50
     """Baselines: steps between saved weights (each costs a scoring pass afterwards)."""
     timeout_s: float = 1500.0
+    reference: Path = REFERENCE
+    """The manifest swarmgrad runs (its codec and outer step; H, rounds and schedule come from here);
+    the baselines take its model, inner optimiser and schedule."""
 
     @property
     def global_batch(self) -> int:
@@ -164,7 +168,7 @@ class Task:
 
 
 def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
-    m = load(REFERENCE).replace(
+    m = load(budget.reference).replace(
         rounds={"inner_steps": budget.inner_steps, "max_rounds": budget.steps // budget.inner_steps},
         schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
@@ -404,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run everything from a `git archive HEAD` snapshot (default: uncommitted edits in the "
                         "checkout cannot break a run midway) or from the working tree")
     p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
+    p.add_argument("--manifest", default=None, type=Path,
+                   help=f"the manifest swarmgrad runs (default {REFERENCE.relative_to(HERE.parent)}), e.g. another codec")
+    p.add_argument("--inner-steps", type=int, default=None, help="H, and hm-local's steps between averages (default 50)")
     args = p.parse_args(argv)
     # cleanup lives in finally blocks: make SIGTERM, and SIGINT where a non-interactive shell's `&`
     # left it ignored, raise instead of ending the process without them
@@ -423,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         return _rerun_in_snapshot(sys.argv[1:] if argv is None else argv)
     netns.remove_stale()
     budget = QUICK if args.quick else Budget()
+    if args.manifest or args.inner_steps:
+        budget = dataclasses.replace(budget, reference=(args.manifest or REFERENCE).resolve(),
+                                     inner_steps=args.inner_steps or budget.inner_steps)
     out = Path(args.out) if args.out else None
     torch.set_num_threads(2)
     results: list[Result] = []
