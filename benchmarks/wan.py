@@ -500,7 +500,8 @@ def _rerun_in_snapshot(argv: list[str]) -> int:
 def _write(out: Path, results: list[Result], budget: Budget) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results) + "\n")
-    (out / "results.json").write_text(json.dumps({"budget": asdict(budget), "results": [asdict(r) for r in results]}, indent=1))
+    (out / "results.json").write_text(json.dumps({"budget": asdict(budget), "results": [asdict(r) for r in results]},
+                                                      indent=1, default=str))  # default: Budget.reference, a Path
     plot([(f"{r.system} {r.link}", r.points) for r in results if r.points], out / "curves.png")
 
 
