@@ -105,6 +105,12 @@ class SimConfig:
     if it applied each round's averaged update as a listening member of the stage's group
     (docs/placement.md, "not built"). Measures what such holders would be worth."""
 
+    def link_law(self, device: Device) -> tuple[float, float]:
+        """(median, cap) in Mbit/s of the links `device`'s peers draw (log-normal, ``bandwidth_sigma``)."""
+        if device.hosted and self.hosted_bandwidth_median_mbit:
+            return self.hosted_bandwidth_median_mbit, 10_000.0
+        return self.bandwidth_median_mbit, 1000.0
+
     def __post_init__(self) -> None:
         if self.policy not in ("full", "no-margin"):
             raise ValueError(f"SimConfig.policy must be 'full' or 'no-margin' (got {self.policy!r})")

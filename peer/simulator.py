@@ -109,9 +109,8 @@ class Simulation:
         mean_state = round(sum(self.state_bytes) / len(self.state_bytes))
         # a repair's expected download: over the device mix, each class at its median link
         self.reaction_s = cfg.snapshot_s / 2 + sum(
-            d.share * switch_time(mean_state, (cfg.hosted_bandwidth_median_mbit if d.hosted and
-                                               cfg.hosted_bandwidth_median_mbit else cfg.bandwidth_median_mbit) * 1e6 / 8,
-                                  cfg.warmup_s) for d in DEVICES) / sum(d.share for d in DEVICES)
+            d.share * switch_time(mean_state, cfg.link_law(d)[0] * 1e6 / 8, cfg.warmup_s)
+            for d in DEVICES) / sum(d.share for d in DEVICES)
         self.reaction_warm_s = cfg.snapshot_s / 2 + cfg.warmup_s
         self.unrepaired: list[float] = []
         self.unrepaired_warm: list[float] = []
@@ -133,9 +132,7 @@ class Simulation:
         dev = rng.choices(DEVICES, weights=[d.share for d in DEVICES])[0]
         speed = dev.tflops * 1e12 * cfg.mfu * math.exp(rng.gauss(0.0, cfg.efficiency_sigma))
         bench = speed * math.exp(rng.gauss(0.0, 0.1))  # a newcomer's own benchmark estimate
-        median, cap = cfg.bandwidth_median_mbit, 1000.0
-        if dev.hosted and cfg.hosted_bandwidth_median_mbit:
-            median, cap = cfg.hosted_bandwidth_median_mbit, 10_000.0
+        median, cap = cfg.link_law(dev)
         bw = min(max(median * math.exp(rng.gauss(0.0, cfg.bandwidth_sigma)), 10.0), cap)
         self.counter += 1
         return _Peer(f"p{self.counter:05d}", speed, bench, int(dev.memory_gb * 1e9 * cfg.memory_usable),
