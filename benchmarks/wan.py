@@ -34,8 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +52,8 @@ from swarmgrad.peer.state import load_checkpoint  # noqa: E402
 
 REFERENCE = HERE.parent / "examples" / "reference.toml"
 SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-2x2")
+PIPELINES = ("swarmgrad-pipe", "swarmgrad-pipe-c")
+"""The systems with one peer per stage (one driver, nothing to average)."""
 COMPRESSED_BOUNDARY = {"activation_codec": "lowrank:rank=32", "gradient_codec": "hadamard:bits=4,stochastic=true"}
 BASELINES = ("ddp", "hm-sync", "hm-local")
 SYSTEMS = SWARMGRAD + BASELINES
@@ -172,7 +173,7 @@ def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
         rounds={"inner_steps": budget.inner_steps, "max_rounds": budget.steps // budget.inner_steps},
         schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
-    if system in ("swarmgrad-pipe", "swarmgrad-pipe-c"):
+    if system in PIPELINES:
         m = m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
         return m.replace(pipeline=COMPRESSED_BOUNDARY) if system == "swarmgrad-pipe-c" else m
     if system == "swarmgrad-2x2":
@@ -237,7 +238,7 @@ class CheckpointWatch:
 def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
     manifest = manifest_for(system, budget, task)
     n_stages = manifest.stages.count
-    replicas = 1 if system in ("swarmgrad-pipe", "swarmgrad-pipe-c") else 2
+    replicas = 1 if system in PIPELINES else 2
     # Peers run until stopped (--max-rounds 0) and the run ends when θ_global holds the budget's
     # samples: a peer that joins late (seconds, on a loaded machine) would otherwise leave the
     # swarm's 10 rounds short of 32,000 samples.
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     netns.remove_stale()
     budget = QUICK if args.quick else Budget()
     if args.manifest or args.inner_steps:
-        budget = dataclasses.replace(budget, reference=(args.manifest or REFERENCE).resolve(),
+        budget = replace(budget, reference=(args.manifest or REFERENCE).resolve(),
                                      inner_steps=args.inner_steps or budget.inner_steps)
     out = Path(args.out) if args.out else None
     torch.set_num_threads(2)
