@@ -126,6 +126,28 @@ def payload(enc) -> int:
     return sum(len(b) for b in enc.buffers)
 
 
+def inner_step(m: Manifest, model, mod: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, position: int) -> None:
+    """One AdamW step as a replica's worker takes it: clip, then the schedule's lr at `position`
+    (samples the whole run has trained)."""
+    loss = model.loss_fn(mod(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if m.inner.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(mod.parameters(), m.inner.grad_clip)
+    for g in opt.param_groups:
+        g["lr"] = m.inner.lr * lr_multiplier(m.schedule, position)
+    opt.step()
+
+
+def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
+    """Val bits/byte of `mod` on the drivers' evaluation set."""
+    mod.eval()
+    with torch.no_grad():
+        losses = [float(model.loss_fn(mod(x), y)) for x, y in val_batches]
+    return bits_per_byte(sum(losses) / len(losses))
+
+
 def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_batches) -> dict:
     torch.manual_seed(m.seed)
     outer = m.outer
@@ -157,16 +179,7 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
             state.copy_to(mod)
             mod.train()
             for step in range(H):
-                x, y = next(streams[r])
-                loss = model.loss_fn(mod(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if inner.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(mod.parameters(), inner.grad_clip)
-                lr = inner.lr * lr_multiplier(m.schedule, samples + replicas * step * batch)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                opt.step()
+                inner_step(m, model, mod, opt, *next(streams[r]), samples + replicas * step * batch)
             deltas.append(state.pseudo_gradient(mod))
         encoded = []
         for r, delta in enumerate(deltas):
@@ -189,13 +202,9 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
             sent += (replicas - 1) * sum(payload(e) for enc in encoded for e in enc.values())
         samples += replicas * H * batch
         state.apply_outer(mean, replicas * H * batch, lr_multiplier(m.schedule, samples) if m.schedule.outer else 1.0)
-    evalmod = modules[0]
-    state.copy_to(evalmod)
-    evalmod.eval()
-    with torch.no_grad():
-        losses = [float(model.loss_fn(evalmod(x), y)) for x, y in val_batches]
+    state.copy_to(modules[0])
     params = sum(t.numel() for t in state.params.values())
-    return {"val": bits_per_byte(sum(losses) / len(losses)), "bytes_per_sample": sent / samples,
+    return {"val": evaluate(model, modules[0], val_batches), "bytes_per_sample": sent / samples,
             "ddp": 8.0 * params / batch, "samples": samples}
 
 
@@ -212,19 +221,9 @@ def run_ddp(m: Manifest, steps: int, replicas: int, train, val_batches) -> dict:
     mod.train()
     for step in range(steps):
         xs, ys = zip(*(next(s) for s in streams))
-        loss = model.loss_fn(mod(torch.cat(xs)), torch.cat(ys))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(mod.parameters(), inner.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = inner.lr * lr_multiplier(m.schedule, step * replicas * batch)
-        opt.step()
-    mod.eval()
-    with torch.no_grad():
-        losses = [float(model.loss_fn(mod(x), y)) for x, y in val_batches]
+        inner_step(m, model, mod, opt, torch.cat(xs), torch.cat(ys), step * replicas * batch)
     ddp = 8.0 * sum(p.numel() for p in mod.parameters()) / batch
-    return {"val": bits_per_byte(sum(losses) / len(losses)), "bytes_per_sample": ddp, "ddp": ddp,
+    return {"val": evaluate(model, mod, val_batches), "bytes_per_sample": ddp, "ddp": ddp,
             "samples": steps * replicas * batch}
 
 
