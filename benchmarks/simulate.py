@@ -1,7 +1,8 @@
 """Placement policy against its ablations: `swarmgrad simulate` at 1000 peers, same seeds, side by side:
-the full policy with warm standbys as the daemon pushes them (BACKUP_COPIES holders, one pusher), the
-same with 8 holders pushed in parallel (a what-if the daemon does not do yet), the full policy with no
-backups (every mover downloads: the policy before warm standbys) and no-margin (any improving move, at once).
+the full policy with warm standbys as the daemon pushes them (BACKUP_COPIES holders, one pusher) and
+no-margin (any improving move, at once), each with links by device class and with home links for
+every peer; the full policy with the daemon's former 30 s checks, with 8 holders pushed in parallel
+(a what-if the daemon does not do yet) and with no backups (every mover downloads).
 
     .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2] [--extra] [--only NAME ...]
 
@@ -20,22 +21,24 @@ from swarmgrad.peer.simulator import simulate
 
 VARIANTS = {
     "full": dict(policy="full"),
+    "no-margin": dict(policy="no-margin"),
+    "full, home links everywhere": dict(policy="full", hosted_bandwidth_median_mbit=0.0),
+    "no-margin, home links everywhere": dict(policy="no-margin", hosted_bandwidth_median_mbit=0.0),
+    "full, checks every 30 s (the daemon's until 2026-12-01)": dict(policy="full", check_s=30.0),
     "full, 8 parallel copies": dict(policy="full", backup_copies=8, parallel_push=True),
     "full, no backups": dict(policy="full", backup_copies=0),
-    "no-margin": dict(policy="no-margin"),
-    "full, data-centre cards on 1 Gbit/s": dict(policy="full", hosted_bandwidth_median_mbit=1000.0),
-    "no-margin, data-centre cards on 1 Gbit/s": dict(policy="no-margin", hosted_bandwidth_median_mbit=1000.0),
 }
+"""Links by device class unless named: data-centre cards around 1 Gbit/s, home cards around
+100 Mbit/s (``SimConfig.hosted_bandwidth_median_mbit``); checks every 15 s (the daemon's
+``timeouts.rebalance_check``)."""
 EXTRA = {
-    "no-margin, checks every 15 s": dict(policy="no-margin", check_s=15.0),
     "full, checks every 120 s (the simulator's default until 2026-12-01)": dict(policy="full", check_s=120.0),
     "full, holders kept fresh (what-if)": dict(policy="full", holders_listen=True),
     "full, 8 holders kept fresh (what-if)": dict(policy="full", backup_copies=8, parallel_push=True,
                                                  holders_listen=True),
 }
-"""Opt-in (``--extra``): the rebalancer at its most eager, every peer checking at every snapshot
-refresh; it balances the assignment on paper far better, which tells what balance is worth. And
-backup holders that stay fresh all round (``SimConfig.holders_listen``, not in the daemon)."""
+"""Opt-in (``--extra``): the simulator's former check interval, and backup holders that stay fresh
+all round (``SimConfig.holders_listen``, not in the daemon)."""
 
 
 def row(name: str, results: list[SimResult], seconds: float) -> str:

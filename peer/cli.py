@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no-margin: move on any improvement, at once (the ablation)")
     m.add_argument("--link-mbit", type=float, default=100.0,
                    help="median link of a peer, Mbit/s (log-normal; state downloads and backups)")
-    m.add_argument("--hosted-link-mbit", type=float, default=0.0,
+    m.add_argument("--hosted-link-mbit", type=float, default=1000.0,
                    help="median link of the data-centre GPUs (T4, V100, A10, A100, H100); 0: as --link-mbit")
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")

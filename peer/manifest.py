@@ -181,8 +181,10 @@ class TimeoutsConfig:
     """First ban of a failed peer; doubles per consecutive failure up to ban_max."""
     ban_max: float = 60.0
     shutdown: float = 10.0
-    rebalance_check: float = 30.0
-    """Mean interval between a replica's rebalancing checks (jittered ±50 %)."""
+    rebalance_check: float = 15.0
+    """Mean interval between a replica's rebalancing checks (jittered ±50 %). A check reads the
+    stage records (one DHT get per stage); a departure costs throughput until it is repaired, and
+    the simulator's 1000-peer swarm served 0.973 of the optimum with 15 s against 0.970 with 30 s."""
     move: float = 300.0
     """How long a moving peer waits for its old stage's last round before it leaves anyway."""
     commit: float = 5.0

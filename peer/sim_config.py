@@ -55,9 +55,9 @@ class SimConfig:
     """"full" (``SIM_POLICY``) or "no-margin" (``NO_MARGIN``)."""
     q: float | None = None
     """Override the full policy's margin, small and large swarms alike (None: ``SIM_POLICY``)."""
-    check_s: float = 30.0
+    check_s: float = 15.0
     """Mean seconds between a peer's placement checks (jittered by ``check_interval``): the
-    daemon's ``timeouts.rebalance_check``. (120 s until 2026-12-01, four times the daemon's.)"""
+    daemon's ``timeouts.rebalance_check``. (120 s until 2026-12-01, then 30 s with the daemon's.)"""
     confirm_s: float = 30.0
     """Mean seconds to the confirming check after a first decision (two snapshot refreshes)."""
     snapshot_s: float = 15.0
@@ -73,10 +73,11 @@ class SimConfig:
     bandwidth_median_mbit: float = 100.0
     """Median of a peer's link (log-normal, clamped to 10–1000 Mbit/s): home broadband."""
     bandwidth_sigma: float = 0.8
-    hosted_bandwidth_median_mbit: float = 0.0
+    hosted_bandwidth_median_mbit: float = 1000.0
     """Median link of the data-centre cards (``Device.hosted``: T4, V100, A10, A100, H100; 43 % of
-    the swarm), clamped to 10–10,000 Mbit/s; 0: the same law as every peer. Cloud instances with
-    these GPUs have 1–100+ Gbit/s NICs; 1000 is a conservative setting for that."""
+    the swarm), clamped to 10–10,000 Mbit/s; 0: the home law for every peer (the default until
+    2026-12-01). Cloud instances with these GPUs have 1–100+ Gbit/s NICs; a 1 Gbit/s median is
+    a conservative setting for that, and a rented card is not behind a home uplink."""
     warmup_s: float = 30.0
     mfu: float = 0.35
     efficiency_sigma: float = 0.15

@@ -33,8 +33,9 @@ PINNED = {
 # Manifest.hash of PINNED. Every peer of a run compares this value, so a change to the hashing
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
-# and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added
-PINNED_HASH = "672ea6f53f36bc79305bc01a344cb59b"
+# and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
+# and timeouts.rebalance_check's default went from 30 s to 15 s
+PINNED_HASH = "bb29990ddbd014d2ca82b1a1217120ff"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -98,7 +98,8 @@ def test_hosted_cards_draw_their_links_from_their_own_law_and_nothing_else_chang
     from swarmgrad.peer.simulator import Simulation
     from swarmgrad.peer.stage_cost import stage_costs
     costs = stage_costs(sim_manifest())
-    home, mixed = Simulation(small(), costs), Simulation(small(hosted_bandwidth_median_mbit=5000.0), costs)
+    home, mixed = (Simulation(small(hosted_bandwidth_median_mbit=0.0), costs),
+                   Simulation(small(hosted_bandwidth_median_mbit=5000.0), costs))
     a = [home._new_peer() for _ in range(400)]
     b = [mixed._new_peer() for _ in range(400)]
     assert [(p.speed, p.memory) for p in a] == [(p.speed, p.memory) for p in b]  # same devices, same draws
