@@ -47,20 +47,30 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=15.0, help="seconds between two looks at the swarm")
     parser.add_argument("--settle", type=float, default=90.0, help="seconds left out of the average")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--rate-clock", choices=("cpu", "wall"), default="cpu",
+                        help="what peers measure their rate in (--rate-clock; cpu: their own CPU time, wall: "
+                             "elapsed time, which counts the neighbours' share of the 2 cores)")
     args = parser.parse_args()
     m = small_manifest(model={"d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 32}, stages={"count": 3},
                        timeouts={"rebalance_check": 3.0}, rounds={"max_rounds": 0})
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="swarmgrad-rebalance-"))
+    with tempfile.TemporaryDirectory(prefix="swarmgrad-rebalance-") as tmp:
+        # the peers' logs and events are kept only where --workdir says
+        return run(args, m, Path(args.workdir or tmp))
+
+
+def run(args: argparse.Namespace, m, workdir: Path) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "manifest.toml"
     path.write_text(dumps(m))
     rows = []
     with LocalSwarm(path, workdir / "swarm") as swarm:
         started = time.monotonic()
-        swarm.start_first(0, "--rebalance", "on", "--slowdown", str(SLOWDOWNS[0]))
+        flags = ("--rebalance", "on", "--rate-clock", args.rate_clock)
+        swarm.start_first(0, *flags, "--slowdown", str(SLOWDOWNS[0]))
         for f in SLOWDOWNS[1:]:
-            swarm.start(0, "--rebalance", "on", "--slowdown", str(f))
-        print(f"{'t (s)':>6} {'per stage':>10} {'throughput':>11} {'reachable':>10} {'ratio':>6} {'moves':>6}")
+            swarm.start(0, *flags, "--slowdown", str(f))
+        print(f"{'t (s)':>6} {'per stage':>10} {'throughput':>11} {'reachable':>10} {'ratio':>6} {'moves':>6}  "
+              f"announced rates by stage")
         while time.monotonic() - started < args.minutes * 60:
             time.sleep(args.every)
             try:
@@ -74,8 +84,10 @@ def main() -> int:
             ratio = view["throughput"] / view["reachable"] if view["reachable"] else 0.0
             rows.append((t, ratio, moves))
             per_stage = "/".join(str(counts[s]) for s in range(m.stages.count))
+            rates = " | ".join(" ".join(f"{r['throughput']:.0f}" for r in view["stages"].get(str(s), [])
+                                        if r["state"] == "online") for s in range(m.stages.count))
             print(f"{t:6.0f} {per_stage:>10} {view['throughput']:11.1f} {view['reachable']:10.1f} {ratio:6.3f} "
-                  f"{moves:6d}", flush=True)
+                  f"{moves:6d}  {rates}", flush=True)
         elapsed_h = (time.monotonic() - started) / 3600
         moves = sum(len(p.events("moved")) for p in swarm.peers)
     settled = [r for t, r, _ in rows if t >= args.settle]

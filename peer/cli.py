@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=slowdown_arg, default=1.0, metavar="F",
                    help="TESTING AID: make this peer's compute F times slower (a sleep of (F-1) x each measured "
                         "forward/backward), to emulate unequal devices on one machine")
+    p.add_argument("--rate-clock", choices=("wall", "cpu"), default="wall",
+                   help="TESTING AID: cpu measures the announced rate in the compute thread's CPU time, so that "
+                        "peers sharing one machine's cores (tests, benchmarks) measure themselves, not their "
+                        "neighbours (needs OMP_NUM_THREADS=1, as LocalSwarm sets)")
     p.add_argument("--byzantine", choices=("scale", "random"), default=None,
                    help="TESTING AID: send hostile pseudo-gradients (scale: 100 x the honest one; random: noise "
                         "of 10 x its RMS), to measure robust averaging (benchmarks/byzantine.py)")

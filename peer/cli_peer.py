@@ -122,6 +122,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     options = PeerOptions(stage=stage, device=args.device,
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
+                          rate_clock=args.rate_clock,
                           byzantine=args.byzantine,
                           max_memory=parse_bytes(args.max_memory) if args.max_memory else None,
                           rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host,

@@ -59,6 +59,9 @@ class PeerOptions:
     """After its last round, a non-driver keeps serving (drivers evaluate) until no driver is
     online or this many seconds passed."""
     slowdown: float = 1.0
+    rate_clock: str = "wall"
+    """Testing aid: "cpu" measures the announced rate in the compute thread's CPU time (see
+    worker.RATE_CLOCKS), for several peers sharing one machine's cores."""
     byzantine: str | None = None
     """TESTING AID: send corrupted pseudo-gradients ("scale" or "random"; benchmarks/byzantine.py)."""
     """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
@@ -168,7 +171,7 @@ class Peer:
                           traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
-                          slowdown=self.opt.slowdown, memory=memory, max_message_bytes=self.max_message_bytes,
+                          slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory, max_message_bytes=self.max_message_bytes,
                           backup_rpc=backup_rpc, backup_store=self._backup_store,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,

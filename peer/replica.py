@@ -67,6 +67,7 @@ class PeerContext:
     max_rounds: int
     linger: float
     slowdown: float
+    rate_clock: str
     memory: int
     max_message_bytes: int
     backup_rpc: FramedRPC
@@ -126,7 +127,8 @@ class Replica:
         module = ctx.model.build_stage(stage)
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
-                                           slowdown=ctx.slowdown, commit_timeout=t.commit)
+                                           slowdown=ctx.slowdown, rate_clock=ctx.rate_clock,
+                                           commit_timeout=t.commit)
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         # a request must arrive whole within a microbatch's deadline; each remote peer may hold a

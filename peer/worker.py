@@ -37,6 +37,12 @@ from swarmgrad.peer.schedule import TrainingProgress
 
 logger = logging.getLogger(__name__)
 
+RATE_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""The seconds an announced rate divides by. "wall": elapsed time of each compute call, what the
+swarm gets from this peer. "cpu" (testing aid, --rate-clock cpu): the compute thread's CPU time, so
+that peers sharing one machine's cores, each with one torch thread, measure themselves rather than
+their neighbours' share of the cores (the 6-peer rebalancing test and benchmark on 2 cores)."""
+
 
 class NotReady(Exception):
     """The replica is between rounds (or leaving) and takes no new microbatches now."""
@@ -61,7 +67,8 @@ class _Held:
 class StageWorker:
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0):
+                 clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0,
+                 rate_clock: str = "wall"):
         self.module = module.to(device)
         self.device = device
         self.loss_fn = loss_fn
@@ -93,6 +100,8 @@ class StageWorker:
         self.slowdown = slowdown
         """Testing aid (--slowdown F): each compute call sleeps (F−1)× its measured time, on the
         compute thread, so the replica really is F times slower and measures itself so."""
+        self.rate_clock = RATE_CLOCKS[rate_clock]
+        """What the announced rate's seconds are (testing aid --rate-clock)."""
         self._compute_s = 0.0
         self._samples_since_rate = 0
         self.compute_total = 0.0
@@ -120,13 +129,13 @@ class StageWorker:
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run compute on this thread, measure it, and stretch it by the slowdown (testing aid)."""
-        started = time.perf_counter()
+        started, rate_started = time.perf_counter(), self.rate_clock()
         out = fn(*args)
-        spent = time.perf_counter() - started
+        spent, measured = time.perf_counter() - started, self.rate_clock() - rate_started
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * spent)
-            spent *= self.slowdown
-        self._compute_s += spent
+            spent, measured = spent * self.slowdown, measured * self.slowdown
+        self._compute_s += measured
         self.compute_total += spent
         return out
 

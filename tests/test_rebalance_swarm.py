@@ -41,9 +41,10 @@ def test_six_unequal_peers_reach_a_good_placement_and_stop_moving(local_swarm) -
     m = small_manifest(model={"d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 32}, stages={"count": 3},
                        timeouts={"rebalance_check": 3.0})
     swarm: LocalSwarm = local_swarm(m)
-    swarm.start_first(0, "--rebalance", "on", "--slowdown", str(SPEEDS[0]))
+    flags = ("--rebalance", "on", "--rate-clock", "cpu")  # six peers on 2 cores: each measures itself
+    swarm.start_first(0, *flags, "--slowdown", str(SPEEDS[0]))
     for f in SPEEDS[1:]:
-        swarm.start(0, "--rebalance", "on", "--slowdown", str(f))
+        swarm.start(0, *flags, "--slowdown", str(f))
     time.sleep(SETTLE_S)
     status = status_json(swarm)
     moves = [e for p in swarm.peers for e in p.events("moved")]

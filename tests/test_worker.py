@@ -3,6 +3,7 @@ non-finite steps, and the schedule's lr (no network, no processes)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -16,13 +17,14 @@ from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_worker(h: int = 0, schedule: ScheduleConfig = ScheduleConfig(), loss: bool = False) -> StageWorker:
+def make_worker(h: int = 0, schedule: ScheduleConfig = ScheduleConfig(), loss: bool = False,
+                **kw) -> StageWorker:
     torch.manual_seed(0)
     clock = RoundClock(RoundsConfig(inner_steps=h, round_seconds=0.0 if h else 10.0), counts_steps=True,
                        max_rounds=0, epoch=None)
     loss_fn = (lambda y, t: nn.functional.mse_loss(y, t)) if loss else None
     return StageWorker(nn.Linear(4, 4), InnerOptConfig(lr=0.1, microbatches_per_step=2), torch.device("cpu"),
-                       loss_fn, clock, TrainingProgress(schedule))
+                       loss_fn, clock, TrainingProgress(schedule), **kw)
 
 
 def test_cancelled_handlers_leave_no_phantom_in_flight() -> None:
@@ -119,3 +121,21 @@ def test_inner_lr_follows_the_swarm_position() -> None:
         assert w.optimizer.param_groups[0]["lr"] == pytest.approx(w.lr)
         w.close()
     asyncio.run(main())
+
+
+def test_rate_clock_cpu_leaves_out_time_the_thread_did_not_run_and_slowdown_scales_both() -> None:
+    def compute() -> None:
+        time.sleep(0.05)  # descheduled: what a neighbour on a shared core takes
+        end = time.thread_time() + 0.01
+        while time.thread_time() < end:  # ~10 ms of our own CPU
+            pass
+
+    wall, cpu = make_worker(slowdown=3.0), make_worker(slowdown=3.0, rate_clock="cpu")
+    for w in (wall, cpu):
+        w._timed(compute)
+        w.close()
+    assert wall._compute_s >= 3 * 0.06 and wall.compute_total == pytest.approx(wall._compute_s, rel=1e-3)
+    assert 3 * 0.01 <= cpu._compute_s < 3 * 0.03  # the sleep is not the peer's compute
+    assert cpu.compute_total >= 3 * 0.06  # utilisation stays in elapsed time
+    with pytest.raises(KeyError):
+        make_worker(rate_clock="gpu")
