@@ -90,6 +90,10 @@ VARIANTS = {v.name: v for v in [
     Variant("ctk128b1+ef/gather", "chunktopk:chunk=128,k=128,bits=1", exchange="gather"),
     Variant("ctk128b1+ef/reduce-ef", "chunktopk:chunk=128,k=128,bits=1", exchange="reduce-ef"),
     Variant("fp32/sgd1", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0),
+    # the outer step of plain averaging, stretched: does the data-parallel gap to DDP shrink?
+    Variant("fp32/sgd1.4", "fp32", error_feedback=False, outer_lr=1.4, outer_momentum=0.0),
+    Variant("fp32/nag1/m0.5", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5),
+    Variant("int8+ef/sgd1", "int8", outer_lr=1.0, outer_momentum=0.0),
     Variant("ctk4096b1+ef/reduce-ef:ctk2048b1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef",
             mean_codec="chunktopk:chunk=4096,k=2048,bits=1"),
     Variant("ctk2048b1+ef/reduce-ef", "chunktopk:chunk=4096,k=2048,bits=1", exchange="reduce-ef"),
