@@ -78,7 +78,7 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
     m = small_manifest(stages={"count": 1})
     swarm: LocalSwarm = local_swarm(m)
     first = swarm.start_first(0, timeout=120)
-    peers = [first, swarm.start(0), swarm.start(0)]
+    peers = [first, swarm.start(0), swarm.start(0), swarm.start(0)]
     for p in peers:
         swarm.wait_for(p, lambda e: e["event"] == "online", 120, "online")
     trees = {p.name: _tree(p.proc.pid) for p in peers}
@@ -86,7 +86,7 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
         dht_side = _dht_side(trees[p.name])
         assert sorted(q.name() for q in dht_side) == ["p2pd", "python"], trees[p.name]
         assert all(os.getpgid(q.pid) != p.proc.pid for q in dht_side), "DHT process or p2pd in the peer's group"
-    witness = peers[2].events("started")[0]["maddrs"]
+    witness = peers[3].events("started")[0]["maddrs"]
 
     def stop(peer: PeerProcess, sig: int, records: Callable[[], dict[str, str]]) -> None:
         os.killpg(peer.proc.pid, sig)  # the whole group, as a terminal or supervisor does
@@ -103,10 +103,11 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
     with _reader(witness, m) as records:
         stop(peers[0], signal.SIGINT, records)   # Ctrl-C
         stop(peers[1], signal.SIGTERM, records)  # kill -TERM -PGID, a supervisor
+        stop(peers[2], signal.SIGHUP, records)   # its terminal closed
 
-    os.killpg(peers[2].proc.pid, signal.SIGKILL)  # a group SIGKILL (the tests' own teardown)
-    assert peers[2].proc.wait(20) == -signal.SIGKILL
-    assert not _running(trees[peers[2].name], 15), "a group SIGKILL left processes running"
+    os.killpg(peers[3].proc.pid, signal.SIGKILL)  # a group SIGKILL (the tests' own teardown)
+    assert peers[3].proc.wait(20) == -signal.SIGKILL
+    assert not _running(trees[peers[3].name], 15), "a group SIGKILL left processes running"
 
 
 _HOLDER = textwrap.dedent("""
