@@ -59,12 +59,12 @@ class PeerOptions:
     """After its last round, a non-driver keeps serving (drivers evaluate) until no driver is
     online or this many seconds passed."""
     slowdown: float = 1.0
+    """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
     rate_clock: str = "wall"
     """Testing aid: "cpu" measures the announced rate in the compute thread's CPU time (see
     worker.RATE_CLOCKS), for several peers sharing one machine's cores."""
     byzantine: str | None = None
     """TESTING AID: send corrupted pseudo-gradients ("scale" or "random"; benchmarks/byzantine.py)."""
-    """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
     max_memory: int | None = None
     """Bytes this peer offers for a stage; None: what the device has."""
     metrics_port: int | None = None
@@ -171,7 +171,8 @@ class Peer:
                           traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
-                          slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory, max_message_bytes=self.max_message_bytes,
+                          slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory,
+                          max_message_bytes=self.max_message_bytes,
                           backup_rpc=backup_rpc, backup_store=self._backup_store,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
