@@ -16,7 +16,7 @@ and then either
 
 θ_global takes the outer step of `peer.state.StageState`. Bytes are the codec payloads each
 member would send in that exchange (reduce: its contribution's parts to the other reducers and
-its part of the mean to the other members, by `peer.averaging.partition`; gather: its whole
+its part of the mean to the other members, by `peer.averaging_group.partition`; gather: its whole
 contribution to each other member), without framing, so they compare variants with each other;
 benchmarks/round_codecs.py measures the real swarm's bytes.
 
@@ -36,7 +36,7 @@ import torch
 
 from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec, reduce_codec
 from swarmgrad.peer.aggregate import reduce_part
-from swarmgrad.peer.averaging import partition
+from swarmgrad.peer.averaging_group import partition
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
 from swarmgrad.peer.manifest import Manifest, load
 from swarmgrad.peer.model import from_manifest

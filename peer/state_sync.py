@@ -18,7 +18,8 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
 from swarmgrad.peer import policy
-from swarmgrad.peer.averaging import RoundResult, group_hash
+from swarmgrad.peer.averaging import RoundResult
+from swarmgrad.peer.averaging_group import group_hash
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within
 from swarmgrad.peer.events import EventLog

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from swarmgrad.peer.aggregate import weighted_mean
-from swarmgrad.peer.averaging import Averager, RoundResult, group_hash
+from swarmgrad.peer.averaging import Averager, RoundResult
+from swarmgrad.peer.averaging_group import group_hash
 from swarmgrad.peer.outcome import FAILED
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest

@@ -343,7 +343,8 @@ def test_averager_reducer_sends_the_union() -> None:
     mean over the union of supports (no network: only the reducer's slot is used)."""
     from conftest import small_manifest
 
-    from swarmgrad.peer.averaging import Averager, Group, _Slot
+    from swarmgrad.peer.averaging import Averager, _Slot
+    from swarmgrad.peer.averaging_group import Group
     from swarmgrad.protocol.validation import encoded_from_proto
 
     spec = "chunktopk:chunk=512,k=8,bits=2"

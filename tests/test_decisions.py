@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swarmgrad.peer.aggregate import weighted_mean
-from swarmgrad.peer.averaging import Group, choose_group, partition
+from swarmgrad.peer.averaging_group import Group, choose_group, partition
 from swarmgrad.peer.routing import BanList, Candidate, DeadlineEstimator, RateMeter, choose_replica
 from swarmgrad.peer.swarm import JOINING, PeerRecord
 

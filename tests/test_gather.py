@@ -11,7 +11,7 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.peer.aggregate import reduce_part, weighted_mean
-from swarmgrad.peer.averaging import partition
+from swarmgrad.peer.averaging_group import partition
 from swarmgrad.peer.gather import gather_answer, gathers
 from swarmgrad.peer.manifest import ManifestError
 from swarmgrad.protocol import wire_pb2 as pb

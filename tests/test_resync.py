@@ -6,7 +6,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from swarmgrad.peer.averaging import RoundResult, group_hash
+from swarmgrad.peer.averaging import RoundResult
+from swarmgrad.peer.averaging_group import group_hash
 from swarmgrad.peer.outcome import vote
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.state_sync import StateSync
