@@ -1,7 +1,7 @@
 """Chaos soak: 6 peers on 2 stages, one SIGKILLed every few seconds and replaced at once.
 
     python benchmarks/chaos.py [--minutes M] [--kill-every S] [--manifest PATH] [--workdir DIR]
-                               [--seed N] [--verbose-peers] [--quick]
+                               [--seed N] [--verbose-peers] [--quick] [--link loopback|unshaped|20mbit]
 
 Not a CI test (the "Chaos soak" item of the hostile-peers issue). Six peers on 127.0.0.1, three
 replicas of each of 2 fixed stages (`--stage N`, so no rebalancing moves; the three stage-0
@@ -10,7 +10,11 @@ rounds) unless `--manifest` says otherwise. Once every peer is online and each s
 round, every `--kill-every` seconds for `--minutes` a random live peer's whole process group
 (peer, DHT child, p2pd) is SIGKILLed and a replacement starts on the same stage at once, joining
 through a live peer (the swarm's first peer is killed too, so the address new peers join through is
-refreshed from live peers' `started` events before every start). A peer is only killed if its stage keeps another
+refreshed from live peers' `started` events before every start). `--link 20mbit` (root: network
+namespaces, benchmarks/netns.py) puts each peer in a namespace slot of its own on a bridge, with
+`tbf rate 20mbit` on every slot's egress (`unshaped`: the namespaces without tbf); a replacement
+takes its victim's slot: slow links are where a round's DHT read can finish as the round fails,
+which loopback rarely shows. A peer is only killed if its stage keeps another
 online replica, so no stage, and not every driver, is ever gone at once. A peer that exits by itself
 (a crash) is reported with its log tail and replaced the same way. At the end, once the last
 replacements are online (at most `--join-limit` s: a peer signalled while it still imports dies of
@@ -41,6 +45,7 @@ The report (one markdown table, then one JSON line) is computed from the peers' 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -55,6 +60,7 @@ from typing import Any, Sequence
 
 import psutil
 
+import netns
 from _common import fmt, markdown_table
 from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, small_manifest
 from swarmgrad.peer.manifest import Manifest, dumps, load
@@ -63,6 +69,8 @@ STAGES = 2
 REPLICAS = 3
 STALL_ROUNDS = 3  # a live peer without a round event for this many round durations hangs
 SHUTDOWN_S = 20.0
+LINKS = {"loopback": None, "unshaped": None, "20mbit": "20mbit"}
+"""--link: loopback (every peer on 127.0.0.1) or one namespace per slot, shaped by tbf or not."""
 
 
 def chaos_manifest() -> Manifest:
@@ -126,10 +134,17 @@ class Soak:
     deferred: int = 0
     chaos_t0: float = 0.0  # unix time the chaos phase began
 
-    def start(self, stage: int) -> PeerProcess:
+    slots: dict[str, int] = field(default_factory=dict)
+    """Each peer's namespace slot (--link unshaped/20mbit); a replacement takes its victim's."""
+
+    def start(self, stage: int, slot: int | None = None) -> PeerProcess:
         self._refresh_initial_peers()
+        if isinstance(self.swarm, SlotSwarm):
+            self.swarm.next_slot = len(self.slots) if slot is None else slot
         peer = self.swarm.start(stage)
         self.spawned[peer.name] = time.time()
+        if isinstance(self.swarm, SlotSwarm):
+            self.slots[peer.name] = self.swarm.next_slot
         return peer
 
     def live(self) -> list[PeerProcess]:
@@ -157,7 +172,7 @@ class Soak:
         victim = next(p for p in live if p.name == name)
         victim.kill_group(signal.SIGKILL)
         self.ended[victim.name] = time.time()
-        new = self.start(victim.stage)
+        new = self.start(victim.stage, self.slots.get(victim.name))
         self.kills.append((self.ended[victim.name], victim.name, victim.stage, new.name))
         print(f"  t={time.time() - t0:6.1f}s kill {victim.name} (stage {victim.stage}) -> {new.name}", flush=True)
         return True
@@ -169,7 +184,7 @@ class Soak:
                 self.ended[p.name] = time.time()
                 self.incidents.append(Incident("crash", p.name, p.stage, time.time(),
                                                f"exited by itself with code {p.proc.returncode}", p.log_tail(30)))
-                new = self.start(p.stage)
+                new = self.start(p.stage, self.slots.get(p.name))
                 print(f"  CRASH {p.name} (stage {p.stage}, code {p.proc.returncode}) -> {new.name}", flush=True)
 
     def stop_all(self) -> dict[str, tuple[int | None, float]]:
@@ -211,6 +226,26 @@ class Soak:
                                                f"no round event for {gap:.1f}s from t={start:.1f} "
                                                f"({'until it ended' if start + gap >= end - 1e-6 else 'recovered'})",
                                                _log_window(p, start, start + gap), round(gap, 1)))
+
+
+class SlotSwarm(netns.NetnsSwarm):
+    """A swarm in namespace slots: the peer started next runs in slot `next_slot` (the soak picks
+    a free one: its victim's), listening on that slot's address, with a data seed of its own."""
+
+    def __init__(self, manifest: Path, workdir: Path, endpoints: list[netns.Endpoint], env: dict[str, str],
+                 verbose: bool):
+        super().__init__(manifest, workdir, endpoints)
+        self.env, self.verbose = env, verbose
+        self.next_slot = 0
+        self._slot_of: dict[int, int] = {}
+
+    def command_prefix(self, index: int) -> list[str]:
+        self._slot_of[index] = self.next_slot
+        return self.endpoints[self.next_slot].exec_prefix()
+
+    def peer_args(self, index: int, name: str) -> list[str]:
+        address = self.endpoints[self._slot_of[index]].address
+        return ["--host-maddrs", f"/ip4/{address}/tcp/0", "--data-seed", str(index)]
 
 
 def _log_window(peer: PeerProcess, start: float, end: float, max_lines: int = 14) -> str:
@@ -379,33 +414,49 @@ def run(args: argparse.Namespace, m: Manifest, workdir: Path) -> dict[str, Any]:
     path.write_text(dumps(m))
     started = time.monotonic()
     env = {"HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")}
-    with LocalSwarm(path, workdir, env=env, verbose=args.verbose_peers) as swarm:
-        soak = Soak(swarm, m, random.Random(args.seed), args.join_limit)
-        first = swarm.start_first(0, timeout=180)
-        soak.spawned[first.name] = time.time()
-        for i in range(1, STAGES * REPLICAS):
-            soak.start(i % STAGES)
-        _wait_ready(soak, 300)
-        t0 = soak.chaos_t0 = time.time()
-        print(f"swarm ready after {time.monotonic() - started:.0f}s; chaos for {args.minutes:g} min, "
-              f"a kill every {args.kill_every:g}s (logs: {workdir})", flush=True)
-        next_kill, next_note = t0 + args.kill_every, t0 + 30
-        while time.time() < t0 + args.minutes * 60:
-            soak.reap_crashes()
-            if time.time() >= next_kill:
-                next_kill += args.kill_every if soak.kill_one(t0) else 1.0
-            if time.time() >= next_note:
-                _progress(soak, t0)
-                next_note += 30
-            time.sleep(0.25)
-        chaos_s = time.time() - t0
-        soak.reap_crashes()
-        _wait_online(soak, args.join_limit)
-        shutdown = soak.stop_all()
-        soak.judge_stalls()
+    with contextlib.ExitStack() as stack:
+        if args.link == "loopback":
+            swarm: LocalSwarm = LocalSwarm(path, workdir, env=env, verbose=args.verbose_peers)
+        else:  # the swarm exits (its peers killed) before the namespaces go
+            net = stack.enter_context(netns.WanNet("chaos", STAGES * REPLICAS, LINKS[args.link], subnet=60))
+            swarm = SlotSwarm(path, workdir, net.endpoints, env, args.verbose_peers)
+        stack.enter_context(swarm)
+        soak, chaos_s, shutdown = _soak(args, m, swarm, workdir, started)
     pgids = [p.proc.pid for p in swarm.peers]
     return summarize(soak, time.monotonic() - started, chaos_s, shutdown, leftover_processes(pgids)) | \
         {"incidents": [asdict(i) for i in soak.incidents]}
+
+
+def _soak(args: argparse.Namespace, m: Manifest, swarm: LocalSwarm, workdir: Path,
+          started: float) -> tuple[Soak, float, dict[str, tuple[int | None, float]]]:
+    """Start the swarm, kill and replace peers for --minutes, stop every peer: (soak, chaos seconds,
+    each peer's exit after SIGTERM)."""
+    soak = Soak(swarm, m, random.Random(args.seed), args.join_limit)
+    first = swarm.start_first(0, timeout=180)
+    soak.spawned[first.name] = time.time()
+    if isinstance(swarm, SlotSwarm):
+        soak.slots[first.name] = 0
+    for i in range(1, STAGES * REPLICAS):
+        soak.start(i % STAGES)
+    _wait_ready(soak, 300)
+    t0 = soak.chaos_t0 = time.time()
+    print(f"swarm ready after {time.monotonic() - started:.0f}s; chaos for {args.minutes:g} min, "
+          f"a kill every {args.kill_every:g}s, link {args.link} (logs: {workdir})", flush=True)
+    next_kill, next_note = t0 + args.kill_every, t0 + 30
+    while time.time() < t0 + args.minutes * 60:
+        soak.reap_crashes()
+        if time.time() >= next_kill:
+            next_kill += args.kill_every if soak.kill_one(t0) else 1.0
+        if time.time() >= next_note:
+            _progress(soak, t0)
+            next_note += 30
+        time.sleep(0.25)
+    chaos_s = time.time() - t0
+    soak.reap_crashes()
+    _wait_online(soak, args.join_limit)
+    shutdown = soak.stop_all()
+    soak.judge_stalls()
+    return soak, chaos_s, shutdown
 
 
 def _raise_on_term(signum: int, _frame: Any) -> None:
@@ -423,6 +474,8 @@ def main() -> None:
                     help="a peer not online this many seconds after it started counts as a hang")
     ap.add_argument("--verbose-peers", action="store_true", help="peers log at DEBUG (swarmgrad -v)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 minutes, a kill every 20 s")
+    ap.add_argument("--link", choices=tuple(LINKS), default="loopback",
+                    help="loopback, or one network namespace per peer slot: unshaped, or tbf 20mbit (root)")
     args = ap.parse_args()
     if args.minutes is None:
         args.minutes = 2.0 if args.quick else 10.0
@@ -431,6 +484,12 @@ def main() -> None:
     m = load(args.manifest) if args.manifest else chaos_manifest()
     if m.stages.count != STAGES or m.rounds.round_seconds <= 0:
         ap.error(f"the manifest needs stages.count = {STAGES} and rounds.round_seconds > 0 (stalls are counted in rounds)")
+    if args.link != "loopback":
+        why = netns.why_unavailable()
+        if why:
+            print(f"SKIP: --link {args.link} needs network namespaces: {why}")
+            sys.exit(0)
+        netns.remove_stale()
     workdir = args.workdir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_on_term)
