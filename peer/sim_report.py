@@ -3,52 +3,34 @@ one-line summary and ``swarmgrad simulate``'s entry point."""
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from typing import Sequence
 
+from swarmgrad.peer.png import Canvas
 from swarmgrad.peer.sim_config import SimConfig, SimResult
 from swarmgrad.peer.simulator import simulate
 
 
 def write_png(path: str, series: Sequence[tuple[float, float, float]], width: int = 900, height: int = 320) -> None:
-    """Throughput (blue) and optimum (grey) over time as a PNG; stdlib only (zlib), no axes text."""
+    """Throughput (blue) and optimum (grey) over time as a PNG; stdlib only, no axes text."""
     pad = 10
-    img = bytearray(b"\xff" * (width * height * 3))
-
-    def dot(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            img[i:i + 3] = bytes(rgb)
-
-    def line(x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(steps + 1):
-            dot(round(x0 + (x1 - x0) * k / steps), round(y0 + (y1 - y0) * k / steps), rgb)
-
+    cv = Canvas(width, height)
     t_end = max((t for t, _, _ in series), default=1.0) or 1.0
     top = max((max(a, b) for _, a, b in series), default=1.0) * 1.05 or 1.0
 
     def xy(t: float, v: float) -> tuple[int, int]:
         return (pad + round((width - 2 * pad) * t / t_end), height - pad - round((height - 2 * pad) * v / top))
 
-    line(pad, height - pad, width - pad, height - pad, (0, 0, 0))
-    line(pad, pad, pad, height - pad, (0, 0, 0))
+    cv.line(pad, height - pad, width - pad, height - pad, (0, 0, 0))
+    cv.line(pad, pad, pad, height - pad, (0, 0, 0))
     for frac in (0.25, 0.5, 0.75, 1.0):  # light grid at quarters of the top value
         _, y = xy(0, top / 1.05 * frac)
-        line(pad + 1, y, width - pad, y, (225, 225, 225))
+        cv.line(pad + 1, y, width - pad, y, (225, 225, 225))
     for col, rgb in ((2, (150, 150, 150)), (1, (30, 90, 200))):
         pts = [xy(s[0], s[col]) for s in series]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            line(x0, y0, x1, y1, rgb)
-    raw = b"".join(b"\x00" + bytes(img[y * width * 3:(y + 1) * width * 3]) for y in range(height))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
+            cv.line(x0, y0, x1, y1, rgb)
     with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+        f.write(cv.png())
 
 
 def format_line(r: SimResult) -> str:
