@@ -37,8 +37,12 @@ def test_empty_stage_is_restored_from_a_backup(local_swarm) -> None:
     assert restored["event"] == "state_restored", f"stage 1 was not restored from a backup: {restored}"
     assert restored["applied_rounds"] >= trained - 1, (restored, trained)  # at most the push of one round lost
     assert restored["source"] != victim.name
-    # the stage trains on, and the swarm's validation loss does not jump back to an untrained model's
-    swarm.wait_for(refill, lambda e: len(complete_rounds(refill, 1)) >= 2, 90, "rounds after the restore")
+    # the stage trains on, and the swarm's validation loss does not jump back to an untrained model's.
+    # Three rounds, not two: once, on a loaded machine, the evaluation after two rounds was +0.62
+    # bits/byte above the last one before the kill (the refill starts with fresh AdamW moments: a
+    # backup is θ_global and the outer momentum, and Adam's first steps move every weight by
+    # about the lr), so the check waits a round longer before it compares.
+    swarm.wait_for(refill, lambda e: len(complete_rounds(refill, 1)) >= 3, 90, "rounds after the restore")
     after = [e for e in driver.events("eval") if e["val_loss"] is not None and e["time"] > restored["time"]]
     assert after, "the driver evaluated after the restore"
     assert after[-1]["val_loss"] < first_eval["val_loss"] - 1.0, (first_eval, after[-1])
