@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec, reduce_codec
+from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, parse_codec_spec, reduce_codec
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.averaging_group import partition
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches

@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = QUICK if args.quick else Budget()
     if args.manifest or args.inner_steps:
         budget = replace(budget, reference=(args.manifest or REFERENCE).resolve(),
-                                     inner_steps=args.inner_steps or budget.inner_steps)
+                         inner_steps=args.inner_steps or budget.inner_steps)
     out = Path(args.out) if args.out else None
     torch.set_num_threads(2)
     results: list[Result] = []
@@ -503,7 +503,7 @@ def _write(out: Path, results: list[Result], budget: Budget) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results) + "\n")
     (out / "results.json").write_text(json.dumps({"budget": asdict(budget), "results": [asdict(r) for r in results]},
-                                                      indent=1, default=str))  # default: Budget.reference, a Path
+                                                 indent=1, default=str))  # default: Budget.reference, a Path
     plot([(f"{r.system} {r.link}", r.points) for r in results if r.points], out / "curves.png")
 
 

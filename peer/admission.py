@@ -179,9 +179,9 @@ class Admission:
         assert self.dht is not None
         ttl = max(1.0, min(MAX_RECORD_TTL, self.certificate.remaining()))
         await within(self.dht.store(certificates_key(self.authority.run_id),
-                                              self.certificate.signed.SerializeToString(),
-                                              get_dht_time() + ttl, subkey=self.peer_id, return_future=True),
-                               self.dht_timeout)
+                                    self.certificate.signed.SerializeToString(),
+                                    get_dht_time() + ttl, subkey=self.peer_id, return_future=True),
+                     self.dht_timeout)
 
     async def renew_if_due(self) -> None:
         """At half-life, ask the coordinator for a new certificate (and its revocation list)."""

@@ -46,7 +46,7 @@ from hivemind.p2p import PeerID
 from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec,
                                    reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
-from swarmgrad.peer.averaging_group import Group, choose_group, group_hash, partition
+from swarmgrad.peer.averaging_group import Group, choose_group, partition
 from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within

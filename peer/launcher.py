@@ -260,7 +260,6 @@ def _daemon_sockets(pid: int) -> list[str]:
     import psutil
 
     def client_sockets(proc: psutil.Process) -> list[str]:
-        # (not peer/dht_process.py's helper: that module imports hivemind, the demo's process does not)
         return [c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str)
                 and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
     out = []

@@ -240,8 +240,7 @@ class FramedRPC:
                     await self._drain(reader)
                     return
             try:
-                request, size = await within(self._read(reader, request_type, reserve_timed),
-                                                       self.read_timeout)
+                request, size = await within(self._read(reader, request_type, reserve_timed), self.read_timeout)
             except asyncio.TimeoutError:
                 error = ProtocolError(pb.DEADLINE_EXCEEDED, f"request not received within {self.read_timeout:g}s")
             except ProtocolError as e:

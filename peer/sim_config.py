@@ -6,14 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from swarmgrad.peer.manifest import Manifest, from_dict
-from swarmgrad.peer.placement import SWARM_POLICY
-
-SIM_POLICY = SWARM_POLICY
-"""The simulated "full" policy is the daemon's (``placement.SWARM_POLICY``): q = 0.8 in a handful
-of peers, no margin in a large swarm (``Policy.q_bound``; repay and confirmation stay). Until
-2026-12-01 the simulator played q = 0.95 in a handful of peers and the daemon 0.8 at every size;
-1000-peer figures do not depend on the small-swarm q. ``SimConfig(q=0.95)`` plays q = 0.95 at
-every size (the policy before 2026-12-01)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +44,11 @@ class SimConfig:
     hours: float = 3.0
     seed: int = 0
     policy: str = "full"
-    """"full" (``SIM_POLICY``) or "no-margin" (``NO_MARGIN``)."""
+    """"full" (the daemon's ``placement.SWARM_POLICY``: q = 0.8 in a handful of peers, no margin in a
+    large swarm; until 2026-12-01 the simulator played q = 0.95 in a handful of peers, which the
+    1000-peer figures do not depend on) or "no-margin" (``NO_MARGIN``)."""
     q: float | None = None
-    """Override the full policy's margin, small and large swarms alike (None: ``SIM_POLICY``)."""
+    """Override the full policy's margin, small and large swarms alike (None: ``SWARM_POLICY``; ``q=0.95`` plays the policy before 2026-12-01)."""
     check_s: float = 15.0
     """Mean seconds between a peer's placement checks (jittered by ``check_interval``): the
     daemon's ``timeouts.rebalance_check``. (120 s until 2026-12-01, then 30 s with the daemon's.)"""

@@ -43,7 +43,7 @@ def format_line(r: SimResult) -> str:
 
 
 def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None,
-            link_mbit: float = 100.0, hosted_link_mbit: float = 1000.0) -> int:
+            link_mbit: float, hosted_link_mbit: float) -> int:
     """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
     moves_per_peer_hour."""
     result = simulate(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy, bandwidth_median_mbit=link_mbit,

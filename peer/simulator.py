@@ -55,11 +55,11 @@ import random
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, PeerFigures, Policy, check_interval,
+from swarmgrad.peer.placement import (NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy, check_interval,
                                       choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement_optimum import fluid_bound
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
-from swarmgrad.peer.sim_config import DEVICES, SIM_POLICY, SimConfig, SimResult, sim_manifest
+from swarmgrad.peer.sim_config import DEVICES, SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
 
@@ -83,7 +83,7 @@ class Simulation:
     def __init__(self, cfg: SimConfig, costs: Sequence[StageCost]) -> None:
         self.cfg, self.costs = cfg, tuple(costs)
         self.policy: Policy = NO_MARGIN if cfg.policy == "no-margin" else (
-            SIM_POLICY if cfg.q is None else Policy(q=cfg.q))
+            SWARM_POLICY if cfg.q is None else Policy(q=cfg.q))
         if not cfg.confirm_warm:
             self.policy = dataclasses.replace(self.policy, confirm_warm=False)
         self.rng = random.Random(cfg.seed)
