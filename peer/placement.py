@@ -1,4 +1,4 @@
-"""Which stage a peer serves: pure policy over a snapshot of the swarm (DESIGN.md, "Rebalancing").
+"""Which stage a peer serves: pure policy over a snapshot of the swarm (docs/placement.md).
 
 Three files, one concern each: this one holds the rules (a newcomer's stage, ``should_move``, the
 margin, repay, memory, ``Confirmation``); ``placement_plan.py`` the snapshot and the plans every
@@ -47,7 +47,7 @@ the current min throughput with the one reached after simulating its own move *a
 search that moves every other server (in random order: two servers reading one snapshot may
 disagree), then moves if the ratio is under ``balance_quality`` (0.75). Our plan is that local
 search made deterministic, so every peer reading one snapshot agrees on who moves. We keep its margin on
-the swarm's *imbalance* (rule 4), not on one move's gain as DESIGN.md first wrote it: with N
+the swarm's *imbalance* (rule 4), not on one move's gain as the design first had it: with N
 peers in S stages one move changes T by about S/N, so at 1000 peers a per-move margin of 1/q
 never passes and the swarm could not repair itself; a per-move margin only makes sense for a
 handful of peers, where T_reach is exact and one move is a large step anyway. We add what
@@ -91,7 +91,7 @@ class PeerFigures:
 @dataclass(frozen=True)
 class Policy:
     q: float = 0.95
-    """Move only while T / T_reach < q; 1.0 moves whenever placement is not optimal. DESIGN.md's
+    """Move only while T / T_reach < q; 1.0 moves whenever placement is not optimal. The design's
     q ≈ 0.8 was a margin on one move's gain; as a margin on the swarm's imbalance 0.8 left
     1000-peer swarms 4 % under the optimum without a single move (``swarmgrad simulate``)."""
     repay: bool = True
@@ -120,7 +120,7 @@ class Policy:
 SWARM_POLICY = Policy(q=0.8, q_bound=1.0)
 """The policy peers run (the daemon, ``swarmgrad status``) and the simulator's "full" policy: one
 object, so the simulated figures are the daemon's. In a handful of peers (T_reach exact) a peer
-moves only when the swarm is more than 20 % below what placement can reach (DESIGN.md's q ≈ 0.8):
+moves only when the swarm is more than 20 % below what placement can reach (the design's q ≈ 0.8):
 measured rates there are noisy (shared machines, contention: ±30 % on 2 cores) and one peer's
 error moves T_reach a lot. In a large swarm (T_reach the fluid bound) there is no margin: a 0.8
 margin on the swarm's imbalance left 1000-peer swarms 4 % under the bound without a single move,
