@@ -1,7 +1,9 @@
 """Does the 2-stage pipeline fill its link? Samples/s and link utilisation of the same pipeline run by
-the code before the adaptive window and by the code now, side by side, unshaped and over 20 Mbit.
+the code before the adaptive window, by the code now, and by the code now with pipeline.lookahead,
+side by side, unshaped and over 20 Mbit.
 
-    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--before REV] [--rounds N] [--quick]
+    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--variants before,after,lookahead]
+                                       [--before REV] [--rounds N] [--quick]
 
 Two peers, one per stage (a driver on stage 0, the loss on stage 1), each in its own network
 namespace on one veth pair (benchmarks/netns.py, namespaces named `window-<pid>-...`); "20mbit"
@@ -11,8 +13,10 @@ activations and gradients, microbatches of 16, 4 per inner step, pipeline.max_in
 item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10 inner steps.
 
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
-window) and `after` the working tree, both from the same manifest. Each runs until the driver has
-reported 1 + N rounds; the first (start-up, the first evaluation) is not counted.
+window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
+with `pipeline.lookahead = true` (the next inner step's microbatches go out while this one drains;
+peer/lookahead.py). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
+first evaluation) is not counted. The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
 link utilisation (bytes of the `wan0` interface counters, all traffic, over the link's rate; unshaped
@@ -53,6 +57,7 @@ from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 BEFORE = "6b832a8"
 """The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
+VARIANTS = ("before", "after", "lookahead")
 RATE_BYTES = {"20mbit": 20e6 / 8}
 NS_PREFIX = "window-"
 SAMPLE_S = 0.1
@@ -211,9 +216,9 @@ def snapshot(rev: str) -> Path:
     return snap
 
 
-def table(rows: list[Row]) -> str:
-    """One row per run; the ratio is to the `before` run of the same link and repeat."""
-    base = {(r.link, r.repeat): r for r in rows if r.variant == "before" and not r.error}
+def table(rows: list[Row], first: str) -> str:
+    """One row per run; the ratio is to the `first` variant's run of the same link and repeat."""
+    base = {(r.link, r.repeat): r for r in rows if r.variant == first and not r.error}
     out = []
     for r in rows:
         b = base.get((r.link, r.repeat))
@@ -225,7 +230,7 @@ def table(rows: list[Row]) -> str:
                     f"{p['window']} ({fmt(p['window_needed'] or math.nan, 1)})" if p else "",
                     f"{p['bottleneck']} (link {p['link_util']:.2f}, compute {p['compute_util']:.2f})" if p else "",
                     f"FAILED: {r.error[:300]}" if r.error else ""])
-    header = ["code", "link", "samples/s", "ratio to before", "up MB/s", "down MB/s", "up util", "down util",
+    header = ["code", "link", "samples/s", f"ratio to {first}", "up MB/s", "down MB/s", "up util", "down util",
               "uplink idle", "window (needed)", "driver's report: bottleneck (utilisation)", "note"]
     return markdown_table(header, out)
 
@@ -233,7 +238,8 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
-    p.add_argument("--variants", default="before,after", help="comma-separated, of before,after")
+    p.add_argument("--variants", default="before,after,lookahead",
+                   help="comma-separated, of before,after,lookahead (ratios are to the first)")
     p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
     p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks remove the namespaces
     links, variants = args.links.split(","), args.variants.split(",")
-    for name, got, allowed in (("--links", links, LINKS), ("--variants", variants, ("before", "after"))):
+    for name, got, allowed in (("--links", links, LINKS), ("--variants", variants, VARIANTS)):
         if any(x not in allowed for x in got):
             p.error(f"{name}: choose from {','.join(allowed)}")
     why = netns.why_unavailable()
@@ -257,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     m = manifest(steps, per_step, size, args.max_in_flight)
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
     code = snapshot(args.before) if "before" in variants else None
-    print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree; "
+    print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree, lookahead = "
+          f"working tree with pipeline.lookahead; "
           f"{rounds} rounds of {steps} steps of {per_step} x {size} samples per run, max_in_flight "
           f"{args.max_in_flight}", flush=True)
     rows: list[Row] = []
@@ -269,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 for vi, variant in enumerate(variants):
                     print(f"--- {variant} over {link} ({rep + 1}/{args.repeats})", flush=True)
                     try:
-                        row = run_one(variant, link, code if variant == "before" else None, rounds, m,
-                                      tmp / f"{link}-{variant}-{rep}", subnet=200 + 2 * li + vi,
+                        vm = m.replace(pipeline={"lookahead": True}) if variant == "lookahead" else m
+                        row = run_one(variant, link, code if variant == "before" else None, rounds, vm,
+                                      tmp / f"{link}-{variant}-{rep}", subnet=200 + len(VARIANTS) * li + vi,
                                       timeout_s=120 + 60 * rounds)
                     except Exception as e:  # one broken run must not lose the others' rows
                         row = Row(variant, link, error=f"{type(e).__name__}: {e}")
@@ -285,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(table(rows))
+    print(table(rows, variants[0]))
     for link in links:
-        ratios = sorted(r.samples_per_s / b.samples_per_s for r in rows for b in rows
-                        if r.link == b.link == link and r.repeat == b.repeat and r.variant == "after"
-                        and b.variant == "before" and not (r.error or b.error))
-        if ratios:
-            print(f"{link}: after / before samples/s per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
-                  f"(median {statistics.median(ratios):.2f})")
+        for variant in variants[1:]:
+            ratios = sorted(r.samples_per_s / b.samples_per_s for r in rows for b in rows
+                            if r.link == b.link == link and r.repeat == b.repeat and r.variant == variant
+                            and b.variant == variants[0] and not (r.error or b.error))
+            if ratios:
+                print(f"{link}: {variant} / {variants[0]} samples/s per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
+                      f"(median {statistics.median(ratios):.2f})")
     print(f"\nload average after {os.getloadavg()[0]:.1f}")
     return 0
 

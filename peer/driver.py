@@ -16,7 +16,9 @@ Requests go on the link one after another (the send slot): a request starts once
 it is written and, at the measured rate, on the wire. Sent all at once they would share the link
 and all arrive at the end, and the next stage would wait for the first of them as long as for the
 last; in order, it computes on the first while the others are still arriving, and the driver
-computes its next forward while the link carries this one.
+computes its next forward while the link carries this one. With pipeline.lookahead the window
+also runs on across inner steps: the next step's microbatches go out while this step drains
+(peer/lookahead.py).
 """
 from __future__ import annotations
 
@@ -205,7 +207,8 @@ class Driver:
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
-        async with self.worker.admitted(wait=True, train=not eval_only):
+        ahead = self.m.pipeline.lookahead and self.n_stages > 1  # a whole-model replica has nothing to drain
+        async with self.worker.admitted(wait=True, train=not eval_only, ahead=ahead) as slot:
             if self.n_stages == 1:
                 try:
                     loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
@@ -213,7 +216,7 @@ class Driver:
                     return pb.INTERNAL, math.nan, str(e), ""
                 return pb.OK, loss, "", ""
             assert self.downstream is not None
-            x, h = await self.worker.forward(inputs, train=not eval_only)
+            x, h = await self.worker.forward(inputs, train=not eval_only, slot=slot)
             started = time.monotonic()
             hop, timing = await self._send(mb, attempt, h, targets, eval_only)
             if hop.status != pb.OK:
@@ -223,7 +226,7 @@ class Driver:
                 self._observe(hop, timing)
             if not eval_only:
                 assert hop.grad is not None
-                await self.worker.backward(x, h, hop.grad, inputs.shape[0])
+                await self.worker.backward(x, h, hop.grad, inputs.shape[0], slot=slot)
                 self.worker.record_loss(hop.loss)
                 self._commit(hop.route, mb, attempt)
             return pb.OK, hop.loss, "", ""

@@ -144,6 +144,11 @@ class PipelineConfig:
     """The most microbatches a driver keeps in flight: the cap of its adaptive window
     (peer/window.py), which keeps as many as its measured link and compute need. Placement
     reserves memory for this many microbatches' activations."""
+    lookahead: bool = False
+    """Drivers start the next inner step's microbatches while this step drains, against a stash of
+    the stage-0 weights (PipeDream-2BW): the pipeline stays full across steps, and stage 0's first
+    gradients of each step are one step stale (peer/lookahead.py). Off: every gradient is exact.
+    Never across a round boundary."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
     max_message_mb: float = 256.0

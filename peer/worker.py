@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
@@ -82,6 +83,10 @@ class StageWorker:
         self._cond = asyncio.Condition()
         self._in_flight = 0
         self._in_flight_train = 0
+        """Training microbatches in flight for the current inner step."""
+        self._in_flight_ahead = 0
+        """Training microbatches in flight for the next inner step (pipeline.lookahead, drivers)."""
+        self.lookahead = Lookahead(self.module)
         self._paused = False
         self._stepping = False
         self.accumulated = 0
@@ -170,29 +175,48 @@ class StageWorker:
         return fn
 
     @contextlib.asynccontextmanager
-    async def admitted(self, wait: bool, train: bool = True) -> AsyncIterator[None]:
+    async def admitted(self, wait: bool, train: bool = True, ahead: bool = False) -> AsyncIterator[Slot]:
         """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady.
 
         A training microbatch is also held back while this inner step's quota is taken (what has
         accumulated plus what is in flight reaches inner.microbatches_per_step): every inner step
-        then averages exactly that many microbatches, as a plain optimiser step would.
+        then averages exactly that many microbatches, as a plain optimiser step would. With
+        `ahead` (a driver with pipeline.lookahead) it may instead take a place in the next step's
+        quota, unless this step ends the round (peer/lookahead.py). The slot says which; pass it
+        to `forward` and `backward`.
         """
         quota = self.cfg.microbatches_per_step
         async with self._cond:
-            while self._paused or self._stepping or (
-                    train and self.accumulated + len(self._held) + self._in_flight_train >= quota):
+            while True:
                 if self._paused and not wait:
                     raise NotReady("between rounds")
+                if not (self._paused or self._stepping):
+                    if not train:
+                        slot = PLAIN
+                        break
+                    if self.accumulated + len(self._held) + self._in_flight_train < quota:
+                        slot = Slot(self.steps_total)
+                        break
+                    if ahead and self._in_flight_ahead + self.lookahead.held < quota and \
+                            not self.clock.steps_complete(self.inner_steps + 1):
+                        slot = Slot(self.steps_total + 1, self.lookahead.stash(self.steps_total + 1))
+                        break
                 await self._cond.wait()
             self._in_flight += 1
-            self._in_flight_train += int(train)
+            if slot.ahead:
+                self._in_flight_ahead += 1
+            else:
+                self._in_flight_train += int(train)
         try:
-            yield
+            yield slot
         finally:
             # The counts change synchronously: a handler cancelled here (its caller went away)
             # must not leave a phantom microbatch in flight that blocks every later step.
             self._in_flight -= 1
-            self._in_flight_train -= int(train)
+            if slot.step > self.steps_total:  # still ahead: the current step has not been applied
+                self._in_flight_ahead -= 1
+            else:
+                self._in_flight_train -= int(train)
             await asyncio.shield(self._notify())
 
     async def _notify(self) -> None:
@@ -200,32 +224,47 @@ class StageWorker:
             self._cond.notify_all()
 
     # compute -----------------------------------------------------------------------------
-    def _forward(self, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, train: bool, slot: Slot = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(self.device)
         if x.is_floating_point() and train:
             x.requires_grad_(True)
         with torch.set_grad_enabled(train):
+            if slot.stash is not None:
+                return x, self.lookahead.forward(slot.stash, x)
             return x, self.module(x)
 
-    async def forward(self, x: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input as used, output). With train, both keep the graph for `backward`."""
-        return await self.run(self._timed, self._forward, x, train)
+    async def forward(self, x: torch.Tensor, train: bool = True, slot: Slot = PLAIN
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input as used, output). With train, both keep the graph for `backward`; a slot admitted
+        ahead runs against its stash."""
+        return await self.run(self._timed, self._forward, x, train, slot)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
         y.backward(grad_y.to(y.device, y.dtype))
         return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
 
-    async def backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int) -> torch.Tensor | None:
+    async def backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int,
+                       slot: Slot = PLAIN) -> torch.Tensor | None:
         """Accumulate parameter gradients; return the gradient w.r.t. the stage input (None at stage 0).
+        A slot admitted ahead: gradients w.r.t. its stash, held for the next step if this one has
+        not been applied yet.
 
         Shielded: once the backward is submitted its gradients land in .grad, so it is counted
         even if the caller is cancelled meanwhile."""
-        return await asyncio.shield(self._backward_counted(x, y, grad_y, batch))
+        return await asyncio.shield(self._backward_counted(x, y, grad_y, batch, slot))
 
-    async def _backward_counted(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int
-                                ) -> torch.Tensor | None:
-        grad_x = await self.run(self._timed, self._backward, x, y, grad_y)
-        self._finished(batch)
+    async def _backward_counted(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int,
+                                slot: Slot) -> torch.Tensor | None:
+        if slot.stash is None:
+            grad_x = await self.run(self._timed, self._backward, x, y, grad_y)
+            self._finished(batch)
+            return grad_x
+        grads, grad_x = await self.run(self._timed, self.lookahead.grads, slot.stash, x, y, grad_y)
+        if slot.step > self.steps_total:  # checked after the compute: the step may have run meanwhile
+            self.lookahead.hold(grads, batch)
+        else:
+            await self.run(self._add_grads, [grads])
+            self._finished(batch)
         return grad_x
 
     def _params(self) -> list[torch.Tensor]:
@@ -289,10 +328,10 @@ class StageWorker:
             self._notifies.add(task)
             task.add_done_callback(self._notifies.discard)
 
-    def _add_held(self, held: list[_Held]) -> None:
+    def _add_grads(self, grads: list[Grads]) -> None:
         params = self._params()
-        for h in held:
-            for p, g in zip(params, h.grads):
+        for one in grads:
+            for p, g in zip(params, one):
                 if g is None:
                     continue
                 if p.grad is None:
@@ -312,7 +351,7 @@ class StageWorker:
             return 0
         for h in held:
             h.expiry.cancel()
-        await self.run(self._add_held, held)
+        await self.run(self._add_grads, [h.grads for h in held])
         self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, h in popped if h is not None)
         for h in held:
             self._finished(h.batch)
@@ -391,33 +430,52 @@ class StageWorker:
         """Take an inner step once enough microbatches accumulated (or any, with force).
 
         Closes the gate, waits for in-flight microbatches, steps, reopens. Returns whether it stepped.
+        Microbatches of the next step that finished meanwhile (lookahead) join the new accumulation;
+        if they fill it, or with force, that step is taken too.
         """
+        stepped = False
         async with self._cond:
-            if self._stepping or self.accumulated == 0 or (not force and self.accumulated < self.cfg.microbatches_per_step):
-                return False
-            self._stepping = True
-            try:
-                # nothing between its forward and its backward, and nothing computed but uncommitted:
-                # a held gradient belongs to the parameters it was computed with
-                await self._cond.wait_for(lambda: self._in_flight == 0 and not self._held)
-                if not await self.run(self._timed_step):
-                    self.skipped_steps += 1
-                    logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
-                                   self.skipped_steps)
-                self.accumulated = 0
-                self.steps_total += 1
-                rebase = self.take_rebase()
-                if rebase is not None:
-                    await self.run(rebase)
-                self.inner_steps += 1
-                self._update_rate()
-                if self.clock.steps_complete(self.inner_steps):
-                    self._paused = True
-            finally:
-                self._stepping = False
-                self._cond.notify_all()
-        self.clock.wake()
-        return True
+            while not self._stepping and self.accumulated and (
+                    force or self.accumulated >= self.cfg.microbatches_per_step):
+                self._stepping = True
+                try:
+                    # nothing of this step between its forward and its backward, and nothing computed
+                    # but uncommitted: a held gradient belongs to the parameters it was computed with
+                    # (microbatches admitted ahead run against their stash, not these parameters)
+                    await self._cond.wait_for(lambda: self._in_flight == self._in_flight_ahead and not self._held)
+                    if not await self.run(self._timed_step):
+                        self.skipped_steps += 1
+                        logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
+                                       self.skipped_steps)
+                    self.accumulated = 0
+                    self.steps_total += 1
+                    self._in_flight_train, self._in_flight_ahead = self._in_flight_train + self._in_flight_ahead, 0
+                    await self._promote_ahead()
+                    rebase = self.take_rebase()
+                    if rebase is not None:
+                        await self.run(rebase)
+                    self.inner_steps += 1
+                    self._update_rate()
+                    if self.clock.steps_complete(self.inner_steps):
+                        self._paused = True
+                finally:
+                    self._stepping = False
+                    self._cond.notify_all()
+                stepped = True
+                if self._paused and not force:
+                    break  # the round is over: the round runner's pause() steps what is left
+        if stepped:
+            self.clock.wake()
+        return stepped
+
+    async def _promote_ahead(self) -> None:
+        """The next step's finished microbatches (lookahead) join the accumulation (call with the
+        gate closed, after a step or at a boundary)."""
+        ahead = self.lookahead.take()
+        if ahead:
+            await self.run(self._add_grads, [grads for grads, _ in ahead])
+            for _, batch in ahead:
+                self._finished(batch)
 
     def _update_rate(self) -> None:
         # evaluation forwards count as compute but not as samples: only steps that trained update
@@ -430,6 +488,8 @@ class StageWorker:
             self._paused = True
             # held microbatches are committed or dropped within timeouts.commit
             await self._cond.wait_for(lambda: self._in_flight == 0 and not self._stepping and not self._held)
+            if not self.accumulated:  # this step's microbatches were all lost: the next step's are what is left
+                await self._promote_ahead()
         await self.maybe_step(force=True)
 
     async def resume(self, carry_over: bool = False) -> None:

@@ -34,8 +34,8 @@ PINNED = {
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
-# and timeouts.rebalance_check's default went from 30 s to 15 s
-PINNED_HASH = "bb29990ddbd014d2ca82b1a1217120ff"
+# and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead was added
+PINNED_HASH = "3f49ecfa18e7b80fca719e654b3121d7"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -1,0 +1,95 @@
+"""A driver that starts the next inner step before this one is applied (`pipeline.lookahead`):
+PipeDream-2BW's double-buffered weights, for stage 0 only.
+
+Without it every inner step drains its pipeline: the step needs the gradients of all its
+microbatches, so after the last request of a step the driver's uplink waits for that
+microbatch's answer, its backward and the step before the next step's first request can leave.
+Over a slow link that fill and drain is a large share of the time (README, "Does the pipeline
+fill its link?"). With lookahead, once a step's quota of microbatches is in flight the driver
+admits up to a quota of the next step's: they run forward against a stash, a copy of the weights
+as they are now (the step about to be applied does not change it), and their gradients are
+computed against the stash and go into the next step. So the next step's first gradients are
+one step stale, the staleness 2BW bounds to one; later stages are unchanged (they take a
+microbatch once they have stepped, so their gradients stay exact).
+
+Lookahead never crosses a round boundary (the worker admits no microbatch for the next step
+when this step ends its round), so averaging still sees every replica at rest. A stash costs
+one copy of the stage's parameters while any microbatch that ran against it is in flight.
+
+Pure tensor code: the worker owns the counts and the gate (peer/worker.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+Grads = list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A microbatch's place in flight: the inner step its gradient goes into, and the weights it
+    runs against (None: the live parameters; else a stash of them, a step older than that)."""
+    step: int
+    """The worker's `steps_total` when the gradient joins the accumulation: the current step, or
+    the next one for a microbatch admitted ahead."""
+    stash: dict[str, torch.Tensor] | None = None
+
+    @property
+    def ahead(self) -> bool:
+        return self.stash is not None
+
+
+PLAIN = Slot(step=-1)
+"""An evaluation's slot: no gradient, live parameters."""
+
+
+class Lookahead:
+    """The stash the next step's microbatches run against, and their finished gradients until the
+    current step is applied."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._held: list[tuple[Grads, int]] = []
+
+    def stash(self, step: int) -> dict[str, torch.Tensor]:
+        """The weights microbatches of inner step `step` run against, copied once per step (call
+        only while the parameters cannot change: the worker's gate is open and no step runs)."""
+        if self._stash is None or self._stash[0] != step:
+            with torch.no_grad():
+                copy = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                        for n, p in self.module.named_parameters()}
+            self._stash = (step, copy)
+        return self._stash[1]
+
+    def forward(self, stash: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.module, stash, (x,))
+
+    def grads(self, stash: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor
+              ) -> tuple[Grads, torch.Tensor | None]:
+        """Gradients w.r.t. the stashed weights (in the order of the module's trainable
+        parameters) and w.r.t. the input (None unless it requires grad)."""
+        leaves = [stash[n] for n in self._names]
+        wrt = leaves + ([x] if x.requires_grad else [])
+        out = torch.autograd.grad(y, wrt, grad_outputs=grad_y.to(y.device, y.dtype), allow_unused=True)
+        grad_x = out[len(leaves)].detach().to("cpu", torch.float32) if x.requires_grad else None
+        return [None if g is None else g.detach() for g in out[:len(leaves)]], grad_x
+
+    def hold(self, grads: Grads, batch: int) -> None:
+        """A microbatch of the next step finished before this step was applied."""
+        self._held.append((grads, batch))
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def take(self) -> list[tuple[Grads, int]]:
+        """At the step: the held gradients (they join the next step) and the stash is let go
+        (microbatches still in flight keep their own reference to it)."""
+        held, self._held, self._stash = self._held, [], None
+        return held
