@@ -53,6 +53,8 @@ class DriverStats:
     retries: int = 0
     lost: int = 0
     not_ready_waits: int = 0
+    ahead: int = 0
+    """Microbatches trained that ran ahead, against the stash (pipeline.lookahead): one step stale."""
     commit_failures: int = 0
     """Replicas a commit did not reach: they dropped that microbatch (lost there, not trained twice)."""
     failed_peers: set[str] = field(default_factory=set)
@@ -182,14 +184,15 @@ class Driver:
         if n1 > n0:
             self.estimator.observe_compute((c1 - c0) / (n1 - n0))
 
-    def _marks(self) -> tuple[float, float, int, int, int]:
-        return time.monotonic(), self.worker.compute_total, self._up_bytes, self._down_bytes, self._trips
+    def _marks(self) -> tuple[float, float, int, int, int, int]:
+        return (time.monotonic(), self.worker.compute_total, self._up_bytes, self._down_bytes, self._trips,
+                self.stats.ahead)
 
     def report(self) -> dict[str, float | int | str | None]:
         """What limited the pipeline since the last report: the window, the measured link rates,
         link and compute utilisation and the bottleneck (the `pipeline` event's fields)."""
         now = self._marks()
-        (t0, c0, up0, down0, r0), self._report_mark = self._report_mark, now
+        (t0, c0, up0, down0, r0, a0), self._report_mark = self._report_mark, now
         m, choice = self.estimator.measure(), self.choice
         use = utilisation(wall_s=now[0] - t0, up_bytes=now[2] - up0, down_bytes=now[3] - down0, up_rate=m.up_rate,
                           down_rate=m.down_rate, local_compute_s=now[1] - c0,
@@ -202,7 +205,8 @@ class Driver:
                 "down_bytes_per_s": (now[3] - down0) / max(1e-9, now[0] - t0),
                 "local_compute_s": round(m.local_compute, 4), "remote_s": round(m.remote_compute, 4),
                 "latency_s": round(m.latency, 4), "interval_s": round(choice.interval, 4), "trip_s": round(choice.trip, 4),
-                "samples": self.estimator.samples}
+                "samples": self.estimator.samples,
+                "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0}
 
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
@@ -227,6 +231,7 @@ class Driver:
             if not eval_only:
                 assert hop.grad is not None
                 await self.worker.backward(x, h, hop.grad, inputs.shape[0], slot=slot)
+                self.stats.ahead += int(slot.ahead)
                 self.worker.record_loss(hop.loss)
                 self._commit(hop.route, mb, attempt)
             return pb.OK, hop.loss, "", ""
