@@ -1,20 +1,22 @@
-"""A driver that starts the next inner step before this one is applied (`pipeline.lookahead`):
-PipeDream-2BW's double-buffered weights, for stage 0 only.
+"""Replicas that start the next inner step before this one is applied (`pipeline.lookahead`):
+PipeDream-2BW's double-buffered weights.
 
 Without it every inner step drains its pipeline: the step needs the gradients of all its
 microbatches, so after the last request of a step the driver's uplink waits for that
 microbatch's answer, its backward and the step before the next step's first request can leave.
 Over a slow link that fill and drain is a large share of the time (README, "Does the pipeline
-fill its link?"). With lookahead, once a step's quota of microbatches is in flight the driver
-admits up to a quota of the next step's: they run forward against a stash, a copy of the weights
-as they are now (the step about to be applied does not change it), and their gradients are
-computed against the stash and go into the next step. So the next step's first gradients are
-one step stale, the staleness 2BW bounds to one; later stages are unchanged (they take a
-microbatch once they have stepped, so their gradients stay exact).
+fill its link?"). And a later stage that has answered its step's quota waits for the driver's
+commits before it steps, so the next step's requests queue there while its downlink is idle.
+With lookahead, once a step's quota of microbatches is taken a replica admits up to a quota of
+the next step's: they run forward against a stash, a copy of the weights as they are now (the
+step about to be applied does not change it), and their gradients are computed against the
+stash and go into the next step (on a stage ≥ 1, once their driver commits them). So a step's
+first gradients may be one step stale, the staleness 2BW bounds to one, on every stage.
 
-Lookahead never crosses a round boundary (the worker admits no microbatch for the next step
-when this step ends its round), so averaging still sees every replica at rest. A stash costs
-one copy of the stage's parameters while any microbatch that ran against it is in flight.
+A driver admits no microbatch ahead when this step ends its round; a later stage ends its round
+when a microbatch of the next round arrives, and its pause first steps what ran ahead. So
+averaging still sees every replica at rest. A stash costs one copy of the stage's parameters
+while any microbatch that ran against it is in flight.
 
 Pure tensor code: the worker owns the counts and the gate (peer/worker.py).
 """
@@ -67,6 +69,10 @@ class Lookahead:
             self._stash = (step, copy)
         return self._stash[1]
 
+    def leaves(self, stash: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The stash's trainable tensors, in the order of the module's trainable parameters."""
+        return [stash[n] for n in self._names]
+
     def forward(self, stash: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.module, stash, (x,))
 
@@ -74,7 +80,7 @@ class Lookahead:
               ) -> tuple[Grads, torch.Tensor | None]:
         """Gradients w.r.t. the stashed weights (in the order of the module's trainable
         parameters) and w.r.t. the input (None unless it requires grad)."""
-        leaves = [stash[n] for n in self._names]
+        leaves = self.leaves(stash)
         wrt = leaves + ([x] if x.requires_grad else [])
         out = torch.autograd.grad(y, wrt, grad_outputs=grad_y.to(y.device, y.dtype), allow_unused=True)
         grad_x = out[len(leaves)].detach().to("cpu", torch.float32) if x.requires_grad else None

@@ -29,6 +29,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.lookahead import Slot
 from swarmgrad.peer.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.swarm import ONLINE, SwarmView
@@ -191,8 +192,11 @@ class StageServer:
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
                  downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
                  activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
-                 drivers: Callable[[str], Awaitable[bool]] | None = None):
+                 drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False):
         self.identity = identity
+        self.lookahead = lookahead
+        """pipeline.lookahead: take the next step's microbatches while this step waits for its
+        commits (peer/lookahead.py)."""
         self.drivers = drivers
         """Whether a peer id is a driver listed in the stage-0 records (DriverList.listed): only
         such a driver's round may end ours. None: any (tests without a swarm)."""
@@ -247,8 +251,8 @@ class StageServer:
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
         try:
-            async with self.worker.admitted(wait=False, train=train):
-                response = await self._serve(inp, train)
+            async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead) as slot:
+                response = await self._serve(inp, train, slot)
         except NotReady as e:
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=str(e))
@@ -267,12 +271,12 @@ class StageServer:
             await self.worker.maybe_step()
         return pb.CommitResponse(status=pb.OK, committed=committed)
 
-    async def _serve(self, inp, train: bool) -> pb.ForwardResponse:
+    async def _serve(self, inp, train: bool, slot: Slot) -> pb.ForwardResponse:
         batch = inp.activations.shape[0]
         key = (inp.driver, inp.microbatch_id, inp.attempt)
         if self.last:
             if train:
-                loss, grad_x = await self.worker.forward_loss_held(key, inp.activations, inp.targets)
+                loss, grad_x = await self.worker.forward_loss_held(key, inp.activations, inp.targets, slot)
             else:
                 loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, False)
             response = pb.ForwardResponse(status=pb.OK, loss=loss, n_targets=inp.targets.numel())
@@ -280,7 +284,7 @@ class StageServer:
                 response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
             return response
         assert self.downstream is not None
-        x, y = await self.worker.forward(inp.activations, train)
+        x, y = await self.worker.forward(inp.activations, train, slot)
         hop = await self.downstream.forward(self.contract.stage + 1, y, inp.targets, inp.microbatch_id, inp.attempt,
                                             inp.driver, inp.deadline, inp.eval_only, inp.round)
         if hop.status != pb.OK:
@@ -289,7 +293,7 @@ class StageServer:
         response = pb.ForwardResponse(status=pb.OK, loss=hop.loss, n_targets=hop.n_targets, route=hop.route)
         if train:
             assert hop.grad is not None
-            grad_x = await self.worker.backward_held(key, x, y, hop.grad, batch, hop.loss)
+            grad_x = await self.worker.backward_held(key, x, y, hop.grad, batch, hop.loss, slot)
             assert grad_x is not None
             response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
         return response

@@ -181,7 +181,8 @@ class Replica:
             server = StageServer(ctx.identity, contract, worker, downstream,
                                  parse_codec_spec(m.pipeline.gradient_codec), ctx.max_numel, clock,
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
-                                 max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed)
+                                 max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
+                                 lookahead=m.pipeline.lookahead)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))

@@ -11,11 +11,14 @@ All torch work runs on one worker thread per peer, so compute never blocks the e
 that serves RPCs, and forward/backward of different microbatches never interleave mid-op.
 
 Commit on acknowledgement: a stage ≥ 1 does not add a microbatch's parameter gradients when it
-answers, but holds them under (driver, microbatch id, attempt) until the driver commits that
-attempt (it got the answer and ran its own backward), or drops them after `commit_timeout`. So a
-microbatch whose answer was lost, and that the driver re-sent along another route, is trained on
-once at every stage. Held microbatches count against the step's quota, and no step runs while any
-is held, so a gradient is never added after the step it was computed for.
+answers, but holds them (peer/held.py) until the driver commits that attempt (it got the answer
+and ran its own backward), or drops them after `commit_timeout`. So a microbatch whose answer was
+lost, and that the driver re-sent along another route, is trained on once at every stage. Held
+microbatches count against their step's quota, and no step runs while any of its own is held, so
+a gradient is never added after the step it was computed for.
+
+With pipeline.lookahead a microbatch may be admitted for the next step while this one drains: it
+runs against a stash of the weights and its gradients join the next step (peer/lookahead.py).
 """
 from __future__ import annotations
 
@@ -24,13 +27,13 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import torch
 from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.held import HeldGradients, HoldKey
 from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
@@ -51,18 +54,6 @@ class NotReady(Exception):
 
 class NonFiniteLoss(Exception):
     """The last stage computed a non-finite loss; the microbatch was not trained on."""
-
-
-HoldKey = tuple[str, int, int]
-"""(driver peer id, microbatch id, attempt): one trip of one microbatch."""
-
-
-@dataclass
-class _Held:
-    grads: list[torch.Tensor | None]
-    batch: int
-    loss: float | None
-    expiry: asyncio.TimerHandle
 
 
 class StageWorker:
@@ -116,8 +107,7 @@ class StageWorker:
         self._rebase: Callable[[], None] | None = None
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
-        self.commit_timeout = commit_timeout
-        self._held: dict[HoldKey, _Held] = {}
+        self._held = HeldGradients(commit_timeout, self._expired)
         self._notifies: set[asyncio.Future] = set()
         self.uncommitted = 0
         """Microbatches whose gradients were dropped because no commit came (reported in round events)."""
@@ -194,10 +184,12 @@ class StageWorker:
                     if not train:
                         slot = PLAIN
                         break
-                    if self.accumulated + len(self._held) + self._in_flight_train < quota:
+                    current_held = self._held.count(self.steps_total)
+                    if self.accumulated + current_held + self._in_flight_train < quota:
                         slot = Slot(self.steps_total)
                         break
-                    if ahead and self._in_flight_ahead + self.lookahead.held < quota and \
+                    next_held = len(self._held) - current_held + self.lookahead.held
+                    if ahead and self._in_flight_ahead + next_held < quota and \
                             not self.clock.steps_complete(self.inner_steps + 1):
                         slot = Slot(self.steps_total + 1, self.lookahead.stash(self.steps_total + 1))
                         break
@@ -270,63 +262,60 @@ class StageWorker:
     def _params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _grads_of(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None
+    def _grads_of(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, slot: Slot
                   ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-        """Parameter gradients and the input's, computed without adding them to .grad."""
-        params = self._params()
+        """Parameter gradients (w.r.t. the slot's stash, if it ran ahead) and the input's,
+        computed without adding them to .grad."""
+        params = self._params() if slot.stash is None else self.lookahead.leaves(slot.stash)
         wrt = params + ([x] if x.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
         grad_x = grads[len(params)] if x.requires_grad else None
         return [None if g is None else g.detach() for g in grads[:len(params)]], \
             (None if grad_x is None else grad_x.detach().to("cpu", torch.float32))
 
-    def _backward_held(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor
+    def _backward_held(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, slot: Slot
                        ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-        return self._grads_of(y, x, grad_y.to(y.device, y.dtype))
+        return self._grads_of(y, x, grad_y.to(y.device, y.dtype), slot)
 
-    def _forward_loss_held(self, x: torch.Tensor, targets: torch.Tensor
+    def _forward_loss_held(self, x: torch.Tensor, targets: torch.Tensor, slot: Slot
                            ) -> tuple[float, list[torch.Tensor | None], torch.Tensor | None]:
-        x, loss = self._loss(x, targets, True)
-        grads, grad_x = self._grads_of(loss, x, None)
+        x, loss = self._loss(x, targets, True, slot)
+        grads, grad_x = self._grads_of(loss, x, None, slot)
         return loss.detach().item(), grads, grad_x
 
     async def backward_held(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                            batch: int, loss: float | None = None) -> torch.Tensor | None:
+                            batch: int, loss: float | None = None, slot: Slot = PLAIN) -> torch.Tensor | None:
         """Like `backward`, but the parameter gradients wait for `commit(key)` (module docstring).
         `loss`: the microbatch's loss from the answer (middle stages report it, for progress)."""
-        return await asyncio.shield(self._backward_then_hold(key, x, y, grad_y, batch, loss))
+        return await asyncio.shield(self._backward_then_hold(key, x, y, grad_y, batch, loss, slot))
 
     async def _backward_then_hold(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                                  batch: int, loss: float | None) -> torch.Tensor | None:
-        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y)
-        self._hold(key, batch, grads, loss)
+                                  batch: int, loss: float | None, slot: Slot) -> torch.Tensor | None:
+        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y, slot)
+        self._held.hold(key, batch, grads, loss, self._step_of(slot))
         return grad_x
 
-    async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor
+    async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot = PLAIN
                                 ) -> tuple[float, torch.Tensor | None]:
         """Last stage, training: forward, loss, backward; the gradients wait for `commit(key)`."""
-        return await asyncio.shield(self._forward_loss_then_hold(key, x, targets))
+        return await asyncio.shield(self._forward_loss_then_hold(key, x, targets, slot))
 
-    async def _forward_loss_then_hold(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor
+    async def _forward_loss_then_hold(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot
                                       ) -> tuple[float, torch.Tensor | None]:
-        loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets)
-        self._hold(key, x.shape[0], grads, loss)
+        loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets, slot)
+        self._held.hold(key, x.shape[0], grads, loss, self._step_of(slot))
         return loss, grad_x
 
-    def _hold(self, key: HoldKey, batch: int, grads: list[torch.Tensor | None], loss: float | None) -> None:
-        old = self._held.pop(key, None)
-        if old is not None:  # the same attempt twice: keep the newer gradients only
-            old.expiry.cancel()
-        expiry = asyncio.get_running_loop().call_later(self.commit_timeout, self._expire, key)
-        self._held[key] = _Held(grads, batch, loss, expiry)
+    def _step_of(self, slot: Slot) -> int:
+        """The inner step a slot's gradients go into (the current one for a slot of a plain caller)."""
+        return max(slot.step, self.steps_total)
 
-    def _expire(self, key: HoldKey) -> None:
-        if self._held.pop(key, None) is not None:
-            self.uncommitted += 1
-            logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
-            task = asyncio.ensure_future(self._notify())  # wake admissions waiting on the quota
-            self._notifies.add(task)
-            task.add_done_callback(self._notifies.discard)
+    def _expired(self, key: HoldKey) -> None:
+        self.uncommitted += 1
+        logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
+        task = asyncio.ensure_future(self._notify())  # wake admissions waiting on the quota
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
 
     def _add_grads(self, grads: list[Grads]) -> None:
         params = self._params()
@@ -345,20 +334,21 @@ class StageWorker:
         return await asyncio.shield(self._commit(keys))
 
     async def _commit(self, keys: list[HoldKey]) -> int:
-        popped = [(k, self._held.pop(k, None)) for k in keys]
-        held = [h for _, h in popped if h is not None]
-        if not held:
+        popped = self._held.pop(keys)
+        if not popped:
             return 0
-        for h in held:
-            h.expiry.cancel()
-        await self.run(self._add_grads, [h.grads for h in held])
-        self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, h in popped if h is not None)
-        for h in held:
+        now = [h for _, h in popped if h.step <= self.steps_total]
+        for _, h in popped:
+            if h.step > self.steps_total:  # ran ahead and this step is not applied yet: the next one's
+                self.lookahead.hold(h.grads, h.batch)
+        if now:  # after the holds above: a step that runs meanwhile promotes those
+            await self.run(self._add_grads, [h.grads for h in now])
+        self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, _ in popped)
+        for h in now:
             self._finished(h.batch)
-            if h.loss is not None:
-                self.losses.append(h.loss)
+        self.losses.extend(h.loss for _, h in popped if h.loss is not None)
         await self._notify()
-        return len(held)
+        return len(popped)
 
     def take_committed(self) -> list[str]:
         """The microbatches committed since the last call ("driver:id", driver's last 8 characters)."""
@@ -369,10 +359,11 @@ class StageWorker:
     def held(self) -> int:
         return len(self._held)
 
-    def _loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool, slot: Slot = PLAIN
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input as used, loss); a non-finite training loss raises NonFiniteLoss (not trained on)."""
         assert self.loss_fn is not None
-        x, y = self._forward(x, train)
+        x, y = self._forward(x, train, slot)
         loss = self.loss_fn(y, targets.to(self.device))
         if train and not torch.isfinite(loss):
             raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
@@ -442,7 +433,8 @@ class StageWorker:
                     # nothing of this step between its forward and its backward, and nothing computed
                     # but uncommitted: a held gradient belongs to the parameters it was computed with
                     # (microbatches admitted ahead run against their stash, not these parameters)
-                    await self._cond.wait_for(lambda: self._in_flight == self._in_flight_ahead and not self._held)
+                    await self._cond.wait_for(lambda: self._in_flight == self._in_flight_ahead
+                                              and not self._held.count(self.steps_total))
                     if not await self.run(self._timed_step):
                         self.skipped_steps += 1
                         logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
@@ -508,7 +500,5 @@ class StageWorker:
         return self._paused
 
     def close(self) -> None:
-        for held in self._held.values():
-            held.expiry.cancel()
         self._held.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)

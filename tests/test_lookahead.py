@@ -179,3 +179,51 @@ def test_cancelled_ahead_microbatches_leave_no_count() -> None:
         await asyncio.wait_for(w.pause(), 2.0)
         w.close()
     asyncio.run(main())
+
+
+def test_a_later_stage_holds_what_ran_ahead_until_commit_and_its_step() -> None:
+    async def main() -> None:
+        w = make_worker()
+        w.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
+        start = copy.deepcopy(w.module)
+        data = batches(4)
+        gates = [w.admitted(wait=False, ahead=True) for _ in range(4)]
+        slots = [await g.__aenter__() for g in gates]
+        assert [s.ahead for s in slots] == [False, False, True, True]
+        keys = [("driver", i, 0) for i in range(4)]
+        for i in (2, 3, 0, 1):  # the next step's two are answered first
+            await w.forward_loss_held(keys[i], *data[i], slot=slots[i])
+            await gates[i].__aexit__(None, None, None)
+        assert w.held == 4
+        assert await w.commit([keys[2], keys[3]]) == 2
+        assert w.lookahead.held == 2 and w.accumulated == 0, "committed ahead: waiting for this step, not in it"
+        assert not await w.maybe_step()
+        assert await w.commit([keys[0], keys[1]]) == 2 and w.accumulated == 2
+        assert await w.maybe_step() and w.steps_total == 2, "this step, then the next one the ahead pair fills"
+        want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (start, data[3])]])
+        for p, q in zip(w.module.parameters(), want.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        w.close()
+    asyncio.run(main())
+
+
+def test_uncommitted_ahead_microbatches_block_only_their_own_step() -> None:
+    async def main() -> None:
+        w = make_worker()
+        w.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
+        data = batches(3)
+        gates = [w.admitted(wait=False, ahead=True) for _ in range(3)]
+        slots = [await g.__aenter__() for g in gates]
+        keys = [("driver", i, 0) for i in range(3)]
+        for i in range(3):
+            await w.forward_loss_held(keys[i], *data[i], slot=slots[i])
+            await gates[i].__aexit__(None, None, None)
+        await w.commit(keys[:2])
+        assert await asyncio.wait_for(w.maybe_step(), 5), "an uncommitted microbatch of the next step does not hold this one"
+        assert w.steps_total == 1 and w.held == 1
+        assert not await w.maybe_step(force=True), "nothing of step 1 is committed yet"
+        await w.commit([keys[2]])
+        assert w.accumulated == 1
+        assert await w.maybe_step(force=True) and w.steps_total == 2
+        w.close()
+    asyncio.run(main())
