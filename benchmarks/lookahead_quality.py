@@ -1,17 +1,17 @@
 """What one-step-stale stage-0 gradients (pipeline.lookahead) cost per sample: one process, no
 network, one CPU thread.
 
-    python benchmarks/lookahead_quality.py [--ahead 0 2 4] [--steps 500] [--quick]
+    python benchmarks/lookahead_quality.py [--ahead 0 2 4] [--stale-stages 0,1] [--steps 500] [--quick]
 
 The reference task (byte-level GPT, d_model 128, 4 layers, 4 heads, seq_len 128, two stages of two
 layers; the Python stdlib's .py files; AdamW lr 2e-3, betas (0.9, 0.95), wd 0.1, clip 1.0 per stage;
 50 warmup steps then cosine to 10 %; 500 steps of 4 microbatches of 16 = 32,000 samples), trained as
 the 2-stage pipeline trains it with one replica per stage, without rounds. With `--ahead A`, the
-first A microbatches of every step after the first ran ahead: stage 0 computed them against the
-stash peer/lookahead.py keeps (its weights before the previous step was applied), exactly as a
-driver with lookahead does, so their stage-0 gradients are one step stale; stage 1 is exact. A = 4
-is the bound (in a swarm the last step of each round never runs ahead, and a driver's `pipeline`
-events report the share that did: `ahead_share`). Every variant starts from the same weights and
+first A microbatches of every step after the first ran ahead: each stage of `--stale-stages`
+computed them against the stash peer/lookahead.py keeps (its weights before the previous step was
+applied), exactly as a replica with lookahead does, so their gradients there are one step stale.
+A = 4 is the bound (in a swarm the last step of each round never runs ahead at the driver, and a
+driver's `pipeline` events report the share that did: `ahead_share`). Every variant starts from the same weights and
 sees the same batches; val bits/byte on 16 × 32 held-out windows (benchmarks/boundary_codecs.py's
 evaluation).
 """
@@ -40,8 +40,10 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(ahead: int, steps: int, microbatches: int, size: int, warmup: int, val_batches: int) -> tuple[float, float]:
-    """(val bits/byte, seconds) after `steps` steps with `ahead` stale microbatches per step."""
+def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, size: int, warmup: int,
+          val_batches: int) -> tuple[float, float]:
+    """(val bits/byte, seconds) after `steps` steps with `ahead` microbatches per step stale on the
+    stages `stale`."""
     torch.set_num_threads(1)
     train_data, val_data = load_corpora("stdlib")
     val = validation_batches(val_data, 128, 32, val_batches, seed=0)
@@ -49,29 +51,33 @@ def train(ahead: int, steps: int, microbatches: int, size: int, warmup: int, val
     staged = from_manifest(from_dict(REFERENCE))
     s0, s1 = staged.build_stage(0), staged.build_stage(1)
     opts = [torch.optim.AdamW(s.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1) for s in (s0, s1)]
-    look = Lookahead(s0)
+    looks = [Lookahead(s0), Lookahead(s1)]
     stream = MicrobatchStream(train_data, 128, size, seed=1000)
     started = time.perf_counter()
-    stash = None  # stage 0's weights before the previous step was applied
+    stashes: list = [None, None]  # each stage's weights before the previous step was applied
     for step in range(steps):
         for opt in opts:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, 2e-3, warmup)
         for j in range(microbatches):
             x, y = next(stream)
-            stale = stash is not None and j < ahead
-            h = look.forward(stash, x) if stale else s0(x)
+            use = [stashes[k] if k in stale and stashes[k] is not None and j < ahead else None for k in (0, 1)]
+            h = looks[0].forward(use[0], x) if use[0] is not None else s0(x)
             h_in = h.detach().requires_grad_(True)
-            loss = staged.loss_fn(s1(h_in), y) / microbatches
-            loss.backward()
-            if stale:
-                grads, _ = look.grads(stash, x, h, h_in.grad)
-                for p, g in zip(s0.parameters(), grads):
-                    if g is not None:
-                        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+            out = looks[1].forward(use[1], h_in) if use[1] is not None else s1(h_in)
+            loss = staged.loss_fn(out, y) / microbatches
+            if use[1] is not None:
+                grads, grad_h = looks[1].grads(use[1], h_in, loss, torch.ones_like(loss))
+                add(s1, grads)
             else:
-                h.backward(h_in.grad)
-        stash = look.stash(step + 1)  # before this step's update: what the next step's ahead ones use
+                loss.backward()
+                grad_h = h_in.grad
+            if use[0] is not None:
+                add(s0, looks[0].grads(use[0], x, h, grad_h)[0])
+            else:
+                h.backward(grad_h)
+        # before this step's update: what the next step's ahead microbatches run against
+        stashes = [looks[k].stash(step + 1) if k in stale else None for k in (0, 1)]
         for s, opt in zip((s0, s1), opts):
             torch.nn.utils.clip_grad_norm_(s.parameters(), 1.0)
             opt.step()
@@ -81,10 +87,17 @@ def train(ahead: int, steps: int, microbatches: int, size: int, warmup: int, val
     return bits_per_byte(sum(losses) / len(losses)), time.perf_counter() - started
 
 
+def add(module: torch.nn.Module, grads: list) -> None:
+    for p, g in zip(module.parameters(), grads):
+        if g is not None:
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ahead", type=int, nargs="+", default=[0, 2, 4],
                    help="microbatches per step that ran ahead (0: exact, the baseline)")
+    p.add_argument("--stale-stages", default="0,1", help="the stages whose ahead microbatches are stale (default 0,1)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch")
     p.add_argument("--warmup", type=int, default=50)
@@ -98,10 +111,13 @@ def main() -> None:
         steps, warmup, microbatches, size, val = 20, 2, 2, 8, 2
     if any(a < 0 or a > microbatches for a in args.ahead):
         p.error(f"--ahead: between 0 and {microbatches}")
-    print(f"{steps} steps of {microbatches} x {size} samples; ahead = microbatches per step whose stage-0 gradient "
-          f"is one step stale", flush=True)
+    stale = tuple(int(k) for k in args.stale_stages.split(","))
+    if any(k not in (0, 1) for k in stale):
+        p.error("--stale-stages: of 0,1")
+    print(f"{steps} steps of {microbatches} x {size} samples; ahead = microbatches per step whose gradients on "
+          f"stage(s) {args.stale_stages} are one step stale", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {a: pool.submit(train, a, steps, microbatches, size, warmup, val) for a in args.ahead}
+        futures = {a: pool.submit(train, a, stale, steps, microbatches, size, warmup, val) for a in args.ahead}
         results = {a: f.result() for a, f in futures.items()}
     base = results.get(0, (math.nan, 0))[0]
     print("| ahead per step | stale share | val bits/byte | vs exact | s |")

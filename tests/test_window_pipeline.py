@@ -42,3 +42,28 @@ def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None
     assert evals[0]["val_loss"] > 7.0, "an untrained byte model scores about 8 bits/byte"
     assert evals[-1]["final"] and evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
     assert driver.events("eval")[-1]["lost"] == 0
+
+
+def test_three_stage_pipeline_with_lookahead_trains_every_microbatch_once(local_swarm) -> None:
+    """pipeline.lookahead on every stage (peer/lookahead.py), over wall-clock rounds (so rounds end
+    with microbatches ahead in flight): the next step's microbatches run ahead, every microbatch is
+    trained on once at every stage, and the pipeline learns."""
+    manifest = small_manifest(model={"n_layers": 3}, stages={"count": 3}, pipeline={"max_in_flight": 4, "lookahead": True},
+                              inner={"microbatches_per_step": 2})
+    swarm: LocalSwarm = local_swarm(manifest)
+    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "10")
+    later = [swarm.start(s, "--max-rounds", "4", "--linger", "10") for s in (1, 2)]
+    codes = swarm.wait_exit(200)
+    assert codes == [0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+
+    reports = driver.events("pipeline")
+    assert any(r["ahead_share"] > 0 for r in reports), reports
+    assert all(0.0 <= r["ahead_share"] <= 1.0 for r in reports)
+    for peer in later:
+        rounds = peer.events("round")
+        committed = [c for e in rounds for c in e["committed"]]
+        assert committed and len(committed) == len(set(committed)), f"{peer.name}: a microbatch trained twice"
+        assert rounds[-1]["uncommitted"] == 0, peer.log_tail()
+    evals = sorted((e for e in driver.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
+    assert evals[-1]["final"] and evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+    assert driver.events("eval")[-1]["lost"] == 0
