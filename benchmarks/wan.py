@@ -18,7 +18,9 @@ children and p2pd not counted) over (processes x wall); all processes share this
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
 2 microbatches of 32 per step, fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
 codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
-than fp32), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync, hm-local.
+than fp32), swarmgrad-pipe-la (swarmgrad-pipe with `pipeline.lookahead`: the next step's microbatches
+go out while this one drains, one step stale), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync,
+hm-local.
 Without root or `ip netns` the script says why and exits 0.
 """
 from __future__ import annotations
@@ -52,8 +54,8 @@ from swarmgrad.peer.png import Canvas  # noqa: E402
 from swarmgrad.peer.state import load_checkpoint  # noqa: E402
 
 REFERENCE = HERE.parent / "examples" / "reference.toml"
-SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-2x2")
-PIPELINES = ("swarmgrad-pipe", "swarmgrad-pipe-c")
+SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la", "swarmgrad-2x2")
+PIPELINES = ("swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la")
 """The systems with one peer per stage (one driver, nothing to average)."""
 COMPRESSED_BOUNDARY = {"activation_codec": "lowrank:rank=32", "gradient_codec": "hadamard:bits=4,stochastic=true"}
 BASELINES = ("ddp", "hm-sync", "hm-local")
@@ -176,6 +178,8 @@ def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
     if system in PIPELINES:
         m = m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
+        if system == "swarmgrad-pipe-la":
+            return m.replace(pipeline={"lookahead": True})
         return m.replace(pipeline=COMPRESSED_BOUNDARY) if system == "swarmgrad-pipe-c" else m
     if system == "swarmgrad-2x2":
         return m.replace(stages={"count": 2})
