@@ -41,9 +41,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, size: int, warmup: int,
-          val_batches: int) -> tuple[float, float]:
-    """(val bits/byte, seconds) after `steps` steps with `ahead` microbatches per step stale on the
-    stages `stale`."""
+          val_batches: int, trace: int = 0) -> tuple[float, float, list[float]]:
+    """(val bits/byte, seconds, training bits/byte averaged over every `trace` steps) after `steps`
+    steps with `ahead` microbatches per step stale on the stages `stale`."""
     torch.set_num_threads(1)
     train_data, val_data = load_corpora("stdlib")
     val = validation_batches(val_data, 128, 32, val_batches, seed=0)
@@ -55,6 +55,7 @@ def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, siz
     stream = MicrobatchStream(train_data, 128, size, seed=1000)
     started = time.perf_counter()
     stashes: list = [None, None]  # each stage's weights before the previous step was applied
+    train_losses: list[float] = []
     for step in range(steps):
         for opt in opts:
             for group in opt.param_groups:
@@ -66,6 +67,7 @@ def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, siz
             h_in = h.detach().requires_grad_(True)
             out = looks[1].forward(use[1], h_in) if use[1] is not None else s1(h_in)
             loss = staged.loss_fn(out, y) / microbatches
+            train_losses.append(loss.item() * microbatches)
             if use[1] is not None:
                 grads, grad_h = looks[1].grads(use[1], h_in, loss, torch.ones_like(loss))
                 add(s1, grads)
@@ -84,7 +86,10 @@ def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, siz
             opt.zero_grad(set_to_none=True)
     with torch.no_grad():
         losses = [float(staged.loss_fn(s1(s0(x)), y)) for x, y in val]
-    return bits_per_byte(sum(losses) / len(losses)), time.perf_counter() - started
+    per = trace * microbatches
+    curve = [bits_per_byte(sum(train_losses[i:i + per]) / per) for i in range(0, len(train_losses) - per + 1, per)] \
+        if trace else []
+    return bits_per_byte(sum(losses) / len(losses)), time.perf_counter() - started, curve
 
 
 def add(module: torch.nn.Module, grads: list) -> None:
@@ -103,6 +108,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--jobs", type=int, default=1, help="variants trained at once, one process and thread each")
+    p.add_argument("--trace", type=int, default=0, help="also print the training bits/byte averaged over every N steps")
     p.add_argument("--quick", action="store_true", help="smoke run: 20 steps of 2 x 8, 2 validation batches")
     args = p.parse_args()
     microbatches, size = (int(v) for v in args.shape.split("x"))
@@ -117,14 +123,18 @@ def main() -> None:
     print(f"{steps} steps of {microbatches} x {size} samples; ahead = microbatches per step whose gradients on "
           f"stage(s) {args.stale_stages} are one step stale", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {a: pool.submit(train, a, stale, steps, microbatches, size, warmup, val) for a in args.ahead}
+        futures = {a: pool.submit(train, a, stale, steps, microbatches, size, warmup, val, args.trace)
+                   for a in args.ahead}
         results = {a: f.result() for a, f in futures.items()}
-    base = results.get(0, (math.nan, 0))[0]
+    base = results.get(0, (math.nan, 0, []))[0]
     print("| ahead per step | stale share | val bits/byte | vs exact | s |")
     print("| --- | --- | --- | --- | --- |")
-    for a, (bpb, seconds) in results.items():
+    for a, (bpb, seconds, _) in results.items():
         print(f"| {a} of {microbatches} | {a / microbatches:.2f} | {bpb:.4f} | {100 * (bpb - base) / base:+.2f} % "
               f"| {seconds:.0f} |")
+    for a, (_, _, curve) in results.items():
+        if curve:
+            print(f"training bits/byte every {args.trace} steps, {a} ahead: " + " ".join(f"{v:.2f}" for v in curve))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ when a microbatch of the next round arrives, and its pause first steps what ran 
 averaging still sees every replica at rest. A stash costs one copy of the stage's parameters
 while any microbatch that ran against it is in flight.
 
+Measured (README, "Lookahead across inner steps"): over 20 Mbit the reference pipeline trains
+1.17-1.19x the samples/s, but at its learning rate one step of staleness costs +20 % val
+bits/byte at equal samples with half the microbatches ahead: off by default. It may pay where
+one update moves the weights less (lower learning rates); that is not measured here.
+
 Pure tensor code: the worker owns the counts and the gate (peer/worker.py).
 """
 from __future__ import annotations

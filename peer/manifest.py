@@ -145,10 +145,10 @@ class PipelineConfig:
     (peer/window.py), which keeps as many as its measured link and compute need. Placement
     reserves memory for this many microbatches' activations."""
     lookahead: bool = False
-    """Drivers start the next inner step's microbatches while this step drains, against a stash of
-    the stage-0 weights (PipeDream-2BW): the pipeline stays full across steps, and stage 0's first
-    gradients of each step are one step stale (peer/lookahead.py). Off: every gradient is exact.
-    Never across a round boundary."""
+    """Replicas take the next inner step's microbatches while this step drains, against a stash of
+    their weights (PipeDream-2BW): the link stays busier across steps, and those microbatches'
+    gradients are one step stale (peer/lookahead.py). Off: every gradient is exact. On the reference
+    task the staleness costs far more per sample than the speed gains (README)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
     max_message_mb: float = 256.0
