@@ -20,8 +20,9 @@ while any microbatch that ran against it is in flight.
 
 Measured (README, "Lookahead across inner steps"): over 20 Mbit the reference pipeline trains
 1.17-1.19x the samples/s, but at its learning rate one step of staleness costs +20 % val
-bits/byte at equal samples with half the microbatches ahead: off by default. It may pay where
-one update moves the weights less (lower learning rates); that is not measured here.
+bits/byte at equal samples with half the microbatches ahead: off by default, experimental. It
+is here so that the trade can be measured on other models (benchmarks/pipeline_link.py,
+benchmarks/lookahead_quality.py, benchmarks/wan.py's swarmgrad-pipe-la).
 
 Pure tensor code: the worker owns the counts and the gate (peer/worker.py).
 """
