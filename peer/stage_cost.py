@@ -9,7 +9,7 @@ Placement (``placement.py``) needs three figures per stage, all derived from the
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
   momentum, AdamW's two moments, gradients, the error-feedback residual of the round codec
   (when enabled), the activations kept for backward of ``pipeline.max_in_flight``
-  microbatches, and on stage 0 with ``pipeline.lookahead`` a stash of the weights. A peer
+  microbatches, and with ``pipeline.lookahead`` a stash of the weights. A peer
   offering less than M_s cannot serve the stage.
 - ``state_bytes``: what a mover or joiner downloads (θ_global + outer momentum, fp32).
 
@@ -53,8 +53,8 @@ class MemoryNeed:
     averaging.reducer_feedback, the reducer's (up to the whole stage: a replica alone reduces it all)."""
     activations: int
     stash: int = 0
-    """Stage 0 with pipeline.lookahead: the copy of the weights the next step's microbatches run
-    against (peer/lookahead.py)."""
+    """With pipeline.lookahead (2+ stages): the copy of the weights the next step's microbatches
+    run against (peer/lookahead.py)."""
 
     @property
     def total(self) -> int:
@@ -112,13 +112,13 @@ def _gpt_activation_bytes_per_sample(m: Manifest, stage: int) -> int:
     return FP32 * per_token * t
 
 
-def _memory(m: Manifest, stage: int, params: int, activations_per_sample: int) -> MemoryNeed:
+def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed:
     p = FP32 * params
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
     return MemoryNeed(weights=p, theta_global=p, momentum=p, adam=2 * p, grads=p,
                       residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
                       activations=in_flight * activations_per_sample,
-                      stash=p if m.pipeline.lookahead and stage == 0 and m.stages.count > 1 else 0)
+                      stash=p if m.pipeline.lookahead and m.stages.count > 1 else 0)
 
 
 def _spec_bytes(spec: tuple[tuple[int, ...], object]) -> int:
@@ -159,6 +159,6 @@ def stage_costs(manifest: Manifest, model: "StagedModel | None" = None) -> tuple
         method = "params"
     mean = sum(flops) / n
     return tuple(StageCost(stage=s, params=params[s], flops_per_sample=flops[s], cost=flops[s] / mean,
-                           memory=_memory(manifest, s, params[s], acts[s]), state_bytes=2 * FP32 * params[s],
+                           memory=_memory(manifest, params[s], acts[s]), state_bytes=2 * FP32 * params[s],
                            method=method)
                  for s in range(n))

@@ -1,6 +1,7 @@
 """Lookahead (pipeline.lookahead) in the stage worker, in-process: the next step's microbatches run
 against a stash of the weights, their gradients are one step stale and join the next step, the gate
-never admits them across a round boundary, and nothing is lost at a pause (no network)."""
+never admits them across a round boundary, nothing is lost at a pause, and placement counts the
+stash's memory (no network)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,10 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.launcher import small_manifest
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.stage_cost import stage_costs
 from swarmgrad.peer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -227,3 +230,11 @@ def test_uncommitted_ahead_microbatches_block_only_their_own_step() -> None:
         assert await w.maybe_step(force=True) and w.steps_total == 2
         w.close()
     asyncio.run(main())
+
+
+def test_placement_counts_the_stash_with_lookahead() -> None:
+    off = stage_costs(small_manifest())
+    on = stage_costs(small_manifest(pipeline={"lookahead": True}))
+    for a, b in zip(off, on):
+        assert a.memory.stash == 0 and b.memory.stash == 4 * b.params
+        assert b.memory.total == a.memory.total + b.memory.stash
