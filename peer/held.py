@@ -21,7 +21,7 @@ HoldKey = tuple[str, int, int]
 """(driver peer id, microbatch id, attempt): one trip of one microbatch."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: gradients are tensors
 class Held:
     grads: list[torch.Tensor | None]
     batch: int

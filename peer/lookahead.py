@@ -37,7 +37,7 @@ from torch.func import functional_call
 Grads = list[torch.Tensor | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: a stash is tensors
 class Slot:
     """A microbatch's place in flight: the inner step its gradient goes into, and the weights it
     runs against (None: the live parameters; else a stash of them, a step older than that)."""
@@ -52,7 +52,7 @@ class Slot:
 
 
 PLAIN = Slot(step=-1)
-"""An evaluation's slot: no gradient, live parameters."""
+"""The slot of an evaluation (and of a caller that passes none): live parameters."""
 
 
 class Lookahead:

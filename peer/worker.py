@@ -76,7 +76,7 @@ class StageWorker:
         self._in_flight_train = 0
         """Training microbatches in flight for the current inner step."""
         self._in_flight_ahead = 0
-        """Training microbatches in flight for the next inner step (pipeline.lookahead, drivers)."""
+        """Training microbatches in flight for the next inner step (pipeline.lookahead)."""
         self.lookahead = Lookahead(self.module)
         self._paused = False
         self._stepping = False
@@ -171,8 +171,8 @@ class StageWorker:
         A training microbatch is also held back while this inner step's quota is taken (what has
         accumulated plus what is in flight reaches inner.microbatches_per_step): every inner step
         then averages exactly that many microbatches, as a plain optimiser step would. With
-        `ahead` (a driver with pipeline.lookahead) it may instead take a place in the next step's
-        quota, unless this step ends the round (peer/lookahead.py). The slot says which; pass it
+        `ahead` (pipeline.lookahead) it may instead take a place in the next step's quota, unless
+        this step ends the round (peer/lookahead.py). The slot says which; pass it
         to `forward` and `backward`.
         """
         quota = self.cfg.microbatches_per_step
