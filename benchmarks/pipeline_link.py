@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
     p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch (default 4x16)")
     p.add_argument("--max-in-flight", type=int, default=4, help="pipeline.max_in_flight (default 4)")
+    p.add_argument("--backup-every", type=int, default=None,
+                   help="averaging.backup_every (default: the reference manifest's, 1; 0: no backups)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each variant per link, alternating (default 1)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 steps per run")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here")
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.inner_steps)
     per_step, size = (int(x) for x in args.shape.split("x"))
     m = manifest(steps, per_step, size, args.max_in_flight)
+    if args.backup_every is not None:
+        m = m.replace(averaging={"backup_every": args.backup_every})
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
     code = snapshot(args.before) if "before" in variants else None
     print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree, lookahead = "
