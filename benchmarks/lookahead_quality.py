@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
-from swarmgrad.peer.lookahead import Lookahead
+from swarmgrad.peer.lookahead import Lookahead, grads_wrt
 from swarmgrad.peer.manifest import from_dict
 from swarmgrad.peer.model import from_manifest
 
@@ -69,13 +69,13 @@ def train(ahead: int, stale: tuple[int, ...], steps: int, microbatches: int, siz
             loss = staged.loss_fn(out, y) / microbatches
             train_losses.append(loss.item() * microbatches)
             if use[1] is not None:
-                grads, grad_h = looks[1].grads(use[1], h_in, loss, torch.ones_like(loss))
+                grads, grad_h = grads_wrt(loss, looks[1].leaves(use[1]), h_in, None)
                 add(s1, grads)
             else:
                 loss.backward()
                 grad_h = h_in.grad
             if use[0] is not None:
-                add(s0, looks[0].grads(use[0], x, h, grad_h)[0])
+                add(s0, grads_wrt(h, looks[0].leaves(use[0]), x, grad_h)[0])
             else:
                 h.backward(grad_h)
         # before this step's update: what the next step's ahead microbatches run against

@@ -51,6 +51,17 @@ class Slot:
         return self.stash is not None
 
 
+def grads_wrt(out: torch.Tensor, params: list[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor | None
+              ) -> tuple[Grads, torch.Tensor | None]:
+    """Gradients of `out` w.r.t. `params` (live parameters or a stash's leaves) and w.r.t. the
+    input `x` (None unless it requires grad, else on the CPU in fp32), without adding them to .grad."""
+    wrt = params + ([x] if x.requires_grad else [])
+    grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+    grad_x = grads[len(params)] if x.requires_grad else None
+    return [None if g is None else g.detach() for g in grads[:len(params)]], \
+        (None if grad_x is None else grad_x.detach().to("cpu", torch.float32))
+
+
 PLAIN = Slot(step=-1)
 """The slot of an evaluation (and of a caller that passes none): live parameters."""
 
@@ -81,16 +92,6 @@ class Lookahead:
 
     def forward(self, stash: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.module, stash, (x,))
-
-    def grads(self, stash: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor
-              ) -> tuple[Grads, torch.Tensor | None]:
-        """Gradients w.r.t. the stashed weights (in the order of the module's trainable
-        parameters) and w.r.t. the input (None unless it requires grad)."""
-        leaves = self.leaves(stash)
-        wrt = leaves + ([x] if x.requires_grad else [])
-        out = torch.autograd.grad(y, wrt, grad_outputs=grad_y.to(y.device, y.dtype), allow_unused=True)
-        grad_x = out[len(leaves)].detach().to("cpu", torch.float32) if x.requires_grad else None
-        return [None if g is None else g.detach() for g in out[:len(leaves)]], grad_x
 
     def hold(self, grads: Grads, batch: int) -> None:
         """A microbatch of the next step finished before this step was applied."""

@@ -34,7 +34,7 @@ from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.held import HeldGradients, HoldKey
-from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot
+from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot, grads_wrt
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
@@ -251,7 +251,7 @@ class StageWorker:
             grad_x = await self.run(self._timed, self._backward, x, y, grad_y)
             self._finished(batch)
             return grad_x
-        grads, grad_x = await self.run(self._timed, self.lookahead.grads, slot.stash, x, y, grad_y)
+        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y, slot)
         if slot.step > self.steps_total:  # checked after the compute: the step may have run meanwhile
             self.lookahead.hold(grads, batch)
         else:
@@ -267,11 +267,7 @@ class StageWorker:
         """Parameter gradients (w.r.t. the slot's stash, if it ran ahead) and the input's,
         computed without adding them to .grad."""
         params = self._params() if slot.stash is None else self.lookahead.leaves(slot.stash)
-        wrt = params + ([x] if x.requires_grad else [])
-        grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
-        grad_x = grads[len(params)] if x.requires_grad else None
-        return [None if g is None else g.detach() for g in grads[:len(params)]], \
-            (None if grad_x is None else grad_x.detach().to("cpu", torch.float32))
+        return grads_wrt(out, params, x, grad_out)
 
     def _backward_held(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, slot: Slot
                        ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
