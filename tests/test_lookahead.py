@@ -61,6 +61,11 @@ def reference(module: nn.Module, steps: list[list[tuple[nn.Module, tuple[torch.T
     return ref
 
 
+def assert_same_weights(module: nn.Module, want: nn.Module) -> None:
+    for p, q in zip(module.parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 async def pass_through(w: StageWorker, x: torch.Tensor, t: torch.Tensor, slot, gate: asyncio.Event | None = None
                        ) -> None:
     xin, y = await w.forward(x, slot=slot)
@@ -98,8 +103,7 @@ def test_next_step_runs_against_a_stash_and_its_gradients_are_one_step_stale() -
         assert w._in_flight == w._in_flight_train == w._in_flight_ahead == 0
         # step 0: its microbatches at the start; step 1: the ahead ones, also taken at the start
         want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (start, data[3])]])
-        for p, q in zip(w.module.parameters(), want.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert_same_weights(w.module, want)
         w.close()
     asyncio.run(main())
 
@@ -126,8 +130,7 @@ def test_an_ahead_microbatch_finishing_after_the_step_joins_the_next_one() -> No
         assert await w.maybe_step() and w.steps_total == 2
         step1 = reference(start, [[(start, data[0]), (start, data[1])]])
         want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (step1, data[3])]])
-        for p, q in zip(w.module.parameters(), want.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert_same_weights(w.module, want)
         w.close()
     asyncio.run(main())
 
@@ -204,8 +207,7 @@ def test_a_later_stage_holds_what_ran_ahead_until_commit_and_its_step() -> None:
         assert await w.commit([keys[0], keys[1]]) == 2 and w.accumulated == 2
         assert await w.maybe_step() and w.steps_total == 2, "this step, then the next one the ahead pair fills"
         want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (start, data[3])]])
-        for p, q in zip(w.module.parameters(), want.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert_same_weights(w.module, want)
         w.close()
     asyncio.run(main())
 
