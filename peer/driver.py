@@ -80,6 +80,8 @@ class Driver:
         self._commits: set[asyncio.Task] = set()
         """Commits on their way (owned here: finished or cancelled when the driver stops)."""
         self.running = False
+        self._lookahead = manifest.pipeline.lookahead and n_stages > 1
+        """Run the next step's microbatches ahead (a whole-model replica has no pipeline to drain)."""
         """True once the driver is sending training microbatches."""
         self.memory_window = memory_window
         """Microbatches whose stage-0 activations the memory this peer offers holds (None: unknown)."""
@@ -211,8 +213,7 @@ class Driver:
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
-        ahead = self.m.pipeline.lookahead and self.n_stages > 1  # a whole-model replica has nothing to drain
-        async with self.worker.admitted(wait=True, train=not eval_only, ahead=ahead) as slot:
+        async with self.worker.admitted(wait=True, train=not eval_only, ahead=self._lookahead) as slot:
             if self.n_stages == 1:
                 try:
                     loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
