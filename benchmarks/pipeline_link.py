@@ -2,7 +2,7 @@
 the code before the adaptive window, by the code now, and by the code now with pipeline.lookahead,
 side by side, unshaped and over 20 Mbit.
 
-    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--variants before,after,lookahead]
+    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--variants before,after,lookahead,...]
                                        [--before REV] [--rounds N] [--quick]
 
 Two peers, one per stage (a driver on stage 0, the loss on stage 1), each in its own network
@@ -15,7 +15,8 @@ item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
 window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
 with `pipeline.lookahead = true` (the next inner step's microbatches go out while this one drains;
-peer/lookahead.py). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
+peer/lookahead.py). `unpaced` pushes each stage's backup after every round (`averaging.backup_link_share`
+1, as before pacing) and `no-backups` never (`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
 first evaluation) is not counted. The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
@@ -57,7 +58,13 @@ from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 BEFORE = "6b832a8"
 """The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
-VARIANTS = ("before", "after", "lookahead")
+VARIANTS = ("before", "after", "lookahead", "unpaced", "no-backups")
+CHANGES: dict[str, dict[str, Any]] = {
+    "lookahead": {"pipeline": {"lookahead": True}},
+    "unpaced": {"averaging": {"backup_link_share": 1.0}},
+    "no-backups": {"averaging": {"backup_every": 0}},
+}
+"""What each working-tree variant changes in the manifest (`after` changes nothing)."""
 RATE_BYTES = {"20mbit": 20e6 / 8}
 NS_PREFIX = "window-"
 SAMPLE_S = 0.1
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
     p.add_argument("--variants", default="before,after,lookahead",
-                   help="comma-separated, of before,after,lookahead (ratios are to the first)")
+                   help="comma-separated, of before,after,lookahead,unpaced,no-backups (ratios are to the first)")
     p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
     p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 for vi, variant in enumerate(variants):
                     print(f"--- {variant} over {link} ({rep + 1}/{args.repeats})", flush=True)
                     try:
-                        vm = m.replace(pipeline={"lookahead": True}) if variant == "lookahead" else m
+                        vm = m.replace(**CHANGES.get(variant, {}))
                         row = run_one(variant, link, code if variant == "before" else None, rounds, vm,
                                       tmp / f"{link}-{variant}-{rep}", subnet=200 + len(VARIANTS) * li + vi,
                                       timeout_s=120 + 60 * rounds)

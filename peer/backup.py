@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from typing import Callable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
@@ -34,6 +35,17 @@ logger = logging.getLogger(__name__)
 
 BACKUP_COPIES = 2
 """Holders per stage: one holder leaving does not lose the backup."""
+
+
+def next_push_at(started: float, took: float, link_share: float) -> float:
+    """When the next backup push may start, after one that started at `started` and took `took`
+    seconds: pushes keep the stage's link busy for at most `link_share` of the time. Pure.
+
+    A push is one message of the whole state (fp32 θ_global and outer momentum, 8 bytes per
+    parameter) that fills the link while it lasts: a pipeline stage's activations or gradients
+    queue behind it. Where a push is quick next to a round (a fast link, long rounds) this still
+    pushes every round; over a slow link it spaces them out rather than stall every round."""
+    return started + took / link_share if link_share < 1.0 else started
 
 
 def backup_holders(run_id: str, stage: int, view: Mapping[int, Sequence[PeerRecord]]) -> list[str]:
@@ -91,15 +103,16 @@ class BackupStore:
 
 
 async def push_backup(rpc: FramedRPC, holder: str, identity: RunIdentity, stage: int, snapshot: StateSnapshot,
-                      timeout: float) -> bool:
+                      timeout: float) -> int:
+    """Bytes of the copy if `holder` took it, else 0."""
     from swarmgrad.peer.state_sync import state_response
     request = pb.BackupPut(envelope=envelope(identity, stage), state=state_response(snapshot))
     try:
         ack = await rpc.call(holder, "put", request, pb.BackupAck, timeout=timeout)
     except RPCFailed as e:
         logger.info("backup of stage %d to %s failed: %s", stage, holder[-8:], e)
-        return False
-    return ack.status == pb.OK
+        return 0
+    return request.ByteSize() if ack.status == pb.OK else 0
 
 
 async def fetch_backup(rpc: FramedRPC, holder: str, identity: RunIdentity, stage: int,
@@ -122,7 +135,8 @@ class BackupPusher:
     committed state to the stage's holders, in a task the replica owns (the round does not wait)."""
 
     def __init__(self, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, stage: int, every: int,
-                 timeout: float, tasks: list[asyncio.Task]):
+                 timeout: float, tasks: list[asyncio.Task], link_share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, emit: Callable[..., None] | None = None):
         self.rpc = rpc
         self.swarm = swarm
         self.identity = identity
@@ -130,7 +144,14 @@ class BackupPusher:
         self.every = every
         self.timeout = timeout
         self.tasks = tasks
+        self.link_share = link_share
+        self.clock = clock
+        self.emit = emit
         self.pushed = 0
+        self.paced = 0
+        """Rounds whose push was skipped because the last push's time, over `link_share`, had
+        not yet passed."""
+        self.due = -float("inf")
 
     def after_round(self, peer_id: str, group: Sequence[str], snapshot: StateSnapshot | None) -> None:
         if not self.every or snapshot is None or not group or peer_id != min(group):
@@ -139,6 +160,9 @@ class BackupPusher:
             return
         if any(not t.done() for t in self.tasks if t.get_name().startswith("backup")):
             return  # the previous push is still going: skip this one rather than pile up
+        if self.clock() < self.due:
+            self.paced += 1
+            return
         self.tasks.append(asyncio.create_task(self._push(snapshot), name=f"backup-{self.stage}"))
 
     async def _push(self, snapshot: StateSnapshot) -> None:
@@ -147,6 +171,16 @@ class BackupPusher:
         except Exception as e:
             logger.info("backup of stage %d skipped: could not read the swarm: %s", self.stage, e)
             return
+        started, landed, sent = self.clock(), [], 0
         for holder in backup_holders(self.identity.run_id, self.stage, view)[:BACKUP_COPIES]:
-            if await push_backup(self.rpc, holder, self.identity, self.stage, snapshot, self.timeout):
-                self.pushed += 1
+            if nbytes := await push_backup(self.rpc, holder, self.identity, self.stage, snapshot, self.timeout):
+                landed.append(holder)
+                sent += nbytes
+        self.pushed += len(landed)
+        if not landed:
+            return  # a push that failed everywhere is tried again next round, not paced
+        took = self.clock() - started
+        self.due = next_push_at(started, took, self.link_share)
+        if self.emit is not None:
+            self.emit("backup", applied_rounds=snapshot.applied_rounds, holders=landed, bytes=sent,
+                      seconds=round(took, 3), next_in_s=round(self.due - self.clock(), 3), paced=self.paced)

@@ -89,6 +89,9 @@ def check(m: Manifest) -> None:
                                                     f"told from the others (got {m.averaging.robust_min_members})")
     if m.averaging.backup_every < 0:
         raise _fail("averaging.backup_every", f"must be >= 0, 0 disables backups (got {m.averaging.backup_every})")
+    if not 0.0 < m.averaging.backup_link_share <= 1.0:
+        raise _fail("averaging.backup_link_share", f"must be in (0, 1], 1 does not pace backups "
+                                                   f"(got {m.averaging.backup_link_share})")
     if not 1 <= m.averaging.max_weight_ratio < math.inf:
         raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)

@@ -168,7 +168,9 @@ class Replica:
                                   after_round=self.driving.after_round if self.driving else None,
                                   byzantine=ctx.byzantine, overlap=m.rounds.overlap,
                                   backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
-                                                       m.averaging.backup_every, t.state_download, self.tasks))
+                                                       m.averaging.backup_every, t.state_download, self.tasks,
+                                                       link_share=m.averaging.backup_link_share,
+                                                       emit=self.events.emit))
 
         await presence.announce()
         await sync.join()

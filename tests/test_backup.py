@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from swarmgrad.peer.backup import BackupStore, backup_holders
+from swarmgrad.peer.backup import BackupPusher, BackupStore, backup_holders, next_push_at
 from swarmgrad.peer.manifest import OuterOptConfig
 from swarmgrad.peer.state import StageState
 from swarmgrad.peer.state_sync import state_response
@@ -63,4 +63,54 @@ def test_store_keeps_the_newest_valid_copy_and_serves_it() -> None:
         with pytest.raises(ProtocolError):  # another run's backup
             await store.handle_put(pb.BackupPut(envelope=envelope(RunIdentity("x", "h" * 32), 1),
                                                 state=state_response(state.snapshot)), None)
+    asyncio.run(main())
+
+
+def test_pushes_keep_the_link_busy_for_at_most_their_share() -> None:
+    assert next_push_at(100.0, 2.0, 0.05) == pytest.approx(140.0)
+    assert next_push_at(100.0, 2.0, 1.0) == 100.0  # no pacing: every round that asks
+    assert next_push_at(100.0, 0.01, 0.05) == pytest.approx(100.2)  # a quick push paces nothing at round scale
+
+
+class TimedHolder:
+    """Takes every copy; each put takes `seconds` of the pusher's clock (the link it fills)."""
+
+    def __init__(self, now: list[float], seconds: float):
+        self.now, self.seconds, self.puts = now, seconds, []
+
+    async def call(self, holder, method, request, response_type, timeout):
+        self.now[0] += self.seconds
+        self.puts.append((holder, request.state.applied_rounds))
+        return pb.BackupAck(status=pb.OK)
+
+
+class OneView:
+    async def swarm(self):
+        return {0: [rec("driver", 0)], 1: [rec("me", 1)]}
+
+
+def test_a_slow_push_skips_the_rounds_its_share_does_not_cover() -> None:
+    async def main() -> None:
+        now, events, tasks = [0.0], [], []
+        holder = TimedHolder(now, seconds=2.0)
+        pusher = BackupPusher(holder, OneView(), ID, 1, every=1, timeout=5.0, tasks=tasks, link_share=0.1,
+                              clock=lambda: now[0], emit=lambda event, **f: events.append(f))
+        state = make_state()
+        for k in range(1, 8):  # a round every 10 s; a push takes 2 s, so one every 20 s at most
+            state.apply_outer({n: torch.ones(s) for n, s in state.shapes.items()}, total_weight=1)
+            state.commit(k)
+            pusher.after_round("me", ["me", "other"], state.snapshot)
+            await asyncio.gather(*tasks)
+            now[0] += 10.0
+        assert [r for _, r in holder.puts] == [1, 3, 5, 7]
+        assert pusher.paced == 3 and pusher.pushed == 4
+        assert events[0]["seconds"] == pytest.approx(2.0) and events[0]["next_in_s"] == pytest.approx(18.0)
+        assert events[0]["holders"] == ["driver"] and events[0]["bytes"] > 0
+        now[0] += 100.0  # long after the last push: only the group's first member pushes
+        pusher.after_round("other", ["me", "other"], state.snapshot)
+        assert len(tasks) == 4
+        pusher.after_round("me", ["me", "other"], state.snapshot)
+        assert len(tasks) == 5
+        await asyncio.gather(*tasks)
+
     asyncio.run(main())

@@ -19,13 +19,16 @@ def complete_rounds(peer, stage: int) -> list[dict]:
 
 
 def test_empty_stage_is_restored_from_a_backup(local_swarm) -> None:
-    m = small_manifest()
+    # every round's push (no pacing): the check below counts the rounds a restore may lose
+    m = small_manifest(averaging={"backup_link_share": 1.0})
     swarm: LocalSwarm = local_swarm(m)
     driver = swarm.start_first(0)
     victim = swarm.start(1)
     swarm.start(0)  # a second stage-0 replica: two peers that can hold stage 1's backup
     swarm.wait_for(victim, lambda e: len(complete_rounds(victim, 1)) >= 3, 150, "3 trained rounds on stage 1")
     trained = max(e["applied_rounds"] for e in complete_rounds(victim, 1))
+    pushes = victim.events("backup")
+    assert pushes and all(p["bytes"] > 0 and p["holders"] for p in pushes), pushes
     first_eval = min((e for e in driver.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
     victim.kill_group(signal.SIGKILL)
     killed_at = time.time()

@@ -34,8 +34,9 @@ PINNED = {
 # (or to a default) splits old and new peers into different runs: update it only on purpose.
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
-# and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead was added
-PINNED_HASH = "3f49ecfa18e7b80fca719e654b3121d7"
+# and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
+# averaging.backup_link_share were added
+PINNED_HASH = "e0893531326ed80004d06262291ebee3"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -261,6 +262,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.backup_every": [{"backup_every": 2}],
         "averaging.gather_up_to": [{"gather_up_to": 2}],
         "averaging.feedback_decay": [{"feedback_decay": 0.95}],
+        "averaging.backup_link_share": [{"backup_link_share": 0.5}],
     }
     if key in special:
         return [{section: c} for c in special[key]]
@@ -379,6 +381,8 @@ def test_replace_validates() -> None:
     ("data", {"max_bytes": 50}, "data.max_bytes"),
     ("averaging", {"robust_min_members": 2}, "averaging.robust_min_members"),
     ("averaging", {"max_weight_ratio": 0.5}, "averaging.max_weight_ratio"),
+    ("averaging", {"backup_link_share": 0.0}, "averaging.backup_link_share"),
+    ("averaging", {"backup_link_share": 1.5}, "averaging.backup_link_share"),
     ("timeouts", {"announce_ttl": 200.0}, "timeouts.announce_ttl"),
 ])
 def test_absurd_values_are_refused_naming_the_field(section: str, values: dict, field: str) -> None:
