@@ -16,7 +16,8 @@ Variants, in one run: `before` runs `git archive REV` (default: the commit befor
 window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
 with `pipeline.lookahead = true` (the next inner step's microbatches go out while this one drains;
 peer/lookahead.py). `unpaced` pushes each stage's backup after every round (`averaging.backup_link_share`
-1, as before pacing) and `no-backups` never (`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
+1, as before pacing), `paced` keeps the pushes to 5 % of the time (0.05; the default, 0.2, still
+pushes every round of this configuration) and `no-backups` never (`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
 first evaluation) is not counted. The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
@@ -58,10 +59,11 @@ from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 BEFORE = "6b832a8"
 """The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
-VARIANTS = ("before", "after", "lookahead", "unpaced", "no-backups")
+VARIANTS = ("before", "after", "lookahead", "unpaced", "paced", "no-backups")
 CHANGES: dict[str, dict[str, Any]] = {
     "lookahead": {"pipeline": {"lookahead": True}},
     "unpaced": {"averaging": {"backup_link_share": 1.0}},
+    "paced": {"averaging": {"backup_link_share": 0.05}},
     "no-backups": {"averaging": {"backup_every": 0}},
 }
 """What each working-tree variant changes in the manifest (`after` changes nothing)."""
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
     p.add_argument("--variants", default="before,after,lookahead",
-                   help="comma-separated, of before,after,lookahead,unpaced,no-backups (ratios are to the first)")
+                   help="comma-separated, of before,after,lookahead,unpaced,paced,no-backups (ratios are to the first)")
     p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
     p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")

@@ -27,6 +27,8 @@ VARIANTS = {
     "full, checks every 30 s (the daemon's until 2026-12-01)": dict(policy="full", check_s=30.0),
     "full, 8 parallel copies": dict(policy="full", backup_copies=8, parallel_push=True),
     "full, no backups": dict(policy="full", backup_copies=0),
+    "full, backups unpaced (before 2026-12-01)": dict(policy="full", backup_link_share=1.0),
+    "full, backups at most 5 % of the link": dict(policy="full", backup_link_share=0.05),
 }
 """Links by device class unless named: data-centre cards around 1 Gbit/s, home cards around
 100 Mbit/s (``SimConfig.hosted_bandwidth_median_mbit``); checks every 15 s (the daemon's

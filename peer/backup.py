@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 
+from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.state import StateSnapshot, state_digest
 from swarmgrad.peer.swarm import ONLINE, PeerRecord, SwarmView
@@ -35,17 +36,6 @@ logger = logging.getLogger(__name__)
 
 BACKUP_COPIES = 2
 """Holders per stage: one holder leaving does not lose the backup."""
-
-
-def next_push_at(started: float, took: float, link_share: float) -> float:
-    """When the next backup push may start, after one that started at `started` and took `took`
-    seconds: pushes keep the stage's link busy for at most `link_share` of the time. Pure.
-
-    A push is one message of the whole state (fp32 θ_global and outer momentum, 8 bytes per
-    parameter) that fills the link while it lasts: a pipeline stage's activations or gradients
-    queue behind it. Where a push is quick next to a round (a fast link, long rounds) this still
-    pushes every round; over a slow link it spaces them out rather than stall every round."""
-    return started + took / link_share if link_share < 1.0 else started
 
 
 def backup_holders(run_id: str, stage: int, view: Mapping[int, Sequence[PeerRecord]]) -> list[str]:
@@ -183,4 +173,4 @@ class BackupPusher:
         self.due = next_push_at(started, took, self.link_share)
         if self.emit is not None:
             self.emit("backup", applied_rounds=snapshot.applied_rounds, holders=landed, bytes=sent,
-                      seconds=round(took, 3), next_in_s=round(self.due - self.clock(), 3), paced=self.paced)
+                      seconds=round(took, 3), next_in_s=round(max(0.0, self.due - self.clock()), 3), paced=self.paced)

@@ -134,11 +134,12 @@ class AveragingConfig:
     backup_every: int = 1
     """Every this many complete rounds a stage's state is copied to peers of other stages, so the
     stage survives the death of its last replica (peer/backup.py); 0 disables backups."""
-    backup_link_share: float = 0.05
+    backup_link_share: float = 0.2
     """The most of the time a stage's backup pushes may keep its link busy: after a push that took
     d seconds the next waits at least d / this (rounds in between push nothing). A push is the whole
     state in one message and a pipeline's microbatches queue behind it; over a fast link it still
-    goes every `backup_every` rounds. 1: no pacing."""
+    goes every `backup_every` rounds. 1: no pacing. Lower trades fresh copies (warm standbys) for
+    link time: docs/placement.md, "Pacing backups"."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,3 +129,14 @@ def matchmaking_patience(matchmaking: float, round_s: float | None, step_rounds:
     if not step_rounds or not round_s or round_s <= 0:
         return matchmaking
     return min(cap, max(matchmaking, fraction * round_s))
+
+
+def next_push_at(started: float, took: float, link_share: float) -> float:
+    """When the next backup push may start, after one that started at `started` and took `took`
+    seconds: pushes keep the stage's link busy for at most `link_share` of the time. Pure.
+
+    A push is one message of the whole state (fp32 θ_global and outer momentum, 8 bytes per
+    parameter) that fills the link while it lasts: a pipeline stage's activations or gradients
+    queue behind it. Where a push is quick next to a round (a fast link, long rounds) this still
+    pushes every round; over a slow link it spaces them out rather than stall every round."""
+    return started + took / link_share if link_share < 1.0 else started

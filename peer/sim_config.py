@@ -85,6 +85,9 @@ class SimConfig:
     DiLoCo round is minutes of inner steps (H ≈ 500); only the backups' freshness depends on it."""
     backup_every: int = 1
     """``averaging.backup_every``: a stage pushes its committed state every this many rounds."""
+    backup_link_share: float = 0.2
+    """``averaging.backup_link_share``: after a push that took d seconds the stage's next waits
+    d / this (``policy.next_push_at``); 1: no pacing."""
     parallel_push: bool = False
     """Copy i is pushed by the stage's member i (by peer id), all at once; False: the first member
     pushes every copy in turn (as backup.BackupPusher did), so copy K lands K transfers late."""
@@ -115,6 +118,8 @@ class SimConfig:
             raise ValueError("SimConfig.bandwidth_median_mbit must be > 0 and hosted_bandwidth_median_mbit >= 0")
         if not self.round_s > 0 or self.backup_every < 0 or self.backup_copies < 0:
             raise ValueError("SimConfig.round_s must be > 0, backup_every and backup_copies >= 0")
+        if not 0 < self.backup_link_share <= 1:
+            raise ValueError("SimConfig.backup_link_share must be in (0, 1]")
 
 
 @dataclass

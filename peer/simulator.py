@@ -18,7 +18,8 @@ rounds each stage pushes its committed state to its ``backup_copies`` holders (O
 other stages, highest rendezvous hash first, as ``backup.backup_holders``), one copy after the
 other from the group's first member as ``backup.BackupPusher`` does, or one copy per member at
 once (``parallel_push``); a copy takes state bytes / the slower of the two links, and a push is
-skipped while the last one is still going. A copy is *fresh* from its arrival until the next
+skipped while the last one is still going or its pacing (``backup_link_share``, as
+``policy.next_push_at``) has not let the next go. A copy is *fresh* from its arrival until the next
 boundary (the stage has moved on); peers announce their fresh copies (``Replica.fresh``), check
 every ``fresh_check_s`` while they hold one, and a mover whose copy of its target is still fresh
 when it decides joins without a download: it serves after the warm-up alone.
@@ -58,6 +59,7 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.placement import (NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy, check_interval,
                                       choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement_optimum import fluid_bound
+from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.sim_config import DEVICES, SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
@@ -116,6 +118,7 @@ class Simulation:
         self.unrepaired_warm: list[float] = []
         self.warm_moves = 0
         self.pushing_until = [0.0] * len(costs)
+        self.push_due = [0.0] * len(costs)
         """When each stage's backup push in flight ends (a push is skipped while one is going)."""
         self.pushes: dict[int, tuple[int, int]] = {}
         """Push id -> (stage, round boundary) of copies on their way."""
@@ -218,8 +221,8 @@ class Simulation:
             self.averaging_bytes += 2 * len(serving) * self.state_bytes[s] / 8  # int8 of fp32 θ, θ+m = 8 B/param
             if not (cfg.backup_copies and cfg.backup_every and serving and k % cfg.backup_every == 0):
                 continue
-            if self.now < self.pushing_until[s]:
-                continue  # the previous push is still going
+            if self.now < self.pushing_until[s] or self.now < self.push_due[s]:
+                continue  # the previous push is still going, or what it took is not yet paid for
             pushers = sorted(serving, key=lambda p: p.id)
             end = self.now
             for i, holder in enumerate(self._holders(s)):
@@ -233,6 +236,7 @@ class Simulation:
                 self._push(t, "held", holder.id, self.push_counter)
                 self.backup_bytes += self.state_bytes[s]
             self.pushing_until[s] = end
+            self.push_due[s] = next_push_at(self.now, end - self.now, cfg.backup_link_share)
 
     def _held(self, p: _Peer, push: int) -> None:
         stage, k = self.pushes.pop(push)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarmgrad.peer.backup import BackupPusher, BackupStore, backup_holders, next_push_at
+from swarmgrad.peer.backup import BackupPusher, BackupStore, backup_holders
+from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.manifest import OuterOptConfig
 from swarmgrad.peer.state import StageState
 from swarmgrad.peer.state_sync import state_response

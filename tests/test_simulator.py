@@ -107,3 +107,11 @@ def test_hosted_cards_draw_their_links_from_their_own_law_and_nothing_else_chang
     assert 0.3 < len(changed) / len(a) < 0.56  # the data-centre cards: 43 % of the mix
     assert all(faster > slow for slow, faster in changed)
     assert all(p.bandwidth <= 1000e6 / 8 for p in a) and max(q for _, q in changed) > 1000e6 / 8
+
+
+def test_paced_backups_push_less_and_leave_fewer_fresh_copies() -> None:
+    every = simulate(small(backup_link_share=1.0))
+    paced = simulate(small(backup_link_share=0.02))
+    # a push that took d s lets the next go d / 0.02 s later: at these links most rounds push nothing
+    assert 0 < paced.backup_bytes_per_round < every.backup_bytes_per_round / 2
+    assert paced.warm_moves < every.warm_moves
