@@ -6,7 +6,7 @@ keeps its ``k`` entries of largest magnitude (``min(k, len)`` in a short last ch
 holds the union of the members' supports without cutting it again. The kept values are quantised
 against the chunk's scale ``s = max |kept|`` with ``bits`` bits each:
 
-- bits 2, 4, 8: mid-rise codes, one sign bit and ``bits - 1`` magnitude bits, ``L = 2**(bits-1)``
+- bits 2, 3, 4, 8: mid-rise codes, one sign bit and ``bits - 1`` magnitude bits, ``L = 2**(bits-1)``
   levels: ``j = min(L - 1, floor(|x| / s * L))``, decoded as ``±(j + 0.5) / L * s``. Top-k values
   are never small relative to their chunk, so no level is spent on zero.
 - bits 16: ``x / s`` as fp16.
@@ -21,7 +21,7 @@ per-chunk scale keeps low-bit values accurate where magnitudes differ between re
 
 Error budget, per chunk with scale s (kept set S: the k largest |x|, or the non-zeros if k = 0):
 ``x̂ = 0`` off S (every dropped |x| <= every kept |x|); on S, ``|x - x̂| <= s / 2**bits`` for
-bits 2/4/8, ``<= s * 2**-11`` for bits 16, and ``<= max |kept|`` for bits 1 (both ``|x|`` and
+bits 2/3/4/8, ``<= s * 2**-11`` for bits 16, and ``<= max |kept|`` for bits 1 (both ``|x|`` and
 ``m`` are at most that).
 
 Wire layout. Params ``{"chunk": C, "k": k, "bits": b}``; n = numel, nc = ceil(n / C),
@@ -62,7 +62,7 @@ __all__ = ["ChunkTopKCodec", "MAX_CHUNK", "VALUE_BITS"]
 
 MAX_CHUNK = 2**16
 #: allowed value widths
-VALUE_BITS = (1, 2, 4, 8, 16)
+VALUE_BITS = (1, 2, 3, 4, 8, 16)
 
 
 @register
@@ -73,7 +73,7 @@ class ChunkTopKCodec(Codec):
         chunk: values per chunk, in [2, 65536] (default 4096).
         k: entries kept per chunk, in [1, chunk]; 0 keeps every non-zero entry (the reducer's
             mode: sparse input stays exactly as sparse as it is).
-        bits: bits per kept value: 1 (sign x the chunk's mean kept magnitude), 2, 4, 8 (mid-rise
+        bits: bits per kept value: 1 (sign x the chunk's mean kept magnitude), 2, 3, 4, 8 (mid-rise
             codes) or 16 (fp16).
     """
 

@@ -398,3 +398,9 @@ def test_params_must_be_plain_values() -> None:
     with pytest.raises(ManifestError, match="finite"):
         from_dict({"run_id": "x", "model": {"kind": "entry_point", "entry_point": "a.b:c",
                                             "params": {"scale": [1.0, float("inf")]}}})
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_manifest_loads(path: Path) -> None:
+    m = load(path)  # validated when loaded: a field renamed or a bad codec spec fails here
+    assert m.run_id and len(m.hash) == 32
