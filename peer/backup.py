@@ -9,6 +9,10 @@ move. A replica that finds its stage empty (a newcomer, or a peer moving in to r
 holders in that order and restores the newest copy whose digest verifies, instead of starting the
 stage from the seed while every other stage keeps its trained weights.
 
+A push is the whole state in one message, which fills the pusher's link while it lasts (a
+pipeline's microbatches queue behind it), so pushes are paced: after one that took d seconds the
+next waits d / `averaging.backup_link_share` (policy.next_push_at), skipping the rounds between.
+
 Holders keep one copy per stage in memory (the newest by applied rounds), validate it like any
 state download (names, shapes, fp32, bounded counters, recomputed digest) and serve it back.
 """
