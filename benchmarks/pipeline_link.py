@@ -172,7 +172,8 @@ def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest
             subnet: int, timeout_s: float) -> Row:
     row = Row(variant, link)
     workdir.mkdir(parents=True)
-    (workdir / "manifest.toml").write_text(dumps(m))
+    text = dumps(m)
+    (workdir / "manifest.toml").write_text(text if code is None else for_old_code(text, code))
     with netns.WanNet(f"{variant[:3]}{subnet}", 2, LINKS[link], subnet=subnet, name_prefix=NS_PREFIX) as net, \
             NsSwarm(workdir / "manifest.toml", workdir, net.endpoints, code) as swarm:
         sampler = TxSampler(net)
@@ -213,6 +214,23 @@ def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest
             # the interface counters over time, for a look at when the link was busy
             (workdir / "tx.jsonl").write_text("".join(json.dumps([t, v]) + "\n" for t, v in sampler.samples))
     return row
+
+
+def for_old_code(text: str, code: Path) -> str:
+    """The manifest without the fields the snapshot's code does not know (its loader refuses
+    them): fields added since run with that code's own behaviour, which is what `before` means."""
+    probe = ("import dataclasses, json; from swarmgrad.peer import manifest as m; "
+             "print(json.dumps({n: [f.name for f in dataclasses.fields(c)] for n, c in m._SECTIONS.items()}))")
+    known = json.loads(subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(code)},
+                                      capture_output=True, text=True, check=True).stdout)
+    out, section = [], None
+    for line in text.splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif section is not None and "=" in line and line.split("=")[0].strip() not in known.get(section, ()):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def snapshot(rev: str) -> Path:
