@@ -83,6 +83,11 @@ class PeerMetrics:
         self.bans = Counter("swarmgrad_bans", "Bans of a next-stage replica that failed a microbatch", stage,
                             registry=r)
         self.moves = Counter("swarmgrad_moves", "Moves of this peer to another stage", registry=r)
+        self.backups = Counter("swarmgrad_backup_pushes", "Pushes of this stage's committed state to peers of "
+                               "other stages (each to one or more holders)", stage, registry=r)
+        self.backup_seconds = Histogram("swarmgrad_backup_push_seconds", "Wall time of each backup push, all "
+                                        "its holders (what averaging.backup_link_share paces)", stage,
+                                        buckets=AVERAGING_SECONDS_BUCKETS, registry=r)
         if traffic is not None:
             r.register(TrafficCollector(traffic))
         self._server: WSGIServer | None = None
@@ -127,8 +132,13 @@ class PeerMetrics:
     def _on_moved(self, e: dict[str, Any], stage: str) -> None:
         self.moves.inc()
 
+    def _on_backup(self, e: dict[str, Any], stage: str) -> None:
+        self.backups.labels(stage).inc()
+        if _finite(e.get("seconds")):
+            self.backup_seconds.labels(stage).observe(e["seconds"])
+
     _handlers = {"round": _on_round, "eval": _on_eval, "retry": _on_retry, "lost": _on_lost,
-                 "banned": _on_banned, "moved": _on_moved}
+                 "banned": _on_banned, "moved": _on_moved, "backup": _on_backup}
 
     # ------------------------------------------------------------------ serving
 

@@ -104,12 +104,16 @@ def test_peer_metrics_follow_events() -> None:
     events.emit("lost", microbatch=1, attempts=5)
     events.emit("banned", failed_peer="q", seconds=2.0, failures=1)
     events.emit("moved", stage=1, from_stage=0, to_stage=1)
+    events.emit("backup", applied_rounds=3, holders=["q"], bytes=100, seconds=2.4, next_in_s=9.6, paced=0)
     events.emit("online", round=6)  # not a metric: ignored
     assert get("swarmgrad_val_loss", stage="0") == 6.25
     assert get("swarmgrad_microbatch_retries_total", stage="0") == 2
     assert get("swarmgrad_microbatches_lost_total", stage="0") == 1
     assert get("swarmgrad_bans_total", stage="0") == 1
     assert get("swarmgrad_moves_total") == 1
+    assert get("swarmgrad_backup_pushes_total", stage="0") == 1
+    assert get("swarmgrad_backup_push_seconds_bucket", stage="0", le="2.5") == 1
+    assert get("swarmgrad_backup_push_seconds_bucket", stage="0", le="1.0") == 0
 
     traffic.add_sent("activations", 1000)
     traffic.add_recv("averaging", 50)
