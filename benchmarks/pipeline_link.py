@@ -15,9 +15,10 @@ item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
 window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
 with `pipeline.lookahead = true` (the next inner step's microbatches go out while this one drains;
-peer/lookahead.py). `unpaced` pushes each stage's backup after every round (`averaging.backup_link_share`
-1, as before pacing), `paced` keeps the pushes to 5 % of the time (0.05; the default, 0.2, still
-pushes every round of this configuration) and `no-backups` never (`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
+peer/lookahead.py). `unpaced` pushes each stage's backup after every round
+(`averaging.backup_link_share` 1, as before pacing), `paced` keeps the pushes to 5 % of the time
+(0.05; the default, 0.2, still pushes every round of this configuration) and `no-backups` never
+(`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
 first evaluation) is not counted. The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and

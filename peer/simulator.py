@@ -59,8 +59,8 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.placement import (NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy, check_interval,
                                       choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement_optimum import fluid_bound
-from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
+from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.sim_config import DEVICES, SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
@@ -118,8 +118,9 @@ class Simulation:
         self.unrepaired_warm: list[float] = []
         self.warm_moves = 0
         self.pushing_until = [0.0] * len(costs)
-        self.push_due = [0.0] * len(costs)
         """When each stage's backup push in flight ends (a push is skipped while one is going)."""
+        self.push_due = [0.0] * len(costs)
+        """When each stage's next push may start (SimConfig.backup_link_share)."""
         self.pushes: dict[int, tuple[int, int]] = {}
         """Push id -> (stage, round boundary) of copies on their way."""
         self.backup_bytes = 0.0
