@@ -59,10 +59,8 @@ class HeldGradients:
                 out.append((key, held))
         return out
 
-    def count(self, up_to_step: int | None = None) -> int:
-        """Held microbatches (of inner steps up to `up_to_step`, if given)."""
-        if up_to_step is None:
-            return len(self._held)
+    def count(self, up_to_step: int) -> int:
+        """Held microbatches of inner steps up to `up_to_step` (all of them: len())."""
         return sum(1 for h in self._held.values() if h.step <= up_to_step)
 
     def __len__(self) -> int:
