@@ -42,6 +42,7 @@ from swarmgrad.peer.manifest import Manifest, load
 from swarmgrad.peer.model import from_manifest
 from swarmgrad.peer.schedule import lr_multiplier
 from swarmgrad.peer.state import StageState
+from swarmgrad.peer.swarm_adamw import SwarmAdamW
 
 REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 
@@ -62,6 +63,8 @@ class Variant:
     """reduce-ef: the reducer's codec for the mean (default: the members' codec)."""
     small: str = "fp32"
     """The codec of tensors below averaging.small_tensor_threshold."""
+    swarm_moment: bool = False
+    """inner.swarm_second_moment: SwarmAdamW, each step's batch as two microbatches of half the size."""
 
 
 VARIANTS = {v.name: v for v in [
@@ -90,6 +93,11 @@ VARIANTS = {v.name: v for v in [
     Variant("ctk128b1+ef/gather", "chunktopk:chunk=128,k=128,bits=1", exchange="gather"),
     Variant("ctk128b1+ef/reduce-ef", "chunktopk:chunk=128,k=128,bits=1", exchange="reduce-ef"),
     Variant("fp32/sgd1", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0),
+    Variant("fp32/sgd1/swarm-moment", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.0,
+            swarm_moment=True),
+    Variant("ctk256x256b3+ef.95/gather/all/sgd1/swarm-moment", "chunktopk:chunk=256,k=256,bits=3",
+            exchange="gather", small="chunktopk:chunk=256,k=256,bits=3", feedback_decay=0.95, outer_lr=1.0,
+            outer_momentum=0.0, swarm_moment=True),
     # the outer step of plain averaging, stretched: does the data-parallel gap to DDP shrink?
     Variant("fp32/sgd1.4", "fp32", error_feedback=False, outer_lr=1.4, outer_momentum=0.0),
     Variant("fp32/nag1/m0.5", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5),
@@ -137,14 +145,29 @@ def inner_step(m: Manifest, model, mod: torch.nn.Module, opt: torch.optim.Optimi
                y: torch.Tensor, position: int) -> None:
     """One AdamW step as a replica's worker takes it: clip, then the schedule's lr at `position`
     (samples the whole run has trained)."""
-    loss = model.loss_fn(mod(x), y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if isinstance(opt, SwarmAdamW):  # two microbatches of half the batch, each observed, as the worker does
+        params = list(mod.parameters())
+        half = x.shape[0] // 2
+        for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
+            grads = torch.autograd.grad(model.loss_fn(mod(xs), ys), params)
+            opt.observe(grads)
+            for p, g in zip(params, grads):
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        for p in params:
+            p.grad.mul_(0.5)
+    else:
+        model.loss_fn(mod(x), y).backward()
+    clipped = 1.0
     if m.inner.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(mod.parameters(), m.inner.grad_clip)
+        norm = float(torch.nn.utils.clip_grad_norm_(mod.parameters(), m.inner.grad_clip))
+        clipped = min(1.0, m.inner.grad_clip / (norm + 1e-6))
     for g in opt.param_groups:
         g["lr"] = m.inner.lr * lr_multiplier(m.schedule, position)
-    opt.step()
+    if isinstance(opt, SwarmAdamW):
+        opt.step(microbatches=2, grad_scale=clipped)
+    else:
+        opt.step()
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -165,8 +188,12 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     state = StageState(model.build_stage(0), outer)
     modules = [model.build_stage(0) for _ in range(replicas)]
     inner = m.inner
-    opts = [torch.optim.AdamW(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas),
-                              weight_decay=inner.weight_decay) for mod in modules]
+    optimizer = SwarmAdamW if v.swarm_moment else torch.optim.AdamW
+    opts = [optimizer(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay)
+            for mod in modules]
+    for opt in opts:
+        if isinstance(opt, SwarmAdamW):
+            opt.replicas = replicas
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
     small = parse_codec_spec(v.small)

@@ -60,6 +60,11 @@ class InnerOptConfig:
     """Max L2 norm of a stage's gradient (per stage, not whole-model); 0 disables clipping."""
     microbatch_size: int = 8
     microbatches_per_step: int = 4
+    swarm_second_moment: bool = False
+    """Estimate AdamW's second moment for the batch of all the stage's replicas together, not this
+    replica's alone (peer/swarm_adamw.py): subtracts the share of the gradient noise that averaging
+    removes, measured from the spread between a step's microbatches (needs microbatches_per_step ≥ 2).
+    Closes most of the per-sample gap between averaged replicas and data-parallel training."""
 
 
 @dataclass(frozen=True, kw_only=True)

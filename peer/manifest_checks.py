@@ -55,6 +55,9 @@ def check(m: Manifest) -> None:
         raise _fail("inner.grad_clip", f"must be >= 0, 0 disables clipping (got {inn.grad_clip})")
     _positive("inner.microbatch_size", inn.microbatch_size)
     _positive("inner.microbatches_per_step", inn.microbatches_per_step)
+    if inn.swarm_second_moment and inn.microbatches_per_step < 2:
+        raise _fail("inner.swarm_second_moment", "measures gradient noise from the spread between a step's "
+                    f"microbatches: needs inner.microbatches_per_step >= 2 (got {inn.microbatches_per_step})")
     _positive("outer.lr", m.outer.lr)
     if not 0 <= m.outer.momentum < 1:
         raise _fail("outer.momentum", f"must be in [0, 1) (got {m.outer.momentum})")

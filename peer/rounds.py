@@ -28,7 +28,7 @@ from swarmgrad.peer.rpc import Traffic
 from swarmgrad.peer.schedule import TrainingProgress
 from swarmgrad.peer.state import StageState
 from swarmgrad.peer.state_sync import StateSync
-from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.peer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class RoundRunner:
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds until the clock has counted max_rounds (or forever, or until `stop`)."""
         self._mark = (time.monotonic(), self.worker.compute_total)
+        await self._count_replicas()
         try:
             while not stop.is_set():
                 round = self.clock.current
@@ -94,6 +95,16 @@ class RoundRunner:
                     return
         finally:
             await self._drop_in_flight()
+
+    async def _count_replicas(self) -> None:
+        """Until the first round's group is known, the replicas the stage records call ONLINE are
+        the best guess of who this one's steps are averaged with (inner.swarm_second_moment)."""
+        try:
+            online = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
+        except Exception as e:
+            logger.debug("stage %d: could not count its replicas: %s", self.stage, e)
+            return
+        self.worker.set_replicas(len(online | {self.peer_id}))
 
     async def wait_boundary(self, round: int, stop: asyncio.Event) -> None:
         """Wait until round `round` ends (policy.round_ended), waking on inner steps and on later
@@ -318,6 +329,8 @@ class RoundRunner:
                          lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,
                          rate=self.worker.rate.rate, skipped_steps=self.worker.skipped_steps,
                          uncommitted=self.worker.uncommitted, committed=self.worker.take_committed())
+        if result.complete:
+            self.worker.set_replicas(len(result.group))
         stats = self.presence.stats
         stats.train_loss = train_loss if r.losses else None
         stats.round_s, stats.group_size = round_ms(r.round_s), len(result.group)

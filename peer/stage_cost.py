@@ -7,7 +7,7 @@ Placement (``placement.py``) needs three figures per stage, all derived from the
   FLOP count; for an ``entry_point`` model (whose layers we cannot see) it falls back to the
   stage's parameter count (6·P per sample, the dense-transformer rule).
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
-  momentum, AdamW's two moments, gradients, the error-feedback residual of the round codec
+  momentum, AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the error-feedback residual of the round codec
   (when enabled), the activations kept for backward of ``pipeline.max_in_flight``
   microbatches, and with ``pipeline.lookahead`` a stash of the weights. A peer
   offering less than M_s cannot serve the stage.
@@ -115,7 +115,9 @@ def _gpt_activation_bytes_per_sample(m: Manifest, stage: int) -> int:
 def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed:
     p = FP32 * params
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
-    return MemoryNeed(weights=p, theta_global=p, momentum=p, adam=2 * p, grads=p,
+    # SwarmAdamW: a third moment (the plain square's EMA) and the step's sum of squared gradients
+    adam = (4 if m.inner.swarm_second_moment else 2) * p
+    return MemoryNeed(weights=p, theta_global=p, momentum=p, adam=adam, grads=p,
                       residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
                       activations=in_flight * activations_per_sample,
                       stash=p if m.pipeline.lookahead and m.stages.count > 1 else 0)

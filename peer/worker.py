@@ -38,6 +38,7 @@ from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot, grads_wrt
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.swarm_adamw import SwarmAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +116,23 @@ class StageWorker:
         """"driver:microbatch" of every microbatch committed here since the last take_committed()
         (round events carry them, so the chaos soak counts microbatches trained twice exactly)."""
 
-    def _make_optimizer(self) -> torch.optim.AdamW:
+    def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.cfg
+        if c.swarm_second_moment:
+            return SwarmAdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
         return torch.optim.AdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
+
+    @property
+    def _observes(self) -> bool:
+        """Whether each microbatch's gradients must reach the optimizer one by one (SwarmAdamW
+        measures the spread between them), rather than only their sum in .grad."""
+        return isinstance(self.optimizer, SwarmAdamW)
+
+    def set_replicas(self, count: int) -> None:
+        """The replicas this one's steps are averaged with (inner.swarm_second_moment scales its
+        noise correction by it); the round runner sets it from each round's group."""
+        if isinstance(self.optimizer, SwarmAdamW):
+            self.optimizer.replicas = max(1, count)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -232,6 +247,10 @@ class StageWorker:
         return await self.run(self._timed, self._forward, x, train, slot)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
+        if self._observes:
+            grads, grad_x = self._backward_held(x, y, grad_y, PLAIN)
+            self._add_grads([grads])
+            return grad_x
         y.backward(grad_y.to(y.device, y.dtype))
         return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
 
@@ -316,6 +335,8 @@ class StageWorker:
     def _add_grads(self, grads: list[Grads]) -> None:
         params = self._params()
         for one in grads:
+            if isinstance(self.optimizer, SwarmAdamW):
+                self.optimizer.observe(one)
             for p, g in zip(params, one):
                 if g is None:
                     continue
@@ -369,6 +390,10 @@ class StageWorker:
         x, loss = self._loss(x, targets, train)
         if not train:
             return loss.item(), None
+        if self._observes:
+            grads, grad_x = self._grads_of(loss, x, None, PLAIN)
+            self._add_grads([grads])
+            return loss.detach().item(), grad_x
         loss.backward()
         return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
 
@@ -404,12 +429,17 @@ class StageWorker:
         scale = 1.0 / self.accumulated
         for g in grads:
             g.mul_(scale)  # the mean over microbatches, as the whole model would see it
+        clipped = 1.0
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+            clipped = min(1.0, self.cfg.grad_clip / (norm + 1e-6))  # the factor clip_grad_norm_ applied
         self.lr = self.cfg.lr * self.progress.multiplier(self.samples)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        self.optimizer.step()
+        if isinstance(self.optimizer, SwarmAdamW):
+            self.optimizer.step(microbatches=self.accumulated, grad_scale=clipped)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 

@@ -36,7 +36,7 @@ PINNED = {
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added
-PINNED_HASH = "cb8cf281c2b0232734001b5e07a91655"
+PINNED_HASH = "cac0816d3d2c6994f87c8b6818f18ebc"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
