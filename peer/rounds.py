@@ -328,7 +328,8 @@ class RoundRunner:
                          overlapped=r.overlapped,
                          lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,
                          rate=self.worker.rate.rate, skipped_steps=self.worker.skipped_steps,
-                         uncommitted=self.worker.uncommitted, committed=self.worker.take_committed())
+                         uncommitted=self.worker.uncommitted, committed=self.worker.take_committed(),
+                         moment_replicas=self.worker.moment_replicas)
         if result.complete:
             self.worker.set_replicas(len(result.group))
         stats = self.presence.stats

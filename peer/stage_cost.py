@@ -7,10 +7,10 @@ Placement (``placement.py``) needs three figures per stage, all derived from the
   FLOP count; for an ``entry_point`` model (whose layers we cannot see) it falls back to the
   stage's parameter count (6·P per sample, the dense-transformer rule).
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
-  momentum, AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the error-feedback residual of the round codec
-  (when enabled), the activations kept for backward of ``pipeline.max_in_flight``
-  microbatches, and with ``pipeline.lookahead`` a stash of the weights. A peer
-  offering less than M_s cannot serve the stage.
+  momentum, AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the
+  error-feedback residual of the round codec (when enabled), the activations kept for backward of
+  ``pipeline.max_in_flight`` microbatches, and with ``pipeline.lookahead`` a stash of the
+  weights. A peer offering less than M_s cannot serve the stage.
 - ``state_bytes``: what a mover or joiner downloads (θ_global + outer momentum, fp32).
 
 All tensors are fp32 (the pipeline's wire dtypes are fp32 and stages train in fp32).

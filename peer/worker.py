@@ -128,6 +128,11 @@ class StageWorker:
         measures the spread between them), rather than only their sum in .grad."""
         return isinstance(self.optimizer, SwarmAdamW)
 
+    @property
+    def moment_replicas(self) -> int | None:
+        """The M of inner.swarm_second_moment's steps now (None when it is off)."""
+        return self.optimizer.replicas if isinstance(self.optimizer, SwarmAdamW) else None
+
     def set_replicas(self, count: int) -> None:
         """The replicas this one's steps are averaged with (inner.swarm_second_moment scales its
         noise correction by it); the round runner sets it from each round's group."""

@@ -1,6 +1,7 @@
 """Overlapped rounds with real peer processes through hivemind on 127.0.0.1: two whole-model
 replicas average in the background and still hold one θ_global after every round; a joiner
-takes a state between rounds (never one whose averaging is in flight) and averages with them."""
+takes a state between rounds (never one whose averaging is in flight) and averages with them,
+and every replica's noise-corrected AdamW (inner.swarm_second_moment) follows the group's size."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_swarm) -> None:
-    manifest = small_manifest(stages={"count": 1}, rounds={"round_seconds": 2.5, "overlap": True})
+    manifest = small_manifest(stages={"count": 1}, rounds={"round_seconds": 2.5, "overlap": True},
+                              inner={"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2,
+                                     "swarm_second_moment": True})
     swarm: LocalSwarm = local_swarm(manifest)
     first = swarm.start_first(0, "--max-rounds", "10", "--linger", "5")
     second = swarm.start(0, "--max-rounds", "10", "--linger", "5")
@@ -41,3 +44,12 @@ def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_
     assert loaded[0]["digest"] in old
     joined = [e for e in joiner.events("round") if e["complete"] and e["group_size"] >= 2]
     assert joined, history
+    # SwarmAdamW's M: the size of the replica's last complete group (its first guess: the stage's
+    # ONLINE replicas), so after a round of three every member corrects for three
+    for peer in swarm.peers:
+        events = [e for e in peer.events("round")]
+        assert all(e["moment_replicas"] >= 1 for e in events), history
+        for before, after in zip(events, events[1:]):
+            if before["complete"]:
+                assert after["moment_replicas"] == before["group_size"], history
+    assert any(e["moment_replicas"] == 3 for p in swarm.peers for e in p.events("round")), history

@@ -66,6 +66,9 @@ def test_gpt_stage_costs_match_the_built_model() -> None:
         assert mem.adam == 2 * mem.weights and mem.theta_global == mem.momentum == mem.grads == mem.weights
         assert c.memory_bytes == mem.total > 7 * mem.weights
     assert sum(c.cost for c in costs) == pytest.approx(len(costs))
+    # SwarmAdamW keeps a third moment and the step's sum of squared gradients
+    swarm = stage_costs(m.replace(inner={"swarm_second_moment": True, "microbatches_per_step": 2}))
+    assert all(c.memory.adam == 4 * c.memory.weights for c in swarm)
 
 
 def test_more_blocks_cost_more_and_in_flight_costs_memory() -> None:
