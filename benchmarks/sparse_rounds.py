@@ -191,8 +191,8 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     optimizer = SwarmAdamW if v.swarm_moment else torch.optim.AdamW
     opts = [optimizer(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay)
             for mod in modules]
-    for opt in opts:
-        if isinstance(opt, SwarmAdamW):
+    if v.swarm_moment:
+        for opt in opts:
             opt.replicas = replicas
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]

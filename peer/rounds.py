@@ -77,7 +77,8 @@ class RoundRunner:
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds until the clock has counted max_rounds (or forever, or until `stop`)."""
         self._mark = (time.monotonic(), self.worker.compute_total)
-        await self._count_replicas()
+        if self.worker.moment_replicas is not None:
+            await self._count_replicas()
         try:
             while not stop.is_set():
                 round = self.clock.current

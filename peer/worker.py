@@ -71,6 +71,9 @@ class StageWorker:
         self.lr = inner.lr
         """The inner lr of the last step (the schedule's value at the swarm's position then)."""
         self.optimizer = self._make_optimizer()
+        self._swarm_adamw = self.optimizer if isinstance(self.optimizer, SwarmAdamW) else None
+        """The optimizer when inner.swarm_second_moment: it sees each microbatch's gradients one by
+        one (it measures the spread between them), not only their sum in .grad."""
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._cond = asyncio.Condition()
         self._in_flight = 0
@@ -123,21 +126,15 @@ class StageWorker:
         return torch.optim.AdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
 
     @property
-    def _observes(self) -> bool:
-        """Whether each microbatch's gradients must reach the optimizer one by one (SwarmAdamW
-        measures the spread between them), rather than only their sum in .grad."""
-        return isinstance(self.optimizer, SwarmAdamW)
-
-    @property
     def moment_replicas(self) -> int | None:
         """The M of inner.swarm_second_moment's steps now (None when it is off)."""
-        return self.optimizer.replicas if isinstance(self.optimizer, SwarmAdamW) else None
+        return None if self._swarm_adamw is None else self._swarm_adamw.replicas
 
     def set_replicas(self, count: int) -> None:
         """The replicas this one's steps are averaged with (inner.swarm_second_moment scales its
         noise correction by it); the round runner sets it from each round's group."""
-        if isinstance(self.optimizer, SwarmAdamW):
-            self.optimizer.replicas = max(1, count)
+        if self._swarm_adamw is not None:
+            self._swarm_adamw.replicas = max(1, count)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -252,7 +249,7 @@ class StageWorker:
         return await self.run(self._timed, self._forward, x, train, slot)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
-        if self._observes:
+        if self._swarm_adamw is not None:
             grads, grad_x = self._backward_held(x, y, grad_y, PLAIN)
             self._add_grads([grads])
             return grad_x
@@ -340,8 +337,8 @@ class StageWorker:
     def _add_grads(self, grads: list[Grads]) -> None:
         params = self._params()
         for one in grads:
-            if isinstance(self.optimizer, SwarmAdamW):
-                self.optimizer.observe(one)
+            if self._swarm_adamw is not None:
+                self._swarm_adamw.observe(one)
             for p, g in zip(params, one):
                 if g is None:
                     continue
@@ -395,7 +392,7 @@ class StageWorker:
         x, loss = self._loss(x, targets, train)
         if not train:
             return loss.item(), None
-        if self._observes:
+        if self._swarm_adamw is not None:
             grads, grad_x = self._grads_of(loss, x, None, PLAIN)
             self._add_grads([grads])
             return loss.detach().item(), grad_x
@@ -434,17 +431,17 @@ class StageWorker:
         scale = 1.0 / self.accumulated
         for g in grads:
             g.mul_(scale)  # the mean over microbatches, as the whole model would see it
-        clipped = 1.0
+        norm = None
         if self.cfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
-            clipped = min(1.0, self.cfg.grad_clip / (norm + 1e-6))  # the factor clip_grad_norm_ applied
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
         self.lr = self.cfg.lr * self.progress.multiplier(self.samples)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        if isinstance(self.optimizer, SwarmAdamW):
-            self.optimizer.step(microbatches=self.accumulated, grad_scale=clipped)
-        else:
+        if self._swarm_adamw is None:
             self.optimizer.step()
+        else:  # the factor clip_grad_norm_ applied (read only here: float() waits for the device)
+            clipped = 1.0 if norm is None else min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+            self._swarm_adamw.step(microbatches=self.accumulated, grad_scale=clipped)
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
