@@ -1,5 +1,5 @@
-"""One stage replica's compute: forward, backward, gradient accumulation, inner steps, and the
-gate that keeps them consistent.
+"""One stage replica's compute: forward, backward, and the gate that keeps them consistent with
+the inner steps (what a step computes, and where gradients accumulate: peer/inner_optimizer.py).
 
 Graphs of microbatches in flight reference the live parameters, so an inner step (or an outer
 round, which rewrites them) must wait until no microbatch is between its forward and its
@@ -34,11 +34,11 @@ from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.held import HeldGradients, HoldKey
-from swarmgrad.peer.lookahead import PLAIN, Grads, Lookahead, Slot, grads_wrt
+from swarmgrad.peer.inner_optimizer import InnerOptimizer
+from swarmgrad.peer.lookahead import PLAIN, Lookahead, Slot, grads_wrt
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.swarm_adamw import SwarmAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,7 @@ class StageWorker:
         self.cfg = inner
         self.clock = clock
         self.progress = progress
-        self.lr = inner.lr
-        """The inner lr of the last step (the schedule's value at the swarm's position then)."""
-        self.optimizer = self._make_optimizer()
-        self._swarm_adamw = self.optimizer if isinstance(self.optimizer, SwarmAdamW) else None
-        """The optimizer when inner.swarm_second_moment: it sees each microbatch's gradients one by
-        one (it measures the spread between them), not only their sum in .grad."""
+        self.inner = InnerOptimizer(self.module, inner, progress)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._cond = asyncio.Condition()
         self._in_flight = 0
@@ -119,22 +114,23 @@ class StageWorker:
         """"driver:microbatch" of every microbatch committed here since the last take_committed()
         (round events carry them, so the chaos soak counts microbatches trained twice exactly)."""
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        c = self.cfg
-        if c.swarm_second_moment:
-            return SwarmAdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
-        return torch.optim.AdamW(self.module.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.inner.optimizer
+
+    @property
+    def lr(self) -> float:
+        """The inner lr of the last step (the schedule's value at the swarm's position then)."""
+        return self.inner.lr
 
     @property
     def moment_replicas(self) -> int | None:
         """The M of inner.swarm_second_moment's steps now (None when it is off)."""
-        return None if self._swarm_adamw is None else self._swarm_adamw.replicas
+        return self.inner.moment_replicas
 
     def set_replicas(self, count: int) -> None:
-        """The replicas this one's steps are averaged with (inner.swarm_second_moment scales its
-        noise correction by it); the round runner sets it from each round's group."""
-        if self._swarm_adamw is not None:
-            self._swarm_adamw.replicas = max(1, count)
+        """The replicas this one's steps are averaged with (peer/inner_optimizer.py)."""
+        self.inner.set_replicas(count)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -154,7 +150,7 @@ class StageWorker:
     def _timed_step(self) -> bool:
         started = time.perf_counter()
         try:
-            return self._step()
+            return self.inner.step(self.accumulated, self.samples)
         finally:
             self.compute_total += time.perf_counter() - started
 
@@ -249,9 +245,9 @@ class StageWorker:
         return await self.run(self._timed, self._forward, x, train, slot)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
-        if self._swarm_adamw is not None:
+        if self.inner.per_microbatch:
             grads, grad_x = self._backward_held(x, y, grad_y, PLAIN)
-            self._add_grads([grads])
+            self.inner.add([grads])
             return grad_x
         y.backward(grad_y.to(y.device, y.dtype))
         return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
@@ -276,18 +272,15 @@ class StageWorker:
         if slot.step > self.steps_total:  # checked after the compute: the step may have run meanwhile
             self.lookahead.hold(grads, batch)
         else:
-            await self.run(self._add_grads, [grads])
+            await self.run(self.inner.add, [grads])
             self._finished(batch)
         return grad_x
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
 
     def _grads_of(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, slot: Slot
                   ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
         """Parameter gradients (w.r.t. the slot's stash, if it ran ahead) and the input's,
         computed without adding them to .grad."""
-        params = self._params() if slot.stash is None else self.lookahead.leaves(slot.stash)
+        params = self.inner.params() if slot.stash is None else self.lookahead.leaves(slot.stash)
         return grads_wrt(out, params, x, grad_out)
 
     def _backward_held(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, slot: Slot
@@ -334,19 +327,6 @@ class StageWorker:
         self._notifies.add(task)
         task.add_done_callback(self._notifies.discard)
 
-    def _add_grads(self, grads: list[Grads]) -> None:
-        params = self._params()
-        for one in grads:
-            if self._swarm_adamw is not None:
-                self._swarm_adamw.observe(one)
-            for p, g in zip(params, one):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.add_(g)
-
     async def commit(self, keys: list[HoldKey]) -> int:
         """Train on the held microbatches `keys` names (unknown or dropped ones are skipped).
         Returns how many were held. Shielded: the counts and .grad change together."""
@@ -361,7 +341,7 @@ class StageWorker:
             if h.step > self.steps_total:  # ran ahead and this step is not applied yet: the next one's
                 self.lookahead.hold(h.grads, h.batch)
         if now:  # after the holds above: a step that runs meanwhile promotes those
-            await self.run(self._add_grads, [h.grads for h in now])
+            await self.run(self.inner.add, [h.grads for h in now])
         self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, _ in popped)
         for h in now:
             self._finished(h.batch)
@@ -392,9 +372,9 @@ class StageWorker:
         x, loss = self._loss(x, targets, train)
         if not train:
             return loss.item(), None
-        if self._swarm_adamw is not None:
+        if self.inner.per_microbatch:
             grads, grad_x = self._grads_of(loss, x, None, PLAIN)
-            self._add_grads([grads])
+            self.inner.add([grads])
             return loss.detach().item(), grad_x
         loss.backward()
         return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
@@ -421,30 +401,6 @@ class StageWorker:
         self.losses.append(loss)
 
     # inner steps and round boundaries ------------------------------------------------------
-    def _step(self) -> bool:
-        """One AdamW step on the mean gradient; False (and no step) if a gradient is not finite:
-        one bad microbatch must not poison the stage's parameters and optimiser state."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if any(not bool(torch.isfinite(g).all()) for g in grads):
-            self.optimizer.zero_grad(set_to_none=True)
-            return False
-        scale = 1.0 / self.accumulated
-        for g in grads:
-            g.mul_(scale)  # the mean over microbatches, as the whole model would see it
-        norm = None
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
-        self.lr = self.cfg.lr * self.progress.multiplier(self.samples)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
-        if self._swarm_adamw is None:
-            self.optimizer.step()
-        else:  # the factor clip_grad_norm_ applied (read only here: float() waits for the device)
-            clipped = 1.0 if norm is None else min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
-            self._swarm_adamw.step(microbatches=self.accumulated, grad_scale=clipped)
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
-
     async def maybe_step(self, force: bool = False) -> bool:
         """Take an inner step once enough microbatches accumulated (or any, with force).
 
@@ -493,7 +449,7 @@ class StageWorker:
         gate closed, after a step or at a boundary)."""
         ahead = self.lookahead.take()
         if ahead:
-            await self.run(self._add_grads, [grads for grads, _ in ahead])
+            await self.run(self.inner.add, [grads for grads, _ in ahead])
             for _, batch in ahead:
                 self._finished(batch)
 
