@@ -102,6 +102,10 @@ VARIANTS = {v.name: v for v in [
     Variant("fp32/sgd1.4", "fp32", error_feedback=False, outer_lr=1.4, outer_momentum=0.0),
     Variant("fp32/nag1/m0.5", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5),
     Variant("int8+ef/sgd1", "int8", outer_lr=1.0, outer_momentum=0.0),
+    # SwarmAdamW at few steps per round: where the drift within a round is small
+    Variant("int8+ef/sgd1/swarm-moment", "int8", outer_lr=1.0, outer_momentum=0.0, swarm_moment=True),
+    Variant("fp32/nag1/m0.5/swarm-moment", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5,
+            swarm_moment=True),
     Variant("ctk4096b1+ef/reduce-ef:ctk2048b1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef",
             mean_codec="chunktopk:chunk=4096,k=2048,bits=1"),
     Variant("ctk2048b1+ef/reduce-ef", "chunktopk:chunk=4096,k=2048,bits=1", exchange="reduce-ef"),
