@@ -240,6 +240,19 @@ class CheckpointWatch:
         return self.by_round[(0, r)][2] if r else 0
 
 
+MAX_SCORED_POINTS = 64
+"""Rounds scored per run at most (scoring one takes ~1 s: rounds of H = 2 are 250 of them)."""
+
+
+def thinned(rounds: list[int], most: int = MAX_SCORED_POINTS) -> list[int]:
+    """At most `most` of `rounds`, evenly spaced, always the last (the final score)."""
+    if len(rounds) <= most:
+        return rounds
+    step = len(rounds) / most
+    picked = {rounds[min(len(rounds) - 1, int(round((i + 1) * step)) - 1)] for i in range(most)}
+    return sorted(picked | {rounds[-1]})
+
+
 def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path) -> tuple[Result, Callable[[], None]]:
     manifest = manifest_for(system, budget, task)
     n_stages = manifest.stages.count
@@ -277,7 +290,7 @@ def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, tas
 
     def score() -> None:
         points = [(0.0, 0, task.init_score(manifest))]
-        for r in watch.complete_rounds(n_stages):
+        for r in thinned(watch.complete_rounds(n_stages)):
             entries = [watch.by_round[(s, r)] for s in range(n_stages)]
             samples = entries[0][2] or r * budget.inner_steps * budget.global_batch
             points.append((max(e[0] for e in entries) - t0, samples, task.score(stages_from(manifest, [e[1] for e in entries]))))

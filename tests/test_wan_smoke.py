@@ -90,3 +90,13 @@ def test_png_writer_makes_a_decodable_rgb_image(tmp_path: Path) -> None:
     raw = zlib.decompress(data[41:41 + idat_len])
     assert len(raw) == h * (1 + 3 * w)  # one filter byte and w RGB pixels per row
     assert len(set(raw[1:1 + 3 * w * h])) > 3  # not blank: lines and text were drawn
+
+
+def test_scored_rounds_are_thinned_evenly_and_keep_the_last() -> None:
+    from wan import thinned
+    assert thinned([1, 2, 3], most=5) == [1, 2, 3]
+    picked = thinned(list(range(1, 252)), most=64)
+    assert len(picked) == 64 and picked[-1] == 251 and picked == sorted(set(picked))
+    gaps = {b - a for a, b in zip(picked, picked[1:])}
+    assert gaps <= {3, 4, 5}, gaps
+    assert thinned(list(range(1, 10)), most=4) == [2, 4, 7, 9]
