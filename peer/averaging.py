@@ -34,6 +34,7 @@ lets each peer apply local + Q(avg − local), and its codec set is a closed enu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -100,6 +101,9 @@ class RoundResult:
     """This member voted for the mean (or may have: its vote's write failed). A failed round with a
     digest vote may have been applied by members that read every vote; otherwise (we voted
     failed, or never voted) no member of our group applied it."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of the round's phases that ran: `matchmaking`, `exchange` (encode, parts, combine),
+    `vote` (where an averaging round's time goes; the round event reports them)."""
 
 
 class Averager:
@@ -260,26 +264,29 @@ class Averager:
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
+        started = time.monotonic()
         group, weights = await self.matchmake(round, registration)
+        phases = {"matchmaking": time.monotonic() - started}
         if group is None or self.peer_id not in group.members:
             return RoundResult(False, "our θ_global is not the group's reference", group.members if group else (),
-                               None, stale=True)
+                               None, stale=True, phases=phases)
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
         saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer_feedback) if f is not None]
         self._own.add(round)
         try:
-            result = await self._average(round, group, weights, delta, weight, digest)
+            result = await self._average(round, group, weights, delta, weight, digest, phases)
         finally:
             self._own.discard(round)
         if not result.complete:
             for feedback, residuals in saved:
                 feedback.load_state_dict(residuals)
-        return result
+        return dataclasses.replace(result, phases=phases)
 
     async def _average(self, round: int, group: Group, weights: dict[str, float], delta: dict[str, torch.Tensor],
-                       weight: float, digest: str) -> RoundResult:
+                       weight: float, digest: str, phases: dict[str, float]) -> RoundResult:
+        started = time.monotonic()
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
         encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
@@ -320,8 +327,11 @@ class Averager:
         # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
         # θ_global; the outcome vote below compares the digests in groups of 2 as well
         result = self._combine(group, parts, results, weights, mine)
+        phases["exchange"] = time.monotonic() - started
         if len(group.members) > 1:
+            started = time.monotonic()
             result = await self._vote(round, group, result)
+            phases["vote"] = time.monotonic() - started
         if not result.complete and not slot.result.done():
             slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result

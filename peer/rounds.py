@@ -327,6 +327,8 @@ class RoundRunner:
                          samples_per_s=samples_per_s, round_s=round_ms(r.round_s),
                          averaging_s=round_ms(time.monotonic() - r.boundary), utilisation=round_ms(r.utilisation),
                          overlapped=r.overlapped,
+                         **{f"{k}_s": round_ms(result.phases[k]) if k in result.phases else None
+                            for k in ("matchmaking", "exchange", "vote")},
                          lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,
                          rate=self.worker.rate.rate, skipped_steps=self.worker.skipped_steps,
                          uncommitted=self.worker.uncommitted, committed=self.worker.take_committed(),

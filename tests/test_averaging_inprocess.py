@@ -120,6 +120,8 @@ def test_three_members_agree_on_the_weighted_mean() -> None:
         results = await run_all(avgs, inputs, weights)
         assert all(r.complete for r in results), [r.reason for r in results]
         assert {r.total_weight for r in results} == {60.0}
+        for r in results:  # where the round's time went (the round event's matchmaking_s, exchange_s, vote_s)
+            assert set(r.phases) == {"matchmaking", "exchange", "vote"} and min(r.phases.values()) >= 0, r.phases
         for name in SHAPES:
             ref = weighted_mean([(w, d[name]) for w, d in zip(weights, inputs)])
             for r in results:
@@ -157,6 +159,7 @@ def test_failed_round_restores_error_feedback_residuals() -> None:
         net.dead.add(avgs[1].peer_id)  # registered for round 1, then gone
         failed = await avgs[0].run_round(1, deltas(2), 1.0, "digest", 0)
         assert not failed.complete
+        assert set(failed.phases) == {"matchmaking", "exchange", "vote"}, failed.phases  # it voted "failed"
         after = avgs[0].feedback.state_dict()
         assert after.keys() == before.keys()
         for name in before:

@@ -35,6 +35,9 @@ def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_
         assert all(0.0 <= e["utilisation"] <= 1.0 for e in events)
         assert not events[-1]["overlapped"], "the last round of a bounded run waits for its mean"
         assert any(e["utilisation"] > 0 for e in events)
+        for e in (e for e in events if e["complete"] and e["group_size"] >= 2):  # where averaging_s went
+            phases = [e["matchmaking_s"], e["exchange_s"], e["vote_s"]]
+            assert all(x is not None and x >= 0 for x in phases), e
     # the joiner downloaded a committed state (a round's result, not one being replaced) and then
     # averaged with the others: same group, same θ_global (assert_replicas_agree)
     loaded = joiner.events("state_loaded")
