@@ -53,6 +53,7 @@ from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.polling import poll_intervals
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import ONLINE, SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
@@ -65,7 +66,8 @@ from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_t
 logger = logging.getLogger(__name__)
 
 MATCHMAKING_POLL_SECONDS = 0.2
-"""How often matchmaking re-reads the registrations (a poll interval, not a deadline)."""
+"""The longest interval at which matchmaking re-reads the registrations (it starts shorter:
+peer/polling.py; a poll interval, not a deadline)."""
 
 
 # the reducer's side ---------------------------------------------------------------------------
@@ -245,13 +247,14 @@ class Averager:
         # (a replica died, or its records lag) members may read different sets; then group hashes
         # differ, the round fails for all, and nobody applies anything.
         regs: dict[str, dict[str, Any]] = {}
-        while True:
-            regs = await self.swarm.round_registrations(self.stage, round)
-            alive = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
+        for delay in poll_intervals(MATCHMAKING_POLL_SECONDS):
+            regs, records = await asyncio.gather(self.swarm.round_registrations(self.stage, round),
+                                                 self.swarm.stage_records(self.stage))
+            alive = {r.peer_id for r in records if r.state == ONLINE}
             alive.add(self.peer_id)
             if alive <= set(regs) or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(MATCHMAKING_POLL_SECONDS)
+            await asyncio.sleep(delay)
         regs.setdefault(self.peer_id, registration)
         return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
 

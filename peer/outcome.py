@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from swarmgrad.peer.deadline import cancel_requested, within
+from swarmgrad.peer.polling import poll_intervals
 
 logger = logging.getLogger(__name__)
 
 VOTE_POLL_SECONDS = 0.25
-"""How often a member re-reads the votes while its parts are on the way and while it waits for
-every vote (a poll interval, not a deadline)."""
+"""How often a member re-reads the votes while its parts are on the way, and the longest interval
+at which it re-reads them while it waits for every vote (that wait starts shorter:
+peer/polling.py; a poll interval, not a deadline)."""
 FAILED = "failed"
 """The outcome of a member whose round failed, in its vote (any other outcome is a mean digest)."""
 
@@ -71,7 +73,7 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
         return Outcome(False)
     deadline = time.monotonic() + timeout
     posted: dict[str, str] = {}
-    while True:
+    for delay in poll_intervals(VOTE_POLL_SECONDS):
         try:
             posted = await within(board.round_checks(stage, round), dht_timeout)
         except Exception as e:  # a DHT hiccup: try again until the deadline
@@ -89,7 +91,8 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
             missing = tuple(p for p in members if p not in posted)
             return Outcome(False, f"outcome vote: {len(missing)} member(s) posted no vote", voted_digest=True,
                            missing=missing)
-        await asyncio.sleep(VOTE_POLL_SECONDS)
+        await asyncio.sleep(delay)
+    raise AssertionError("poll_intervals never ends")
 
 
 async def first_failure(board: VoteBoard, stage: int, round: int, members: Sequence[str], group_hash: str,
