@@ -40,9 +40,9 @@ from swarmgrad.peer.averaging_group import partition
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
 from swarmgrad.peer.manifest import Manifest, load
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.schedule import lr_multiplier
+from swarmgrad.peer.inner_optimizer import InnerOptimizer
+from swarmgrad.peer.schedule import TrainingProgress, lr_multiplier
 from swarmgrad.peer.state import StageState
-from swarmgrad.peer.swarm_adamw import SwarmAdamW
 
 REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 
@@ -145,33 +145,20 @@ def payload(enc) -> int:
     return sum(len(b) for b in enc.buffers)
 
 
-def inner_step(m: Manifest, model, mod: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor, position: int) -> None:
-    """One AdamW step as a replica's worker takes it: clip, then the schedule's lr at `position`
-    (samples the whole run has trained)."""
-    opt.zero_grad(set_to_none=True)
-    if isinstance(opt, SwarmAdamW):  # two microbatches of half the batch, each observed, as the worker does
-        params = list(mod.parameters())
+def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor, y: torch.Tensor,
+               since_boundary: int) -> None:
+    """One inner step as a replica's worker takes it (peer/inner_optimizer.py: mean, clip, the
+    schedule's lr at the run's samples at the last boundary + `since_boundary`); with SwarmAdamW
+    the batch as two microbatches of half its size, each observed, as the worker does."""
+    if opt.per_microbatch:
         half = x.shape[0] // 2
         for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
-            grads = torch.autograd.grad(model.loss_fn(mod(xs), ys), params)
-            opt.observe(grads)
-            for p, g in zip(params, grads):
-                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
-        for p in params:
-            p.grad.mul_(0.5)
+            opt.add([torch.autograd.grad(model.loss_fn(mod(xs), ys), opt.params())])
+        microbatches = 2
     else:
         model.loss_fn(mod(x), y).backward()
-    clipped = 1.0
-    if m.inner.grad_clip > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(mod.parameters(), m.inner.grad_clip))
-        clipped = min(1.0, m.inner.grad_clip / (norm + 1e-6))
-    for g in opt.param_groups:
-        g["lr"] = m.inner.lr * lr_multiplier(m.schedule, position)
-    if isinstance(opt, SwarmAdamW):
-        opt.step(microbatches=2, grad_scale=clipped)
-    else:
-        opt.step()
+        microbatches = 1
+    opt.step(microbatches, since_boundary)
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -192,12 +179,12 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     state = StageState(model.build_stage(0), outer)
     modules = [model.build_stage(0) for _ in range(replicas)]
     inner = m.inner
-    optimizer = SwarmAdamW if v.swarm_moment else torch.optim.AdamW
-    opts = [optimizer(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay)
+    # every replica's position: the samples at the round's start (`trained`) + the whole run's since
+    progress = TrainingProgress(m.schedule)
+    opts = [InnerOptimizer(mod, dataclasses.replace(inner, swarm_second_moment=v.swarm_moment), progress)
             for mod in modules]
-    if v.swarm_moment:
-        for opt in opts:
-            opt.replicas = replicas
+    for opt in opts:
+        opt.set_replicas(replicas)
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
     small = parse_codec_spec(v.small)
@@ -212,12 +199,13 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     samples = 0
     sent = 0
     for rnd in range(rounds):
+        progress.trained = samples
         deltas = []
         for r, (mod, opt) in enumerate(zip(modules, opts)):
             state.copy_to(mod)
             mod.train()
             for step in range(H):
-                inner_step(m, model, mod, opt, *next(streams[r]), samples + replicas * step * batch)
+                inner_step(model, mod, opt, *next(streams[r]), replicas * step * batch)
             deltas.append(state.pseudo_gradient(mod))
         encoded = []
         for r, delta in enumerate(deltas):
@@ -253,13 +241,13 @@ def run_ddp(m: Manifest, steps: int, replicas: int, train, val_batches) -> dict:
     model = from_manifest(m)
     mod = model.build_stage(0)
     inner = m.inner
-    opt = torch.optim.AdamW(mod.parameters(), lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay)
+    opt = InnerOptimizer(mod, dataclasses.replace(inner, swarm_second_moment=False), TrainingProgress(m.schedule))
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
     mod.train()
     for step in range(steps):
         xs, ys = zip(*(next(s) for s in streams))
-        inner_step(m, model, mod, opt, torch.cat(xs), torch.cat(ys), step * replicas * batch)
+        inner_step(model, mod, opt, torch.cat(xs), torch.cat(ys), step * replicas * batch)
     ddp = 8.0 * sum(p.numel() for p in mod.parameters()) / batch
     return {"val": evaluate(model, mod, val_batches), "bytes_per_sample": ddp, "ddp": ddp,
             "samples": steps * replicas * batch}
