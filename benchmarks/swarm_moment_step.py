@@ -7,11 +7,16 @@ timed three ways, side by side, in one run on one thread:
 - AdamW on two microbatches of 16 (what SwarmAdamW needs: the spread between them),
 - SwarmAdamW on two microbatches of 16, each microbatch's gradients observed (the worker's path).
 
+Each step is the worker's (peer/inner_optimizer.py: the mean, clipping, the schedule's lr, the
+optimizer), its gradients reaching it as the worker's do: summed by autograd for AdamW, one
+microbatch at a time for SwarmAdamW.
+
 Ratios to the first row, so a shared machine's speed cancels; the rows alternate step by step.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -19,9 +24,10 @@ from typing import Callable
 
 import torch
 
+from swarmgrad.peer.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.manifest import load
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.swarm_adamw import SwarmAdamW
+from swarmgrad.peer.schedule import TrainingProgress
 
 REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 
@@ -42,32 +48,29 @@ def main() -> None:
     y = torch.randint(0, 256, (32, seq))
     halves = ((x[:16], y[:16]), (x[16:], y[16:]))
 
-    def adamw_one(opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad(set_to_none=True)
+    def adamw_one(opt: InnerOptimizer) -> None:
         model.loss_fn(mod(x), y).backward()
-        opt.step()
+        opt.step(1, 0)
 
-    def adamw_two(opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad(set_to_none=True)
+    def adamw_two(opt: InnerOptimizer) -> None:
         for a, b in halves:
             model.loss_fn(mod(a), b).backward()
-        opt.step()
+        opt.step(2, 0)
 
-    def swarm_two(opt: SwarmAdamW) -> None:
-        opt.zero_grad(set_to_none=True)
+    def swarm_two(opt: InnerOptimizer) -> None:
         for a, b in halves:
-            grads = torch.autograd.grad(model.loss_fn(mod(a), b), params)
-            opt.observe(grads)
-            for p, g in zip(params, grads):
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        for p in params:
-            p.grad.mul_(0.5)
-        opt.step(microbatches=2, grad_scale=1.0)
+            opt.add([torch.autograd.grad(model.loss_fn(mod(a), b), opt.params())])
+        opt.step(2, 0)
 
-    rows: list[tuple[str, Callable, torch.optim.Optimizer]] = [
-        ("AdamW, 1 x 32", adamw_one, torch.optim.AdamW(params, lr=1e-4)),
-        ("AdamW, 2 x 16", adamw_two, torch.optim.AdamW(params, lr=1e-4)),
-        ("SwarmAdamW, 2 x 16", swarm_two, SwarmAdamW(params, lr=1e-4)),
+    def optimizer(swarm: bool) -> InnerOptimizer:
+        opt = InnerOptimizer(mod, dataclasses.replace(m.inner, swarm_second_moment=swarm), TrainingProgress(m.schedule))
+        opt.set_replicas(2)
+        return opt
+
+    rows: list[tuple[str, Callable, InnerOptimizer]] = [
+        ("AdamW, 1 x 32", adamw_one, optimizer(False)),
+        ("AdamW, 2 x 16", adamw_two, optimizer(False)),
+        ("SwarmAdamW, 2 x 16", swarm_two, optimizer(True)),
     ]
     times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     for name, fn, opt in rows:
