@@ -206,6 +206,10 @@ class TimeoutsConfig:
     commit: float = 5.0
     """How long a stage replica holds a microbatch's gradients after answering, for the driver's
     commit; uncommitted (the answer was lost, the driver re-sent it elsewhere) they are dropped."""
+    between_rounds: float = 5.0
+    """How long a stage ≥ 1 replica between rounds holds a microbatch that arrives meanwhile (at
+    most half of the microbatch's deadline), serving it once the round is over, instead of refusing
+    it NOT_READY and having the driver send the activations again. 0: refuse at once."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -192,8 +192,14 @@ class StageServer:
     def __init__(self, identity: RunIdentity, contract: StageContract, worker: StageWorker,
                  downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
                  activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
-                 drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False):
+                 drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False,
+                 hold_s: float = 0.0):
         self.identity = identity
+        self.hold_s = hold_s
+        """timeouts.between_rounds: how long a request arriving while this replica is between rounds
+        waits for it to resume. Refused at once (NOT_READY), the driver would send its activations
+        again after a pause (the reply defers this replica for NOT_READY_DEFER_SECONDS), and this
+        replica would start the next round idle, waiting for the re-sent request to arrive."""
         self.lookahead = lookahead
         """pipeline.lookahead: take the next step's microbatches while this step waits for its
         commits (peer/lookahead.py)."""
@@ -247,11 +253,16 @@ class StageServer:
             # could otherwise cut every replica's rounds short with one request each
             raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is ahead of ours ({self.clock.current}) and "
                                                 f"{inp.driver[-8:]} is not a driver of this run")
-        if self.clock.observe(inp.round):
+        ending = self.clock.observe(inp.round)  # a later round than ours: ours ends first
+        # Hold the request for the next round rather than refuse it, but leave it at least half of
+        # its deadline for the trip after the wait.
+        hold = min(self.hold_s, (inp.deadline - get_dht_time()) / 2)
+        if ending and hold <= 0:
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
         try:
-            async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead) as slot:
+            async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead, hold=max(0.0, hold),
+                                            round=inp.round if ending else None) as slot:
                 response = await self._serve(inp, train, slot)
         except NotReady as e:
             self.refused += 1

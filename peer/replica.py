@@ -184,7 +184,7 @@ class Replica:
                                  parse_codec_spec(m.pipeline.gradient_codec), ctx.max_numel, clock,
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
                                  max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
-                                 lookahead=m.pipeline.lookahead)
+                                 lookahead=m.pipeline.lookahead, hold_s=t.between_rounds)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))

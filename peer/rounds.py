@@ -110,21 +110,42 @@ class RoundRunner:
     async def wait_boundary(self, round: int, stop: asyncio.Event) -> None:
         """Wait until round `round` ends (policy.round_ended), waking on inner steps and on later
         rounds announced by microbatches."""
+        def ended(drivers_min: int | None) -> bool:
+            return policy.round_ended(round=round, seen=self.clock.seen, counts_steps=self.clock.counts_steps,
+                                      inner_steps=self.worker.inner_steps, steps_per_round=self.clock.cfg.inner_steps,
+                                      now=get_dht_time(), wall_end=self.clock.wall_end(round),
+                                      drivers_min_round=drivers_min)
+
         while not stop.is_set():
-            drivers_min = None
-            if self.stage > 0 and self.clock.epoch is None:
-                try:
-                    drivers_min = policy.drivers_min_round(await self.swarm.stage_records(0))
-                except Exception as e:
-                    logger.debug("stage %d: could not read drivers' records: %s", self.stage, e)
-            now = get_dht_time()
-            if policy.round_ended(round=round, seen=self.clock.seen, counts_steps=self.clock.counts_steps,
-                                  inner_steps=self.worker.inner_steps, steps_per_round=self.clock.cfg.inner_steps,
-                                  now=now, wall_end=self.clock.wall_end(round), drivers_min_round=drivers_min):
+            if ended(None):
                 return
+            now = get_dht_time()
             wall_end = self.clock.wall_end(round)
-            wait = BOUNDARY_POLL_SECONDS if wall_end is None else min(BOUNDARY_POLL_SECONDS, wall_end - now)
-            await self.clock.wait_change(max(0.01, wait))
+            wait = max(0.01, BOUNDARY_POLL_SECONDS if wall_end is None else min(BOUNDARY_POLL_SECONDS, wall_end - now))
+            if self.stage > 0 and self.clock.epoch is None:
+                # the drivers' records end a round that gets no more work; the read races the
+                # clock, because over a slow link it takes a good part of a second and a microbatch
+                # of the next round (which ends ours at once) may arrive meanwhile
+                change = asyncio.ensure_future(self.clock.wait_change(wait))
+                read = asyncio.ensure_future(self.swarm.stage_records(0))
+                try:
+                    await asyncio.wait([change, read], return_when=asyncio.FIRST_COMPLETED)
+                    if ended(None):
+                        return
+                    try:
+                        records = await read
+                    except Exception as e:
+                        logger.debug("stage %d: could not read drivers' records: %s", self.stage, e)
+                    else:
+                        if ended(policy.drivers_min_round(records)):
+                            return
+                    await change  # the rest of the poll interval, unless something changes
+                finally:
+                    for task in (change, read):
+                        task.cancel()
+                    await asyncio.gather(change, read, return_exceptions=True)
+            else:
+                await self.clock.wait_change(wait)
 
     async def run_round(self, round: int) -> RoundResult | None:
         """End round `round`: a plain round (average, then resume), or with `rounds.overlap` an
@@ -210,10 +231,10 @@ class RoundRunner:
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
         self.clock.count(result.complete and result.total_weight > 0)
-        await self.presence.announce()
-        if not self.leave_after_round:
+        if not self.leave_after_round:  # before the announce: a DHT store is not worth idle compute
             await worker.resume(carry_over=carry)
         self._resumed(report)
+        await self.presence.announce()
         await self._after(round, result, report)
         return result
 

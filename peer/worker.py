@@ -178,8 +178,12 @@ class StageWorker:
         return fn
 
     @contextlib.asynccontextmanager
-    async def admitted(self, wait: bool, train: bool = True, ahead: bool = False) -> AsyncIterator[Slot]:
+    async def admitted(self, wait: bool, train: bool = True, ahead: bool = False, hold: float = 0.0,
+                       round: int | None = None) -> AsyncIterator[Slot]:
         """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady.
+        With `hold` > 0 a caller that does not wait still waits that many seconds for the replica to
+        resume before NotReady; with `round`, it is admitted only once the clock has reached that
+        round (a request of the next round arriving while this replica ends the current one).
 
         A training microbatch is also held back while this inner step's quota is taken (what has
         accumulated plus what is in flight reaches inner.microbatches_per_step): every inner step
@@ -189,10 +193,17 @@ class StageWorker:
         to `forward` and `backward`.
         """
         quota = self.cfg.microbatches_per_step
+        give_up = time.monotonic() + hold
         async with self._cond:
             while True:
-                if self._paused and not wait:
-                    raise NotReady("between rounds")
+                early = round is not None and self.clock.current < round
+                if (self._paused or early) and not wait:
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        raise NotReady("between rounds")
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), left)  # resume() notifies
+                    continue
                 if not (self._paused or self._stepping):
                     if not train:
                         slot = PLAIN

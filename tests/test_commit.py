@@ -191,6 +191,50 @@ def test_only_a_listed_driver_moves_a_replica_a_round_ahead() -> None:
     asyncio.run(main())
 
 
+def test_a_request_of_the_next_round_is_held_until_the_round_is_over() -> None:
+    """timeouts.between_rounds: a replica that ends its round because a microbatch of the next one
+    arrived serves that microbatch once it has resumed, instead of refusing it (the driver would
+    send its activations again); without a resume within the hold, it is refused NOT_READY."""
+    import time
+
+    from hivemind.utils import get_dht_time
+
+    from swarmgrad.compression import get_codec
+    from swarmgrad.protocol.validation import encoded_to_proto, envelope, raw_from_tensor
+
+    async def main() -> None:
+        net, workers, driver, inputs, targets = _setup()
+        server, w = net.servers[A], workers[A]
+        server.hold_s = 10.0
+        _, h = await workers[DRIVER].forward(inputs, train=False)
+
+        def request(microbatch: int) -> pb.ForwardRequest:
+            return pb.ForwardRequest(envelope=envelope(server.identity, 1), microbatch_id=microbatch, driver=DRIVER,
+                                     activations=encoded_to_proto(get_codec("fp32").encode(h)),
+                                     targets=raw_from_tensor(targets), deadline=get_dht_time() + 30,
+                                     round=server.clock.current + 1)
+
+        answer = asyncio.create_task(server.handle(request(1), DRIVER))
+        await asyncio.sleep(0.1)
+        assert not answer.done() and server.clock.seen == server.clock.current + 1  # held; our round ends
+        await w.pause()  # what the round runner does: pause, average, advance, resume
+        server.clock.advance(server.clock.current + 1)
+        await asyncio.sleep(0.1)
+        assert not answer.done() and w.held == 0  # still paused: nothing computed
+        await w.resume()
+        served = await asyncio.wait_for(answer, 10)
+        assert served.status == pb.OK and w.held == 1 and server.refused == 0
+
+        server.hold_s = 0.3  # the next round's request, and this time the round does not end in time
+        started = time.monotonic()
+        refused = await server.handle(request(2), DRIVER)
+        assert refused.status == pb.NOT_READY and time.monotonic() - started >= 0.3 and server.refused == 1
+        assert w.held + w.uncommitted == 1  # the first (dropped uncommitted after 0.3 s), none of the refused one
+        for worker in workers.values():
+            worker.close()
+    asyncio.run(main())
+
+
 def test_a_peer_never_routes_to_itself() -> None:
     """A peer moving from stage 0 to stage 1 serves both for a while; its driver must not pick its
     own stage-1 replica (libp2p refuses to dial itself), whatever its announced rate."""

@@ -35,8 +35,8 @@ PINNED = {
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
-# averaging.backup_link_share were added
-PINNED_HASH = "cac0816d3d2c6994f87c8b6818f18ebc"
+# averaging.backup_link_share were added, and timeouts.between_rounds
+PINNED_HASH = "ce5a04bc92b4e12a94e27945a6983963"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
