@@ -16,7 +16,7 @@ run's first process. kB/sample: the `tx_bytes` of every peer's interface (all tr
 samples trained. Utilisation: CPU seconds of the training processes (each with one thread; DHT
 children and p2pd not counted) over (processes x wall); all processes share this machine's cores.
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
-2 microbatches of 32 per step, fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
+2 microbatches of 32 per step, `--pipe-microbatches 16` for 16 of 4; fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
 codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
 than fp32), swarmgrad-pipe-la (swarmgrad-pipe with `pipeline.lookahead`: the next step's microbatches
 go out while this one drains, one step stale), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync,
@@ -71,6 +71,9 @@ class Budget:
     """Sequences per peer per step (2 peers: a global batch of 64)."""
     inner_steps: int = 50
     """swarmgrad's H and hm-local's steps between averages."""
+    pipe_microbatches: int = 2
+    """Microbatches per step of the pipelines' one driver (each step is the global batch): more,
+    smaller ones shorten each step's fill and drain, at more messages and smaller matmuls."""
     ckpt_every: int = 50
     """Baselines: steps between saved weights (each costs a scoring pass afterwards)."""
     timeout_s: float = 1500.0
@@ -177,10 +180,14 @@ def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
         schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
     if system in PIPELINES:
-        m = m.replace(stages={"count": 2}, inner={"microbatch_size": budget.batch, "microbatches_per_step": 2})
+        k = budget.pipe_microbatches
+        m = m.replace(stages={"count": 2}, inner={"microbatch_size": budget.global_batch // k, "microbatches_per_step": k})
+        pipeline: dict[str, object] = {"max_in_flight": max(4, k)}  # room for a whole step in flight
         if system == "swarmgrad-pipe-la":
-            return m.replace(pipeline={"lookahead": True})
-        return m.replace(pipeline=COMPRESSED_BOUNDARY) if system == "swarmgrad-pipe-c" else m
+            pipeline["lookahead"] = True
+        if system == "swarmgrad-pipe-c":
+            pipeline.update(COMPRESSED_BOUNDARY)
+        return m.replace(pipeline=pipeline)
     if system == "swarmgrad-2x2":
         return m.replace(stages={"count": 2})
     return m
@@ -430,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", default=None, type=Path,
                    help=f"the manifest swarmgrad runs (default {REFERENCE.relative_to(HERE.parent)}), e.g. another codec")
     p.add_argument("--inner-steps", type=int, default=None, help="H, and hm-local's steps between averages (default 50)")
+    p.add_argument("--pipe-microbatches", type=int, default=None,
+                   help="microbatches per step of the pipelines (default 2: 2 x 32; 16: 16 x 4)")
     args = p.parse_args(argv)
+    if args.pipe_microbatches is not None and (args.pipe_microbatches < 1 or 64 % args.pipe_microbatches):
+        p.error("--pipe-microbatches must divide the global batch of 64")
     # cleanup lives in finally blocks: make SIGTERM, and SIGINT where a non-interactive shell's `&`
     # left it ignored, raise instead of ending the process without them
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -452,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.manifest or args.inner_steps:
         budget = replace(budget, reference=(args.manifest or REFERENCE).resolve(),
                          inner_steps=args.inner_steps or budget.inner_steps)
+    if args.pipe_microbatches:
+        budget = replace(budget, pipe_microbatches=args.pipe_microbatches)
     out = Path(args.out) if args.out else None
     torch.set_num_threads(2)
     results: list[Result] = []
