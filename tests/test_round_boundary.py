@@ -1,0 +1,94 @@
+"""When a later stage's round ends (RoundRunner.wait_boundary), with the DHT read that lets the
+drivers' records end it running slowly: a microbatch of the next round must end the round at once,
+not after the read, and the read must not outlive the wait."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
+from swarmgrad.peer.rounds import RoundRunner
+from swarmgrad.peer.rpc import Traffic
+from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.worker import StageWorker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class SlowSwarm:
+    """stage_records(0) answers after `delay` seconds with drivers at `driver_round`."""
+
+    def __init__(self, delay: float, driver_round: int) -> None:
+        self.delay = delay
+        self.driver_round = driver_round
+        self.reads = 0
+        self.cancelled = 0
+
+    async def stage_records(self, stage: int) -> list[PeerRecord]:
+        self.reads += 1
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return [PeerRecord(peer_id="driver", stage=0, state=ONLINE, throughput=1.0, round=self.driver_round,
+                           applied_rounds=0, digest="d", manifest_hash="h", driver=True)]
+
+
+def _runner(swarm: SlowSwarm) -> tuple[RoundRunner, RoundClock, StageWorker]:
+    clock = RoundClock(RoundsConfig(inner_steps=10, round_seconds=0.0), counts_steps=False, max_rounds=0, epoch=None)
+    progress = TrainingProgress(ScheduleConfig())
+    worker = StageWorker(nn.Linear(2, 2), InnerOptConfig(), torch.device("cpu"), None, clock, progress)
+    runner = RoundRunner(stage=1, clock=clock, worker=worker, state=None, averager=None, sync=None,  # type: ignore[arg-type]
+                         presence=None, swarm=swarm, progress=progress, traffic=Traffic(),  # type: ignore[arg-type]
+                         events=EventLog(None, sink=lambda _: None), schedule_outer=False, save_dir=None,
+                         peer_id="stage-1")
+    return runner, clock, worker
+
+
+def test_a_microbatch_of_the_next_round_ends_it_during_a_slow_read() -> None:
+    async def main() -> None:
+        swarm = SlowSwarm(delay=5.0, driver_round=0)  # the drivers' records say nothing yet, slowly
+        runner, clock, worker = _runner(swarm)
+        waiting = asyncio.create_task(runner.wait_boundary(0, asyncio.Event()))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and swarm.reads == 1  # the read is under way
+        started = time.monotonic()
+        assert clock.observe(1)  # what the stage server does with a request of round 1
+        await asyncio.wait_for(waiting, 2.0)
+        assert time.monotonic() - started < 1.0  # not after the 5 s read
+        assert swarm.cancelled == 1  # and the read did not outlive the wait
+        worker.close()
+    asyncio.run(main())
+
+
+def test_the_drivers_records_end_a_round_that_gets_no_more_work() -> None:
+    async def main() -> None:
+        swarm = SlowSwarm(delay=0.05, driver_round=1)  # every driver is past round 0
+        runner, clock, worker = _runner(swarm)
+        await asyncio.wait_for(runner.wait_boundary(0, asyncio.Event()), 2.0)
+        assert swarm.reads == 1 and clock.seen == -1  # no microbatch said so: the records did
+        worker.close()
+    asyncio.run(main())
+
+
+def test_a_round_goes_on_while_the_drivers_are_in_it() -> None:
+    async def main() -> None:
+        swarm = SlowSwarm(delay=0.01, driver_round=0)
+        runner, clock, worker = _runner(swarm)
+        stop = asyncio.Event()
+        waiting = asyncio.create_task(runner.wait_boundary(0, stop))
+        await asyncio.sleep(1.5)  # past one poll interval (BOUNDARY_POLL_SECONDS): it reads again
+        assert not waiting.done() and swarm.reads >= 2
+        stop.set()
+        clock.wake()
+        await asyncio.wait_for(waiting, 2.0)
+        worker.close()
+    asyncio.run(main())
