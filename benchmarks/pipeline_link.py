@@ -25,8 +25,9 @@ Figures, over the counted rounds (from the driver's round events): samples/s; MB
 link utilisation (bytes of the `wan0` interface counters, all traffic, over the link's rate; unshaped
 links have no rate); `idle` is the share of 100 ms samples in which stage 0's uplink carried less
 than 10 % of its rate (the link waiting on something else). With the code that reports it, the
-driver's own `pipeline` events add the window it chose, its measured compute utilisation, and the
-bottleneck it names.
+driver's own `pipeline` events add the window it chose, its measured compute utilisation, the
+bottleneck it names, and the share of the time its uplink waited between inner steps (the last
+round's event).
 
 Root is needed for the namespaces; without it the script says why and exits 0. Only ratios measured
 in one run mean anything: the machine is shared.
@@ -257,9 +258,11 @@ def table(rows: list[Row], first: str) -> str:
                     fmt(r.utilisation(r.up_bps), 2), fmt(r.utilisation(r.down_bps), 2), fmt(r.idle, 2),
                     f"{p['window']} ({fmt(p['window_needed'] or math.nan, 1)})" if p else "",
                     f"{p['bottleneck']} (link {p['link_util']:.2f}, compute {p['compute_util']:.2f})" if p else "",
+                    fmt(p["step_gap_share"], 2) if p and "step_gap_share" in p else "",
                     f"FAILED: {r.error[:300]}" if r.error else ""])
     header = ["code", "link", "samples/s", f"ratio to {first}", "up MB/s", "down MB/s", "up util", "down util",
-              "uplink idle", "window (needed)", "driver's report: bottleneck (utilisation)", "note"]
+              "uplink idle", "window (needed)", "driver's report: bottleneck (utilisation)",
+              "uplink waits between steps", "note"]
     return markdown_table(header, out)
 
 

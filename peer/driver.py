@@ -38,7 +38,7 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline import Downstream, Hop
 from swarmgrad.peer.routing import DeadlineEstimator
 from swarmgrad.peer.rpc import CallTiming
-from swarmgrad.peer.window import PipelineEstimator, WindowChoice, choose_window, utilisation
+from swarmgrad.peer.window import PipelineEstimator, StepGaps, WindowChoice, choose_window, utilisation
 from swarmgrad.peer.worker import NonFiniteLoss, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 
@@ -97,6 +97,8 @@ class Driver:
         """Training microbatches answered (the next stage's busy time is this × its service time)."""
         self._up_bytes = self._down_bytes = 0
         """Bytes of training requests and their answers (the link utilisation report)."""
+        self.step_gaps = StepGaps()
+        """The uplink's waits between inner steps (the report's `step_gap_share`)."""
         self._report_mark = self._marks()
 
     @property
@@ -140,17 +142,21 @@ class Driver:
         async with self._window_changed:
             self._window_changed.notify_all()
 
-    async def _send(self, mb: int, attempt: int, h: torch.Tensor, targets: torch.Tensor, eval_only: bool
-                    ) -> tuple[Hop, CallTiming]:
+    async def _send(self, mb: int, attempt: int, h: torch.Tensor, targets: torch.Tensor, eval_only: bool,
+                    step: int) -> tuple[Hop, CallTiming]:
         """Send through the send slot (module docstring): hold it until the request is written and,
-        at the measured uplink rate, has had time to leave; then wait for the answer without it."""
+        at the measured uplink rate, has had time to leave; then wait for the answer without it.
+        `step`: the inner step the microbatch trains in (the report's waits between steps)."""
         assert self.downstream is not None
         timing = CallTiming()
         encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
         async with self._send_slot:
+            round = self.clock.current
+            if not eval_only:
+                self.step_gaps.starting(step, round, time.monotonic())
             call = asyncio.ensure_future(self.downstream.forward(
                 1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
-                self.clock.current, timing=timing, encoded=encoded))
+                round, timing=timing, encoded=encoded))
             sent = asyncio.ensure_future(timing.sent.wait())
             try:
                 await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)
@@ -164,6 +170,8 @@ class Driver:
                 raise
             finally:
                 sent.cancel()  # no request went out (no replica to send to): nothing will set it
+                if not eval_only and timing.started:
+                    self.step_gaps.sent(step, round, time.monotonic())
         return await call, timing
 
     def _observe(self, hop: Hop, timing: CallTiming) -> None:
@@ -186,15 +194,15 @@ class Driver:
         if n1 > n0:
             self.estimator.observe_compute((c1 - c0) / (n1 - n0))
 
-    def _marks(self) -> tuple[float, float, int, int, int, int]:
+    def _marks(self) -> tuple[float, float, int, int, int, int, float]:
         return (time.monotonic(), self.worker.compute_total, self._up_bytes, self._down_bytes, self._trips,
-                self.stats.ahead)
+                self.stats.ahead, self.step_gaps.total)
 
     def report(self) -> dict[str, float | int | str | None]:
         """What limited the pipeline since the last report: the window, the measured link rates,
         link and compute utilisation and the bottleneck (the `pipeline` event's fields)."""
         now = self._marks()
-        (t0, c0, up0, down0, r0, a0), self._report_mark = self._report_mark, now
+        (t0, c0, up0, down0, r0, a0, g0), self._report_mark = self._report_mark, now
         m, choice = self.estimator.measure(), self.choice
         use = utilisation(wall_s=now[0] - t0, up_bytes=now[2] - up0, down_bytes=now[3] - down0, up_rate=m.up_rate,
                           down_rate=m.down_rate, local_compute_s=now[1] - c0,
@@ -208,7 +216,8 @@ class Driver:
                 "local_compute_s": round(m.local_compute, 4), "remote_s": round(m.remote_compute, 4),
                 "latency_s": round(m.latency, 4), "interval_s": round(choice.interval, 4), "trip_s": round(choice.trip, 4),
                 "samples": self.estimator.samples,
-                "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0}
+                "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0,
+                "step_gap_share": round(min(1.0, (now[6] - g0) / max(1e-9, now[0] - t0)), 3)}
 
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:
@@ -223,7 +232,7 @@ class Driver:
             assert self.downstream is not None
             x, h = await self.worker.forward(inputs, train=not eval_only, slot=slot)
             started = time.monotonic()
-            hop, timing = await self._send(mb, attempt, h, targets, eval_only)
+            hop, timing = await self._send(mb, attempt, h, targets, eval_only, slot.step)
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)

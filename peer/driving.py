@@ -101,10 +101,11 @@ class DrivingLoop:
         self.events.emit("pipeline", round=self.clock.current, **r)
         rate = lambda v: "?" if v is None else f"{v / 1e6:.2f}"  # noqa: E731
         logger.info("stage 0 pipeline: window %d of %d (%s) | link %.0f%% (up %.2f of %s MB/s, down %.2f of %s MB/s) "
-                    "| compute %.0f%% (driver %.0f%%) | bottleneck %s%s", r["window"], r["max_in_flight"],
+                    "| compute %.0f%% (driver %.0f%%) | bottleneck %s | uplink waits between steps %.0f%%%s",
+                    r["window"], r["max_in_flight"],
                     r["window_limited_by"], 100 * r["link_util"], r["up_bytes_per_s"] / 1e6, rate(r["up_rate"]),
                     r["down_bytes_per_s"] / 1e6, rate(r["down_rate"]), 100 * r["compute_util"],
-                    100 * r["driver_compute_util"], r["bottleneck"],
+                    100 * r["driver_compute_util"], r["bottleneck"], 100 * r["step_gap_share"],
                     f" | {100 * r['ahead_share']:.0f}% ran ahead" if self.m.pipeline.lookahead else "")
 
     async def evaluate(self, final: bool = False) -> None:

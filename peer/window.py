@@ -181,6 +181,31 @@ class PipelineEstimator:
             remote_compute=_quantile(self._remote, 0.1) if self._remote else 0.0)
 
 
+@dataclass
+class StepGaps:
+    """Seconds the uplink waited between inner steps: from the moment one step's last request was
+    on the wire to the moment the next step's first request went out, within a round. Exact steps
+    cost that much each (the last answer, the driver's backward and step, the next forward), however
+    wide the window: neither the link nor the compute can be saturated across it, and more, smaller
+    microbatches per step are what shorten it. Round boundaries are not counted (the round events
+    report those). Requests go out one at a time (the driver's send slot), in step order."""
+    total: float = 0.0
+    _step: int | None = None
+    _round: int | None = None
+    _sent_at: float = 0.0
+
+    def starting(self, step: int, round: int, now: float) -> None:
+        """A request of inner step `step` (the worker's step count) of `round` takes the link now."""
+        if self._step is not None and step > self._step and round == self._round:
+            self.total += max(0.0, now - self._sent_at)
+            self._step, self._sent_at = step, now  # once per step: a retry of this request adds nothing
+
+    def sent(self, step: int, round: int, now: float) -> None:
+        """That request is on the wire."""
+        if self._step is None or (round, step) >= (self._round, self._step):
+            self._step, self._round, self._sent_at = step, round, now
+
+
 def memory_window(offered_bytes: int | None, fixed_bytes: int, activation_bytes_per_microbatch: int) -> int | None:
     """Microbatches in flight whose activations fit in what a peer offers, after its stage's
     fixed needs (weights, θ_global, optimiser states, gradients). None when either is unknown;

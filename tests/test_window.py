@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, choose_window, memory_window,
-                                   utilisation)
+from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, StepGaps, choose_window,
+                                   memory_window, utilisation)
 
 MB = 1 << 20
 
@@ -131,3 +131,25 @@ def test_driver_memory_window_from_the_stage_needs() -> None:
     assert driver_memory_window(m, need.total) == 4
     assert driver_memory_window(m, need.total - need.activations // 2) == 2
     assert driver_memory_window(m, 1 << 50) > 1000
+
+
+def test_step_gaps_count_the_uplinks_wait_between_steps_within_a_round() -> None:
+    g = StepGaps()
+    g.starting(0, 0, 0.0)
+    g.sent(0, 0, 0.5)
+    g.starting(0, 0, 0.5)  # the same step: back to back, no wait
+    g.sent(0, 0, 1.0)
+    assert g.total == 0.0
+    g.starting(1, 0, 1.4)  # the next step's first request, 0.4 s after the last one left
+    g.sent(1, 0, 1.9)
+    assert g.total == pytest.approx(0.4)
+    g.starting(2, 1, 9.0)  # a round boundary in between: the round events account for it
+    g.sent(2, 1, 9.5)
+    assert g.total == pytest.approx(0.4)
+    g.sent(1, 1, 9.6)  # a late request of an earlier step (a retry, or lookahead's order) does not move it back
+    g.starting(3, 1, 9.7)
+    assert g.total == pytest.approx(0.6)
+    g.sent(3, 1, 10.0)
+    g.starting(4, 1, 10.2)
+    g.starting(4, 1, 10.9)  # the same request again (refused, retried): the wait was counted once
+    assert g.total == pytest.approx(0.8)

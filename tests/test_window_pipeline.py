@@ -30,6 +30,9 @@ def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None
         assert r["bottleneck"] in ("link", "compute")
         assert 0.0 <= r["link_util"] <= 1.0 and 0.0 <= r["compute_util"] <= 1.0
         assert r["bottleneck"] == ("link" if r["link_util"] > r["compute_util"] else "compute")
+        assert 0.0 <= r["step_gap_share"] <= 1.0
+    # exact steps: the uplink waits between one step's last request and the next one's first
+    assert max(r["step_gap_share"] for r in reports) > 0
     last = reports[-1]
     # sized from measurements, not the cap's default: trips were observed and a trip length known
     assert last["samples"] > 0 and last["window_needed"] is not None and last["trip_s"] > 0
