@@ -240,22 +240,29 @@ class Averager:
     # the member's side ------------------------------------------------------------------------
     async def matchmake(self, round: int, registration: dict[str, Any]) -> tuple[Group | None, dict[str, float]]:
         """(the group, every registrant's declared weight)."""
-        await self.swarm.register_round(self.stage, round, self.peer_id, registration)
-        deadline = time.monotonic() + self.patience
-        # The group is settled when every replica the stage records call ONLINE has registered:
-        # each member waits for the same condition, so all read the same set. Past the deadline
-        # (a replica died, or its records lag) members may read different sets; then group hashes
-        # differ, the round fails for all, and nobody applies anything.
-        regs: dict[str, dict[str, Any]] = {}
-        for delay in poll_intervals(MATCHMAKING_POLL_SECONDS):
-            regs, records = await asyncio.gather(self.swarm.round_registrations(self.stage, round),
-                                                 self.swarm.stage_records(self.stage))
-            alive = {r.peer_id for r in records if r.state == ONLINE}
-            alive.add(self.peer_id)
-            if alive <= set(regs) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(delay)
-        regs.setdefault(self.peer_id, registration)
+        # Our registration is stored while we read the others' (one DHT round trip instead of two
+        # at every boundary): we know our own, and the others wait until they read it.
+        registering = asyncio.ensure_future(self.swarm.register_round(self.stage, round, self.peer_id, registration))
+        try:
+            deadline = time.monotonic() + self.patience
+            # The group is settled when every replica the stage records call ONLINE has registered:
+            # each member waits for the same condition, so all read the same set. Past the deadline
+            # (a replica died, or its records lag) members may read different sets; then group hashes
+            # differ, the round fails for all, and nobody applies anything.
+            regs: dict[str, dict[str, Any]] = {}
+            for delay in poll_intervals(MATCHMAKING_POLL_SECONDS):
+                regs, records = await asyncio.gather(self.swarm.round_registrations(self.stage, round),
+                                                     self.swarm.stage_records(self.stage))
+                regs.setdefault(self.peer_id, registration)
+                alive = {r.peer_id for r in records if r.state == ONLINE}
+                if alive <= set(regs) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(delay)
+            await registering  # the others must be able to read it before we go on
+        finally:
+            if not registering.done():  # the reads failed (or we were cancelled): the round is off anyway
+                registering.cancel()
+                await asyncio.gather(registering, return_exceptions=True)
         return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> dict[str, Encoded]:

@@ -25,6 +25,9 @@ from swarmgrad.peer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
+STEP_GAP_HINT = 0.25
+"""A driver whose uplink waits this share of the time between inner steps says, once, what shortens it."""
+
 
 def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
     """A driver's shard: --data-seed if given, else derived from the peer id and the run's seed."""
@@ -67,6 +70,7 @@ class DrivingLoop:
         """Set after the last round: no more training microbatches (evaluation goes on)."""
         self._val: list[Batch] = []
         self._evaluating = False
+        self._hinted = False
 
     async def run(self) -> None:
         d = self.m.data
@@ -107,6 +111,14 @@ class DrivingLoop:
                     r["down_bytes_per_s"] / 1e6, rate(r["down_rate"]), 100 * r["compute_util"],
                     100 * r["driver_compute_util"], r["bottleneck"], 100 * r["step_gap_share"],
                     f" | {100 * r['ahead_share']:.0f}% ran ahead" if self.m.pipeline.lookahead else "")
+        inner = self.m.inner
+        if not self._hinted and r["step_gap_share"] >= STEP_GAP_HINT and inner.microbatch_size > 1:
+            self._hinted = True  # once per run: the figure is in every pipeline event
+            logger.info("stage 0 pipeline: the uplink waited %.0f%% of the time between inner steps (each exact "
+                        "step's fill and drain); more, smaller microbatches per step shorten it, with the same "
+                        "samples per step (inner.microbatches_per_step × inner.microbatch_size, now %d × %d; "
+                        "raise pipeline.max_in_flight with them)", 100 * r["step_gap_share"],
+                        inner.microbatches_per_step, inner.microbatch_size)
 
     async def evaluate(self, final: bool = False) -> None:
         assert self.driver is not None
