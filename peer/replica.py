@@ -262,6 +262,8 @@ class Replica:
         """Announce the move and stop after the current round (its contribution is averaged)."""
         assert self.rounds is not None and self.presence is not None
         self.rounds.leave_after_round = True
+        if self.worker is not None:
+            await self.worker.leave()
         self.presence.moving = True
         await self.presence.announce()
 
@@ -270,6 +272,8 @@ class Replica:
         """Announce LEAVING, cancel and await every task, remove the handlers, save."""
         if self.driving is not None:
             self.driving.stop_training.set()
+        if self.worker is not None:  # requests held for a resume are refused now, not cut off below
+            await self.worker.leave()
         if self.presence is not None:
             announced = False
             try:

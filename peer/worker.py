@@ -79,6 +79,9 @@ class StageWorker:
         self.lookahead = Lookahead(self.module)
         self._paused = False
         self._stepping = False
+        self.leaving = False
+        """This replica stops after its round (a move, the peer's shutdown): what arrives while it is
+        paused is refused at once, not held for a resume that will not come (`leave`)."""
         self.accumulated = 0
         """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
         self.inner_steps = 0
@@ -199,6 +202,8 @@ class StageWorker:
                 early = round is not None and self.clock.current < round
                 if (self._paused or early) and not wait:
                     left = give_up - time.monotonic()
+                    if self.leaving:
+                        raise NotReady("leaving this stage")
                     if left <= 0:
                         raise NotReady("between rounds")
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -234,6 +239,12 @@ class StageWorker:
             else:
                 self._in_flight_train -= int(train)
             await asyncio.shield(self._notify())
+
+    async def leave(self) -> None:
+        """This replica will not resume after its round: refuse (and stop holding) what arrives."""
+        async with self._cond:
+            self.leaving = True
+            self._cond.notify_all()
 
     async def _notify(self) -> None:
         async with self._cond:

@@ -230,6 +230,14 @@ def test_a_request_of_the_next_round_is_held_until_the_round_is_over() -> None:
         refused = await server.handle(request(2), DRIVER)
         assert refused.status == pb.NOT_READY and time.monotonic() - started >= 0.3 and server.refused == 1
         assert w.held + w.uncommitted == 1  # the first (dropped uncommitted after 0.3 s), none of the refused one
+
+        server.hold_s = 10.0  # a replica that will not resume (it moves away, or stops) holds nothing
+        held = asyncio.create_task(server.handle(request(3), DRIVER))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        await w.leave()
+        assert (await asyncio.wait_for(held, 1.0)).status == pb.NOT_READY
+        assert (await asyncio.wait_for(server.handle(request(4), DRIVER), 1.0)).status == pb.NOT_READY
         for worker in workers.values():
             worker.close()
     asyncio.run(main())
