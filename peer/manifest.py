@@ -207,9 +207,10 @@ class TimeoutsConfig:
     """How long a stage replica holds a microbatch's gradients after answering, for the driver's
     commit; uncommitted (the answer was lost, the driver re-sent it elsewhere) they are dropped."""
     between_rounds: float = 5.0
-    """How long a stage ≥ 1 replica between rounds holds a microbatch that arrives meanwhile (at
-    most half of the microbatch's deadline), serving it once the round is over, instead of refusing
-    it NOT_READY and having the driver send the activations again. 0: refuse at once."""
+    """How long a stage ≥ 1 replica that is ending its round holds a microbatch of the next round
+    (at most half of the microbatch's deadline), serving it once the round is over, instead of
+    refusing it NOT_READY and having the driver send the activations again. 0: refuse at once. A
+    late microbatch of the round being ended is refused at once."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -196,10 +196,11 @@ class StageServer:
                  hold_s: float = 0.0):
         self.identity = identity
         self.hold_s = hold_s
-        """timeouts.between_rounds: how long a request arriving while this replica is between rounds
-        waits for it to resume. Refused at once (NOT_READY), the driver would send its activations
-        again after a pause (the reply defers this replica for NOT_READY_DEFER_SECONDS), and this
-        replica would start the next round idle, waiting for the re-sent request to arrive."""
+        """timeouts.between_rounds: how long a request of the next round, arriving while this
+        replica ends its round, waits for it to resume. Refused at once (NOT_READY), the driver would
+        send its activations again after a pause (the reply defers this replica for
+        NOT_READY_DEFER_SECONDS), and this replica would start the next round idle, waiting for the
+        re-sent request to arrive."""
         self.lookahead = lookahead
         """pipeline.lookahead: take the next step's microbatches while this step waits for its
         commits (peer/lookahead.py)."""
@@ -254,9 +255,11 @@ class StageServer:
             raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is ahead of ours ({self.clock.current}) and "
                                                 f"{inp.driver[-8:]} is not a driver of this run")
         ending = self.clock.observe(inp.round)  # a later round than ours: ours ends first
-        # Hold the request for the next round rather than refuse it, but leave it at least half of
-        # its deadline for the trip after the wait.
-        hold = min(self.hold_s, (inp.deadline - get_dht_time()) / 2)
+        # Hold a request of the next round until ours is over rather than refuse it, but leave it at
+        # least half of its deadline for the trip after the wait. A late one of our own round is
+        # refused at once, as before: its driver holds a place in flight for it, and holding it here
+        # would keep that driver from pausing for its own round boundary until we resume.
+        hold = min(self.hold_s, (inp.deadline - get_dht_time()) / 2) if ending else 0.0
         if ending and hold <= 0:
             self.refused += 1
             return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")

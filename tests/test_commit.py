@@ -208,27 +208,30 @@ def test_a_request_of_the_next_round_is_held_until_the_round_is_over() -> None:
         server.hold_s = 10.0
         _, h = await workers[DRIVER].forward(inputs, train=False)
 
-        def request(microbatch: int) -> pb.ForwardRequest:
+        def request(microbatch: int, ahead: int = 1) -> pb.ForwardRequest:
             return pb.ForwardRequest(envelope=envelope(server.identity, 1), microbatch_id=microbatch, driver=DRIVER,
                                      activations=encoded_to_proto(get_codec("fp32").encode(h)),
                                      targets=raw_from_tensor(targets), deadline=get_dht_time() + 30,
-                                     round=server.clock.current + 1)
+                                     round=server.clock.current + ahead)
 
         answer = asyncio.create_task(server.handle(request(1), DRIVER))
         await asyncio.sleep(0.1)
         assert not answer.done() and server.clock.seen == server.clock.current + 1  # held; our round ends
         await w.pause()  # what the round runner does: pause, average, advance, resume
+        # a late one of the round being ended is refused at once: its driver must get on to its own boundary
+        late = await asyncio.wait_for(server.handle(request(9, ahead=0), DRIVER), 1.0)
+        assert late.status == pb.NOT_READY and server.refused == 1
         server.clock.advance(server.clock.current + 1)
         await asyncio.sleep(0.1)
         assert not answer.done() and w.held == 0  # still paused: nothing computed
         await w.resume()
         served = await asyncio.wait_for(answer, 10)
-        assert served.status == pb.OK and w.held == 1 and server.refused == 0
+        assert served.status == pb.OK and w.held == 1 and server.refused == 1
 
         server.hold_s = 0.3  # the next round's request, and this time the round does not end in time
         started = time.monotonic()
         refused = await server.handle(request(2), DRIVER)
-        assert refused.status == pb.NOT_READY and time.monotonic() - started >= 0.3 and server.refused == 1
+        assert refused.status == pb.NOT_READY and time.monotonic() - started >= 0.3 and server.refused == 2
         assert w.held + w.uncommitted == 1  # the first (dropped uncommitted after 0.3 s), none of the refused one
 
         server.hold_s = 10.0  # a replica that will not resume (it moves away, or stops) holds nothing
