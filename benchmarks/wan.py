@@ -440,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipe-microbatches", type=int, default=None,
                    help="microbatches per step of the pipelines (default 2: 2 x 32; 16: 16 x 4)")
     args = p.parse_args(argv)
-    if args.pipe_microbatches is not None and (args.pipe_microbatches < 1 or 64 % args.pipe_microbatches):
-        p.error("--pipe-microbatches must divide the global batch of 64")
+    batch = Budget().global_batch
+    if args.pipe_microbatches is not None and (args.pipe_microbatches < 1 or batch % args.pipe_microbatches):
+        p.error(f"--pipe-microbatches must divide the global batch of {batch}")
     # cleanup lives in finally blocks: make SIGTERM, and SIGINT where a non-interactive shell's `&`
     # left it ignored, raise instead of ending the process without them
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -259,12 +259,9 @@ class StageServer:
         # least half of its deadline for the trip after the wait. A late one of our own round is
         # refused at once, as before: its driver holds a place in flight for it, and holding it here
         # would keep that driver from pausing for its own round boundary until we resume.
-        hold = min(self.hold_s, (inp.deadline - get_dht_time()) / 2) if ending else 0.0
-        if ending and hold <= 0:
-            self.refused += 1
-            return pb.ForwardResponse(status=pb.NOT_READY, reason=f"still in a round before {inp.round}; ending it")
+        hold = max(0.0, min(self.hold_s, (inp.deadline - get_dht_time()) / 2)) if ending else 0.0
         try:
-            async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead, hold=max(0.0, hold),
+            async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead, hold=hold,
                                             round=inp.round if ending else None) as slot:
                 response = await self._serve(inp, train, slot)
         except NotReady as e:

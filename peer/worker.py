@@ -205,7 +205,7 @@ class StageWorker:
                     if self.leaving:
                         raise NotReady("leaving this stage")
                     if left <= 0:
-                        raise NotReady("between rounds")
+                        raise NotReady(f"still in a round before {round}; ending it" if early else "between rounds")
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._cond.wait(), left)  # resume() notifies
                     continue
