@@ -19,11 +19,13 @@ def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_
                               inner={"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2,
                                      "swarm_second_moment": True})
     swarm: LocalSwarm = local_swarm(manifest)
-    first = swarm.start_first(0, "--max-rounds", "10", "--linger", "5")
-    second = swarm.start(0, "--max-rounds", "10", "--linger", "5")
+    # 14 rounds of 2.5 s: on two busy cores the joiner's start and state download took 14 s, and
+    # with 10 rounds the first replica had finished before the joiner was online (no round of three)
+    first = swarm.start_first(0, "--max-rounds", "14", "--linger", "5")
+    second = swarm.start(0, "--max-rounds", "14", "--linger", "5")
     swarm.wait_for(second, lambda e: e["event"] == "online", 40, "the second replica online")
     joiner = swarm.start(0, "--max-rounds", "4", "--linger", "5")
-    codes = swarm.wait_exit(80)
+    codes = swarm.wait_exit(100)
     history = round_history(swarm.peers, 0)
     assert codes == [0, 0, 0], history + "\n".join(p.log_tail() for p in swarm.peers)
     assert_replicas_agree(swarm.peers, 0)
