@@ -313,21 +313,28 @@ class StageServer:
 class DriverList:
     """The drivers (stage-0 replicas) the DHT lists, cached for `refresh_s`; a peer not in the
     cache triggers one re-read, at most every `refresh_s` (a driver that just joined is listed
-    before it sends anything: it announces, then waits for the pipeline)."""
+    before it sends anything: it announces, then waits for the pipeline). Callers that arrive while
+    a read is under way wait for it instead of answering from the list it is replacing: a driver's
+    first requests of a round come back to back, and all but the first were refused otherwise."""
 
     def __init__(self, swarm: SwarmView, refresh_s: float = 2.0):
         self.swarm = swarm
         self.refresh_s = refresh_s
         self._ids: frozenset[str] = frozenset()
         self._read_at = -1e9
+        self._reading = asyncio.Lock()
 
     async def listed(self, peer_id: str) -> bool:
-        if peer_id not in self._ids and time.monotonic() - self._read_at >= self.refresh_s:
-            self._read_at = time.monotonic()
-            try:
-                self._ids = frozenset(r.peer_id for r in await self.swarm.stage_records(0))
-            except Exception as e:  # a slow DHT: keep the last list
-                logger.info("could not read the drivers: %s: %s", type(e).__name__, e)
+        if peer_id in self._ids:
+            return True
+        async with self._reading:
+            if peer_id not in self._ids and time.monotonic() - self._read_at >= self.refresh_s:
+                try:
+                    self._ids = frozenset(r.peer_id for r in await self.swarm.stage_records(0))
+                except Exception as e:  # a slow DHT: keep the last list
+                    logger.info("could not read the drivers: %s: %s", type(e).__name__, e)
+                finally:
+                    self._read_at = time.monotonic()
         return peer_id in self._ids
 
 

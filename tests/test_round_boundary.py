@@ -13,6 +13,7 @@ from torch import nn
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
+from swarmgrad.peer.pipeline import DriverList
 from swarmgrad.peer.rounds import RoundRunner
 from swarmgrad.peer.rpc import Traffic
 from swarmgrad.peer.schedule import TrainingProgress
@@ -91,4 +92,28 @@ def test_a_round_goes_on_while_the_drivers_are_in_it() -> None:
         clock.wake()
         await asyncio.wait_for(waiting, 2.0)
         worker.close()
+    asyncio.run(main())
+
+
+def test_requests_arriving_during_the_drivers_read_wait_for_it() -> None:
+    """A driver's first requests of a round come back to back: all of them must see the read the
+    first one started, not the empty list it replaces (they were refused WRONG_ROUND before)."""
+    async def main() -> None:
+        swarm = SlowSwarm(delay=0.3, driver_round=1)
+        drivers = DriverList(swarm, refresh_s=2.0)  # type: ignore[arg-type]
+        answers = await asyncio.wait_for(asyncio.gather(*(drivers.listed("driver") for _ in range(3))), 2.0)
+        assert answers == [True, True, True] and swarm.reads == 1
+        # someone the DHT does not list: one read per refresh_s, however many requests it sends
+        assert not await drivers.listed("stranger") and swarm.reads == 1
+    asyncio.run(main())
+
+
+def test_an_unlisted_peer_triggers_at_most_one_read_per_refresh() -> None:
+    async def main() -> None:
+        swarm = SlowSwarm(delay=0.01, driver_round=1)
+        drivers = DriverList(swarm, refresh_s=0.2)  # type: ignore[arg-type]
+        assert not any(await asyncio.gather(*(drivers.listed("stranger") for _ in range(5))))
+        assert swarm.reads == 1
+        await asyncio.sleep(0.25)
+        assert not await drivers.listed("stranger") and swarm.reads == 2
     asyncio.run(main())
