@@ -21,7 +21,8 @@ from typing import Iterator
 import base58
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from hivemind.proto import crypto_pb2
+
+from swarmgrad.protocol import libp2p_key_pb2 as crypto_pb2
 
 _PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
 """identity multihash (code 0, length 36) of PublicKey{key_type: Ed25519 (field 1 = 1), data (field 2): 32 bytes}."""

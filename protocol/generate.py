@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ("wire.proto", "coordinator.proto")
+PROTOS = ("wire.proto", "coordinator.proto", "libp2p_key.proto")
 GRPC_PROTOS = ("coordinator.proto",)
 """Protos with a gRPC service: their stubs (_pb2_grpc.py) are generated and committed too."""
 

@@ -533,6 +533,25 @@ def test_generated_code_is_current() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_our_libp2p_key_messages_are_hivemind_s_on_the_wire() -> None:
+    """protocol/libp2p_key.proto copies libp2p's crypto.proto so that key files need no hivemind
+    import: the bytes must be the same both ways, and the CLI's key commands must not import it."""
+    from hivemind.proto import crypto_pb2 as theirs
+
+    from swarmgrad.protocol import libp2p_key_pb2 as ours
+
+    for kind in (ours.RSA, ours.Ed25519, ours.Secp256k1, ours.ECDSA):
+        data = bytes(range(64))
+        for name in ("PublicKey", "PrivateKey"):
+            mine = getattr(ours, name)(key_type=kind, data=data).SerializeToString()
+            assert mine == getattr(theirs, name)(key_type=kind, data=data).SerializeToString()
+            parsed = getattr(ours, name).FromString(getattr(theirs, name)(key_type=kind, data=data).SerializeToString())
+            assert (parsed.key_type, parsed.data) == (kind, data)
+    probe = "import sys, swarmgrad.peer.identity, swarmgrad.peer.coordinator.credentials; print('hivemind' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_status_codes_are_stable() -> None:
     # the numbers travel on the wire; renumbering breaks mixed-version swarms
     assert [(pb.Status.Name(i), i) for i in range(14)] == [
