@@ -11,8 +11,9 @@ All torch work runs on one worker thread per peer, so compute never blocks the e
 that serves RPCs, and forward/backward of different microbatches never interleave mid-op.
 
 Commit on acknowledgement: a stage ≥ 1 does not add a microbatch's parameter gradients when it
-answers, but holds them (peer/held.py) until the driver commits that attempt (it got the answer
-and ran its own backward), or drops them after `commit_timeout`. So a microbatch whose answer was
+answers, but holds them (peer/held.py; this side of it: peer/worker_commit.py) until the driver
+commits that attempt (it got the answer and ran its own backward), or drops them after
+`commit_timeout`. So a microbatch whose answer was
 lost, and that the driver re-sent along another route, is trained on once at every stage. Held
 microbatches count against their step's quota, and no step runs while any of its own is held, so
 a gradient is never added after the step it was computed for.
@@ -33,12 +34,13 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.held import HeldGradients, HoldKey
+from swarmgrad.peer.held import HeldGradients
 from swarmgrad.peer.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.lookahead import PLAIN, Lookahead, Slot, grads_wrt
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.worker_commit import CommitOnAck
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class NonFiniteLoss(Exception):
     """The last stage computed a non-finite loss; the microbatch was not trained on."""
 
 
-class StageWorker:
+class StageWorker(CommitOnAck):
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                  clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0,
@@ -314,71 +316,6 @@ class StageWorker:
         x, loss = self._loss(x, targets, True, slot)
         grads, grad_x = self._grads_of(loss, x, None, slot)
         return loss.detach().item(), grads, grad_x
-
-    async def backward_held(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                            batch: int, loss: float | None = None, slot: Slot = PLAIN) -> torch.Tensor | None:
-        """Like `backward`, but the parameter gradients wait for `commit(key)` (module docstring).
-        `loss`: the microbatch's loss from the answer (middle stages report it, for progress)."""
-        return await asyncio.shield(self._backward_then_hold(key, x, y, grad_y, batch, loss, slot))
-
-    async def _backward_then_hold(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                                  batch: int, loss: float | None, slot: Slot) -> torch.Tensor | None:
-        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y, slot)
-        self._held.hold(key, batch, grads, loss, self._step_of(slot))
-        return grad_x
-
-    async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot = PLAIN
-                                ) -> tuple[float, torch.Tensor | None]:
-        """Last stage, training: forward, loss, backward; the gradients wait for `commit(key)`."""
-        return await asyncio.shield(self._forward_loss_then_hold(key, x, targets, slot))
-
-    async def _forward_loss_then_hold(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot
-                                      ) -> tuple[float, torch.Tensor | None]:
-        loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets, slot)
-        self._held.hold(key, x.shape[0], grads, loss, self._step_of(slot))
-        return loss, grad_x
-
-    def _step_of(self, slot: Slot) -> int:
-        """The inner step a slot's gradients go into (the current one for a slot of a plain caller)."""
-        return max(slot.step, self.steps_total)
-
-    def _expired(self, key: HoldKey) -> None:
-        self.uncommitted += 1
-        logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
-        task = asyncio.ensure_future(self._notify())  # wake admissions waiting on the quota
-        self._notifies.add(task)
-        task.add_done_callback(self._notifies.discard)
-
-    async def commit(self, keys: list[HoldKey]) -> int:
-        """Train on the held microbatches `keys` names (unknown or dropped ones are skipped).
-        Returns how many were held. Shielded: the counts and .grad change together."""
-        return await asyncio.shield(self._commit(keys))
-
-    async def _commit(self, keys: list[HoldKey]) -> int:
-        popped = self._held.pop(keys)
-        if not popped:
-            return 0
-        now = [h for _, h in popped if h.step <= self.steps_total]
-        for _, h in popped:
-            if h.step > self.steps_total:  # ran ahead and this step is not applied yet: the next one's
-                self.lookahead.hold(h.grads, h.batch)
-        if now:  # after the holds above: a step that runs meanwhile promotes those
-            await self.run(self.inner.add, [h.grads for h in now])
-        self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, _ in popped)
-        for h in now:
-            self._finished(h.batch)
-        self.losses.extend(h.loss for _, h in popped if h.loss is not None)
-        await self._notify()
-        return len(popped)
-
-    def take_committed(self) -> list[str]:
-        """The microbatches committed since the last call ("driver:id", driver's last 8 characters)."""
-        out, self._committed = self._committed, []
-        return out
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
 
     def _loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool, slot: Slot = PLAIN
               ) -> tuple[torch.Tensor, torch.Tensor]:
