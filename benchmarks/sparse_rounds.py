@@ -106,6 +106,12 @@ VARIANTS = {v.name: v for v in [
     Variant("int8+ef/sgd1/swarm-moment", "int8", outer_lr=1.0, outer_momentum=0.0, swarm_moment=True),
     Variant("fp32/nag1/m0.5/swarm-moment", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5,
             swarm_moment=True),
+    # fewer averaging bytes at few steps per round, where the round's exchange is what costs time
+    Variant("int4+ef/gather/sgd1/swarm-moment", "int4", exchange="gather", outer_lr=1.0, outer_momentum=0.0,
+            swarm_moment=True),
+    Variant("ctk256x256b3+ef/gather/all/sgd1/swarm-moment", "chunktopk:chunk=256,k=256,bits=3",
+            exchange="gather", small="chunktopk:chunk=256,k=256,bits=3", outer_lr=1.0, outer_momentum=0.0,
+            swarm_moment=True),
     Variant("ctk4096b1+ef/reduce-ef:ctk2048b1", "chunktopk:chunk=4096,k=4096,bits=1", exchange="reduce-ef",
             mean_codec="chunktopk:chunk=4096,k=2048,bits=1"),
     Variant("ctk2048b1+ef/reduce-ef", "chunktopk:chunk=4096,k=2048,bits=1", exchange="reduce-ef"),
