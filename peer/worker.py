@@ -13,10 +13,10 @@ that serves RPCs, and forward/backward of different microbatches never interleav
 Commit on acknowledgement: a stage ≥ 1 does not add a microbatch's parameter gradients when it
 answers, but holds them (peer/held.py; this side of it: peer/worker_commit.py) until the driver
 commits that attempt (it got the answer and ran its own backward), or drops them after
-`commit_timeout`. So a microbatch whose answer was
-lost, and that the driver re-sent along another route, is trained on once at every stage. Held
-microbatches count against their step's quota, and no step runs while any of its own is held, so
-a gradient is never added after the step it was computed for.
+`commit_timeout`. So a microbatch whose answer was lost, and that the driver re-sent along another
+route, is trained on once at every stage. Held microbatches count against their step's quota, and
+no step runs while any of its own is held, so a gradient is never added after the step it was
+computed for.
 
 With pipeline.lookahead a microbatch may be admitted for the next step while this one drains: it
 runs against a stash of the weights and its gradients join the next step (peer/lookahead.py).

@@ -540,12 +540,13 @@ def test_our_libp2p_key_messages_are_hivemind_s_on_the_wire() -> None:
 
     from swarmgrad.protocol import libp2p_key_pb2 as ours
 
+    data = bytes(range(64))
     for kind in (ours.RSA, ours.Ed25519, ours.Secp256k1, ours.ECDSA):
-        data = bytes(range(64))
         for name in ("PublicKey", "PrivateKey"):
             mine = getattr(ours, name)(key_type=kind, data=data).SerializeToString()
-            assert mine == getattr(theirs, name)(key_type=kind, data=data).SerializeToString()
-            parsed = getattr(ours, name).FromString(getattr(theirs, name)(key_type=kind, data=data).SerializeToString())
+            hivemind_s = getattr(theirs, name)(key_type=kind, data=data).SerializeToString()
+            assert mine == hivemind_s
+            parsed = getattr(ours, name).FromString(hivemind_s)
             assert (parsed.key_type, parsed.data) == (kind, data)
     probe = "import sys, swarmgrad.peer.identity, swarmgrad.peer.coordinator.credentials; print('hivemind' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
