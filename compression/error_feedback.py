@@ -47,6 +47,12 @@ class ErrorFeedback:
             CodecError: non-finite input (the residual is left unchanged), or a shape that
                 differs from the stored residual's (call :meth:`reset` first if intended).
         """
+        return self.encode_decoded(name, tensor)[0]
+
+    def encode_decoded(self, name: str, tensor: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+        """:meth:`encode`, and ``decode`` of what it returns (fp32, the input's shape): the
+        residual needs that decode anyway, and a sender that also uses its own decoded values
+        (as every receiver decodes them) need not decode a second time."""
         x = prepare(tensor).float().reshape(tensor.shape)
         residual = self._residuals.get(name)
         if residual is not None:
@@ -59,8 +65,9 @@ class ErrorFeedback:
         enc = self.codec.encode(x, key=name)
         # record the original dtype: the receiver may want it back
         enc = Encoded(enc.codec, enc.shape, str(tensor.dtype).removeprefix("torch."), enc.params, enc.buffers)
-        self._residuals[name] = x - decode(enc)
-        return enc
+        decoded = decode(enc)
+        self._residuals[name] = x - decoded
+        return enc, decoded
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The current residual for ``name`` (a copy), or None."""

@@ -104,8 +104,9 @@ class RoundResult:
     digest vote may have been applied by members that read every vote; otherwise (we voted
     failed, or never voted) no member of our group applied it."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds of the round's phases that ran: `matchmaking`, `exchange` (encode, parts, combine),
-    `vote` (where an averaging round's time goes; the round event reports them)."""
+    """Seconds of the round's phases that ran: `matchmaking` (Δ is encoded meanwhile), `exchange`
+    (what is left of the encoding, the parts, combine), `vote` (where an averaging round's time
+    goes; the round event reports them)."""
 
 
 class Averager:
@@ -265,47 +266,67 @@ class Averager:
                 await asyncio.gather(registering, return_exceptions=True)
         return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
 
-    def _encode_delta(self, delta: dict[str, torch.Tensor]) -> dict[str, Encoded]:
-        if self.feedback is not None:
-            return {name: self.feedback.encode(name, delta[name]) for name in sorted(delta)}
-        return {name: self.codec.encode(delta[name]) for name in sorted(delta)}
+    def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
+        """Δ encoded, and decoded again as every other member decodes it (our own contribution
+        must be the value the others see, not the unrounded one)."""
+        encoded, decoded = {}, {}
+        for name in sorted(delta):
+            if self.feedback is not None:
+                encoded[name], decoded[name] = self.feedback.encode_decoded(name, delta[name])
+            else:
+                encoded[name] = self.codec.encode(delta[name])
+                decoded[name] = decode(encoded[name])
+        return encoded, decoded
 
     async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
-        started = time.monotonic()
-        group, weights = await self.matchmake(round, registration)
-        phases = {"matchmaking": time.monotonic() - started}
-        if group is None or self.peer_id not in group.members:
-            return RoundResult(False, "our θ_global is not the group's reference", group.members if group else (),
-                               None, stale=True, phases=phases)
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
         saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer_feedback) if f is not None]
-        self._own.add(round)
-        try:
-            result = await self._average(round, group, weights, delta, weight, digest, phases)
-        finally:
-            self._own.discard(round)
-        if not result.complete:
-            for feedback, residuals in saved:
-                feedback.load_state_dict(residuals)
-        return dataclasses.replace(result, phases=phases)
-
-    async def _average(self, round: int, group: Group, weights: dict[str, float], delta: dict[str, torch.Tensor],
-                       weight: float, digest: str, phases: dict[str, float]) -> RoundResult:
+        # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
+        # group): the member that reaches the boundary last no longer encodes after it
+        encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
         started = time.monotonic()
+        result: RoundResult | None = None
+        phases: dict[str, float] = {}
+        try:
+            group, weights = await self.matchmake(round, registration)
+            phases["matchmaking"] = time.monotonic() - started
+            if group is None or self.peer_id not in group.members:
+                result = RoundResult(False, "our θ_global is not the group's reference",
+                                     group.members if group else (), None, stale=True)
+                return dataclasses.replace(result, phases=phases)
+            exchange_started = time.monotonic()  # what is left of the encoding counts as exchange
+            encoded, decoded = await encoding
+            self._own.add(round)
+            try:
+                result = await self._average(round, group, weights, encoded, decoded, weight, digest, phases,
+                                             exchange_started)
+            finally:
+                self._own.discard(round)
+            return dataclasses.replace(result, phases=phases)
+        finally:
+            if result is None or not result.complete:
+                # the encoding may still run (matchmaking failed or was cancelled): wait for it
+                # to finish with the residuals before putting them back
+                await asyncio.gather(asyncio.shield(encoding), return_exceptions=True)
+                for feedback, residuals in saved:
+                    feedback.load_state_dict(residuals)
+
+    async def _average(self, round: int, group: Group, weights: dict[str, float], encoded: dict[str, Encoded],
+                       decoded: dict[str, torch.Tensor], weight: float, digest: str,
+                       phases: dict[str, float], started: float) -> RoundResult:
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
-        encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
         slot = self._slot(round)
         slot.group = group
         slot.weights = weights
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
-        slot.contributions[self.peer_id] = (float(weight), {n: decode(encoded[n]) for n in slot.part_names})
+        slot.contributions[self.peer_id] = (float(weight), {n: decoded[n] for n in slot.part_names})
         if gathers(len(group.members), self.gather_up_to):
             slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
                                           for n in sorted(slot.part_names)]
@@ -331,7 +352,7 @@ class Averager:
         wait_s = self.patience + self.m.timeouts.allreduce
         calls = [asyncio.ensure_future(local() if p == my_part else remote(p)) for p in range(len(group.members))]
         results = await self._collect(round, group, calls)
-        mine = (float(weight), {n: decode(encoded[n]) for n in self.shapes}) if gathers(
+        mine = (float(weight), {n: decoded[n] for n in self.shapes}) if gathers(
             len(group.members), self.gather_up_to) else None
         # in the gather exchange every member computes the mean itself: the same function of the
         # same bytes, but a machine whose float kernels differ (FMA, vector width) would split

@@ -167,6 +167,26 @@ def test_failed_round_restores_error_feedback_residuals() -> None:
     asyncio.run(main())
 
 
+def test_a_stale_member_keeps_its_residuals_though_it_encoded_during_matchmaking() -> None:
+    """Δ is encoded while matchmaking runs; a member that then finds itself stale (another θ_global
+    is the group's reference) must get its residuals back as they were before that encode."""
+    async def main() -> None:
+        _, _, avgs = group(2, manifest(codec="int8", ef=True))
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        assert all(r.complete for r in first)
+        before = avgs[0].feedback.state_dict()
+        avgs[0].clock.current = avgs[1].clock.current = 1
+        await avgs[1].matchmake(1, {"digest": "newer", "applied_rounds": 5, "weight": 1.0})
+        stale = await avgs[0].run_round(1, deltas(2), 1.0, "digest", 0)
+        assert not stale.complete and stale.stale, stale.reason
+        assert set(stale.phases) == {"matchmaking"}, stale.phases
+        await asyncio.sleep(0.2)  # an encode still running would write its residuals by now
+        after = avgs[0].feedback.state_dict()
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[n], before[n]) for n in before), "the stale round's Δ stayed in the residual"
+    asyncio.run(main())
+
+
 def test_a_byzantine_member_moves_the_mean_by_a_bounded_amount() -> None:
     async def main() -> None:
         honest = [deltas(i) for i in range(3)]

@@ -44,6 +44,21 @@ def test_error_feedback_reduces_bias_vs_plain() -> None:
     assert float((ef_sum - target).norm()) < 0.2 * float((plain_sum - target).norm())
 
 
+@pytest.mark.parametrize("spec", ["int4", "int8", "topk:fraction=0.05,values=int8"])
+def test_encode_decoded_is_the_receivers_decode(spec: str) -> None:
+    """encode_decoded's tensor is bit for bit what decoding its bytes gives (what the averager
+    uses as its own contribution), and it moves the residual exactly as encode does."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = ErrorFeedback(get_codec(spec)), ErrorFeedback(get_codec(spec))
+    for _ in range(3):
+        x = torch.randn(20, 33, generator=gen)
+        enc, decoded = a.encode_decoded("w", x)
+        assert decoded.dtype == torch.float32 and decoded.shape == x.shape
+        assert torch.equal(decoded, decode(enc))
+        assert enc.buffers == b.encode("w", x).buffers
+        assert torch.equal(a.residual("w"), b.residual("w"))
+
+
 def test_error_feedback_state_dict_round_trip() -> None:
     gen = torch.Generator().manual_seed(2)
     a = ErrorFeedback(get_codec("int4"))
