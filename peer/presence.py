@@ -68,6 +68,11 @@ class Presence:
         """Set when this replica decided to move away: its stage has a mover, nobody else leaves it."""
         self.status = JOINING
         """JOINING until the replica serves, ONLINE while it does, LEAVING on the way out."""
+        self._storing = asyncio.Lock()
+        """One store of our record at a time. Two in flight (a heartbeat and the round's announce,
+        or LEAVING on shutdown) may reach a DHT node out of order; the node keeps the one that
+        expires later and refuses the other, so the earlier-started store could report failure,
+        and a LEAVING record could lose to an ONLINE one built a moment before it."""
 
     def record(self) -> PeerRecord:
         return PeerRecord(peer_id=self.peer_id, stage=self.stage, state=self.status,
@@ -81,9 +86,10 @@ class Presence:
         """Store our record now (optionally in a new status). A failed store is logged, not raised:
         the next heartbeat tries again, and the record's expiry covers a dead DHT."""
         if status is not None:
-            self.status = status
+            self.status = status  # at once: a store queued behind the lock announces it too
         try:
-            return await self.swarm.announce(self.record())
+            async with self._storing:
+                return await self.swarm.announce(self.record())  # built here: expires after the last
         except Exception as e:
             logger.warning("stage %d: announce failed: %s: %s", self.stage, type(e).__name__, e)
             return False
