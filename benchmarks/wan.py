@@ -15,6 +15,8 @@ byte on 512 evenly spaced 128-byte windows of the held-out bytes. Time counts fr
 run's first process. kB/sample: the `tx_bytes` of every peer's interface (all traffic) over the
 samples trained. Utilisation: CPU seconds of the training processes (each with one thread; DHT
 children and p2pd not counted) over (processes x wall); all processes share this machine's cores.
+samples/s: between the first and the last scored weights after the initial ones; start (s): when
+training began, extrapolated from them (time to a target = start + samples to it / samples/s, roughly).
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
 2 microbatches of 32 per step, `--pipe-microbatches 16` for 16 of 4; fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
 codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
@@ -127,6 +129,24 @@ class Result:
 
     def utilisation(self) -> float:
         return self.cpu_s / (self.processes * self.wall_s) if self.processes and self.wall_s > 0 else math.nan
+
+    def samples_per_s(self) -> float:
+        """Throughput between the first and the last scored weights after the initial ones: the
+        run's speed without its start-up (the machine's speed drifts between runs; this and
+        `start_s` say whether a time to a target moved by start-up or by speed)."""
+        trained = self.points[1:]
+        if len(trained) < 2 or trained[-1][0] <= trained[0][0]:
+            return math.nan
+        return (trained[-1][1] - trained[0][1]) / (trained[-1][0] - trained[0][0])
+
+    def start_s(self) -> float:
+        """When training began, seconds after launch: the first scored weights' time less their
+        samples at `samples_per_s` (imports, joining, the first peers' wait for the others)."""
+        rate = self.samples_per_s()
+        if not rate > 0:
+            return math.nan
+        t, samples, _ = self.points[1]
+        return t - samples / rate
 
 
 # --- the task: data and scoring -------------------------------------------------------------------
@@ -417,9 +437,10 @@ def table(results: list[Result]) -> str:
     for r in results:
         rows.append([r.system, r.link, f"{r.trained:,}", fmt(r.final(), 3), fmt(r.time_to(TARGETS[0]), 0), fmt(r.time_to(TARGETS[1]), 0),
                      fmt(r.kb_per_sample(), 1), fmt(r.utilisation(), 2), fmt(r.wall_s, 0),
-                     "FAILED (below)" if r.error else ""])
+                     fmt(r.samples_per_s(), 1), fmt(r.start_s(), 0), "FAILED (below)" if r.error else ""])
     header = ["system", "link", "samples", f"val bits/byte at {results[0].samples if results else 0:,} samples",
-              f"time to {TARGETS[0]} (s)", f"time to {TARGETS[1]} (s)", "kB/sample", "utilisation", "wall (s)", "note"]
+              f"time to {TARGETS[0]} (s)", f"time to {TARGETS[1]} (s)", "kB/sample", "utilisation", "wall (s)",
+              "samples/s", "start (s)", "note"]
     errors = [f"- {r.system} {r.link}: {r.error}" for r in results if r.error]
     return markdown_table(header, rows) + ("\n\n" + "\n".join(errors) if errors else "")
 

@@ -76,6 +76,17 @@ def test_time_to_target_interpolates_between_scored_points() -> None:
     assert short.final() != short.final()  # budget not reached: no final figure
 
 
+def test_throughput_and_start_leave_out_the_initial_weights() -> None:
+    import wan
+    # trained from 4 s on at 10 samples/s: 100 samples at 14 s, 300 at 34 s
+    r = wan.Result("x", "unshaped", samples=300, points=[(0.0, 0, 8.0), (14.0, 100, 4.0), (24.0, 200, 3.0),
+                                                         (34.0, 300, 2.5)])
+    assert r.samples_per_s() == pytest.approx(10.0) and r.start_s() == pytest.approx(4.0)
+    one = wan.Result("x", "unshaped", samples=100, points=r.points[:2])
+    assert one.samples_per_s() != one.samples_per_s() and one.start_s() != one.start_s()  # nan: one point
+    assert "samples/s" in wan.table([r]) and "| 10.0 " in wan.table([r])
+
+
 def test_png_writer_makes_a_decodable_rgb_image(tmp_path: Path) -> None:
     import struct
     import zlib
