@@ -71,8 +71,8 @@ class Presence:
         self._storing = asyncio.Lock()
         """One store of our record at a time. Two in flight (a heartbeat and the round's announce,
         or LEAVING on shutdown) may reach a DHT node out of order; the node keeps the one that
-        expires later and refuses the other, so the earlier-started store could report failure,
-        and a LEAVING record could lose to an ONLINE one built a moment before it."""
+        expires later and refuses the other, and hivemind reports the refusal: an announce (LEAVING's
+        on shutdown, which the `leaving` event reports) failed although a newer record was stored."""
 
     def record(self) -> PeerRecord:
         return PeerRecord(peer_id=self.peer_id, stage=self.stage, state=self.status,

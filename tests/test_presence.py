@@ -1,6 +1,6 @@
 """Presence: stores of a replica's own record never overlap, so a DHT node cannot receive them out
-of order (it keeps the later-expiring one and refuses the other: a LEAVING announced on shutdown
-reported as failed, or lost to an ONLINE heartbeat built a moment before it)."""
+of order (it keeps the later-expiring one and refuses the other, and the refused store reports
+failure: a LEAVING announced on shutdown said it failed although a newer record was stored)."""
 from __future__ import annotations
 
 import asyncio
