@@ -64,6 +64,16 @@ def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
     return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
 
 
+def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> bool:
+    """A joiner's download is already old: a replica it would take θ_global from (`join_donors`)
+    announces more applied rounds than the state that arrived. A download that spans the donor's
+    round boundary delivers the state that round replaced (the snapshot is immutable), and the
+    joiner would then fail its first round with a group the donor no longer has, and its second
+    as stale: two rounds and another download, where one more download now costs one."""
+    donors = set(join_donors(records, self_id))
+    return any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
+
+
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
                   stale: bool) -> list[str]:
     """After a failed round: replicas whose state is newer than ours (or, if ours was not the

@@ -41,6 +41,11 @@ PART_BYTES = 64 << 20
 """A state travels in parts of at most this many bytes (θ_global + momentum of a few tensors),
 so no stage is capped by one message's size and two donors can each send half."""
 
+MAX_JOIN_REFRESHES = 2
+"""Downloads a joiner repeats because the state moved on while it travelled (policy.join_superseded):
+over a slow link a download can span a short round's boundary every time; then the first round
+finds out, as before."""
+
 
 def state_response(snapshot: StateSnapshot, names: Sequence[str] | None = None) -> pb.StateResponse:
     """The snapshot (or the tensors `names` of it) in full precision (fp32): state sync is the one
@@ -218,20 +223,46 @@ class StateSync:
                 self.progress.expect_group(1 + len(donors))
                 return
             # two donors at once when there are two; else each in turn
-            attempts = [donors[i:] + donors[:i] for i in range(len(donors))]
-            for order in attempts:
-                if await self.download(order):
-                    donor = ",".join(order[:2])
-                    await self.worker.run(self.state.copy_to, self.worker.module)
-                    self.progress.expect_group(1 + len(donors))
-                    self.events.emit("state_loaded", source=donor, round=self.clock.current,
-                                     applied_rounds=self.state.applied_rounds, digest=self.state.digest,
-                                     trained_samples=self.state.trained_samples)
-                    return
+            source = await self._download_any(donors)
+            if source is not None:
+                for _ in range(MAX_JOIN_REFRESHES):
+                    newer = await self._superseded() if time.monotonic() < deadline else []
+                    if not newer:
+                        break
+                    logger.info("stage %d: the state downloaded for round %d was replaced while it travelled; "
+                                "downloading the new one", self.stage, self.clock.current)
+                    source = await self._download_any(newer) or source  # failed: keep the one we have
+                await self.worker.run(self.state.copy_to, self.worker.module)
+                self.progress.expect_group(1 + len(donors))
+                self.events.emit("state_loaded", source=source, round=self.clock.current,
+                                 applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                                 trained_samples=self.state.trained_samples)
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
                                    f"within timeouts.state_download")
             await asyncio.sleep(0.5)
+
+    async def _download_any(self, donors: Sequence[str]) -> str | None:
+        """Download from the donors (two at once when there are two; else each in turn); the
+        source(s) that served it, or None if every attempt failed."""
+        for order in [donors[i:] + donors[:i] for i in range(len(donors))]:
+            if await self.download(order):
+                return ",".join(order[:2])
+        return None
+
+    async def _superseded(self) -> list[str]:
+        """The donors to download again from if they moved past the state just adopted
+        (policy.join_superseded), else none; a failed read says none: the first round then finds
+        out, as before."""
+        try:
+            records = await self.swarm.stage_records(self.stage)
+        except Exception as e:
+            logger.debug("stage %d: could not re-read the stage's records after a download: %s", self.stage, e)
+            return []
+        if not policy.join_superseded(records, self.peer_id, self.state.applied_rounds):
+            return []
+        return policy.join_donors(records, self.peer_id)
 
     async def join_local(self, records: Sequence) -> bool:
         """A warm standby: this peer holds a backup of the stage (peer/backup.py) whose digest is

@@ -40,6 +40,17 @@ def test_drivers_min_round_ignores_non_drivers_and_offline() -> None:
     assert policy.drivers_gone([rec("b", state=LEAVING)]) and not policy.drivers_gone(recs)
 
 
+def test_a_join_download_is_superseded_when_its_donors_applied_a_round_since() -> None:
+    # the state arrived with 3 applied rounds; the donors finished round 3 while it travelled
+    assert policy.join_superseded([rec("a", applied=4, digest="x"), rec("b", applied=4, digest="x")], "me", 3)
+    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=3)], "me", 3)  # still current
+    assert not policy.join_superseded([rec("me", applied=9), rec("a", applied=3)], "me", 3)  # our own record
+    # only donors count: a minority digest's (or a leaving replica's) claim does not trigger a download
+    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=3), rec("c", applied=9, digest="z")],
+                                      "me", 3)
+    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=5, state=LEAVING)], "me", 3)
+
+
 def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
     recs = [rec("a", applied=5, digest="x"), rec("b", applied=5, digest="x"), rec("liar", applied=10**9, digest="y"),
             rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
