@@ -68,8 +68,9 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
     """A joiner's download is already old: a replica it would take θ_global from (`join_donors`)
     announces more applied rounds than the state that arrived. A download that spans the donor's
     round boundary delivers the state that round replaced (the snapshot is immutable), and the
-    joiner would then fail its first round with a group the donor no longer has, and its second
-    as stale: two rounds and another download, where one more download now costs one."""
+    joiner would fail its first round with a group the donor no longer has, and its second as
+    stale. Seen right after the donors' announce, a second download has the donors' whole next
+    round to arrive in (enough when rounds are much longer than a download)."""
     donors = set(join_donors(records, self_id))
     return any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
 
