@@ -39,7 +39,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from hivemind.p2p import PeerID
@@ -267,16 +267,24 @@ class Averager:
         return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
-        """Δ encoded, and decoded again as every other member decodes it (our own contribution
-        must be the value the others see, not the unrounded one)."""
+        """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
+        contribution must be the value the others decode, not the unrounded one (`_own_decoded`)."""
+        if self.feedback is None:
+            return {name: self.codec.encode(delta[name]) for name in sorted(delta)}, {}
         encoded, decoded = {}, {}
         for name in sorted(delta):
-            if self.feedback is not None:
-                encoded[name], decoded[name] = self.feedback.encode_decoded(name, delta[name])
-            else:
-                encoded[name] = self.codec.encode(delta[name])
-                decoded[name] = decode(encoded[name])
+            encoded[name], decoded[name] = self.feedback.encode_decoded(name, delta[name])
         return encoded, decoded
+
+    @staticmethod
+    def _own_decoded(names: Iterable[str], encoded: dict[str, Encoded], decoded: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+        """Our Δ of `names` as every member decodes it: error feedback's decode where it made one,
+        else decoded here (and kept, so a tensor is decoded once)."""
+        for name in names:
+            if name not in decoded:
+                decoded[name] = decode(encoded[name])
+        return {name: decoded[name] for name in names}
 
     async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
@@ -326,7 +334,7 @@ class Averager:
         slot.weights = weights
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
-        slot.contributions[self.peer_id] = (float(weight), {n: decoded[n] for n in slot.part_names})
+        slot.contributions[self.peer_id] = (float(weight), self._own_decoded(slot.part_names, encoded, decoded))
         if gathers(len(group.members), self.gather_up_to):
             slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
                                           for n in sorted(slot.part_names)]
@@ -352,7 +360,7 @@ class Averager:
         wait_s = self.patience + self.m.timeouts.allreduce
         calls = [asyncio.ensure_future(local() if p == my_part else remote(p)) for p in range(len(group.members))]
         results = await self._collect(round, group, calls)
-        mine = (float(weight), {n: decoded[n] for n in self.shapes}) if gathers(
+        mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if gathers(
             len(group.members), self.gather_up_to) else None
         # in the gather exchange every member computes the mean itself: the same function of the
         # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
