@@ -64,15 +64,17 @@ def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
     return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
 
 
-def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> bool:
-    """A joiner's download is already old: a replica it would take θ_global from (`join_donors`)
-    announces more applied rounds than the state that arrived. A download that spans the donor's
+def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> list[str]:
+    """The donors to download again from when a joiner's download is already old: a replica it
+    would take θ_global from (`join_donors`) announces more applied rounds than the state that
+    arrived (none when it is current). A download that spans the donor's
     round boundary delivers the state that round replaced (the snapshot is immutable), and the
     joiner would fail its first round with a group the donor no longer has, and its second as
     stale. Seen right after the donors' announce, a second download has the donors' whole next
     round to arrive in (enough when rounds are much longer than a download)."""
-    donors = set(join_donors(records, self_id))
-    return any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
+    donors = join_donors(records, self_id)
+    moved = any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
+    return donors if moved else []
 
 
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],

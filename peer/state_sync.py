@@ -260,9 +260,7 @@ class StateSync:
         except Exception as e:
             logger.debug("stage %d: could not re-read the stage's records after a download: %s", self.stage, e)
             return []
-        if not policy.join_superseded(records, self.peer_id, self.state.applied_rounds):
-            return []
-        return policy.join_donors(records, self.peer_id)
+        return policy.join_superseded(records, self.peer_id, self.state.applied_rounds)
 
     async def join_local(self, records: Sequence) -> bool:
         """A warm standby: this peer holds a backup of the stage (peer/backup.py) whose digest is
