@@ -48,7 +48,7 @@ def test_quick_run_prints_one_row_per_system(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    rows = [line for line in stdout.splitlines() if line.startswith("| ") and "unshaped" in line]
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and "unshaped" in line.split("|")[2]]
     assert [r.split("|")[1].strip() for r in rows] == systems, stdout
     assert not any("FAILED" in r for r in rows), stdout
     results = json.loads((tmp_path / "results.json").read_text())["results"]
@@ -111,3 +111,38 @@ def test_scored_rounds_are_thinned_evenly_and_keep_the_last() -> None:
     gaps = {b - a for a, b in zip(picked, picked[1:])}
     assert gaps <= {3, 4, 5}, gaps
     assert thinned(list(range(1, 10)), most=4) == [2, 4, 7, 9]
+
+
+def test_runs_parse_in_order_and_refuse_what_is_unknown() -> None:
+    import wan
+    assert wan.parse_runs("swarmgrad@20mbit,ddp@unshaped", None, None, False) == [("swarmgrad", "20mbit"), ("ddp", "unshaped")]
+    assert wan.parse_runs(None, "swarmgrad,ddp", "unshaped,20mbit", False) == [
+        ("swarmgrad", "unshaped"), ("ddp", "unshaped"), ("swarmgrad", "20mbit"), ("ddp", "20mbit")]
+    assert wan.parse_runs(None, None, None, True) == [("swarmgrad", "unshaped"), ("ddp", "unshaped")]
+    for runs, systems, match in (("swarmgrad", None, "SYSTEM@LINK"), ("swarmgrad@10mbit", None, "10mbit"),
+                                 ("dp@unshaped", None, "dp"), ("ddp@unshaped", "ddp", "one or the other")):
+        with pytest.raises(ValueError, match=match):
+            wan.parse_runs(runs, systems, None, False)
+
+
+def test_ratios_compare_each_run_with_unshaped_ddp_of_its_own_pass() -> None:
+    import wan
+
+    def run(system: str, link: str, repeat: int, t27: float) -> "wan.Result":
+        # crosses 2.7 at t27: 3.0 at 0.5 t27, 2.4 at 1.5 t27
+        return wan.Result(system, link, samples=100, repeat=repeat,
+                          points=[(0.0, 0, 8.0), (t27 / 2, 50, 3.0), (1.5 * t27, 100, 2.4)])
+
+    results = [run("swarmgrad", "20mbit", 0, 110.0), run("ddp", "unshaped", 0, 100.0),
+               run("swarmgrad", "20mbit", 1, 156.0), run("ddp", "unshaped", 1, 120.0),
+               run("swarmgrad", "20mbit", 2, 130.0)]  # the last pass has no DDP run: no ratio
+    ratios = wan.ratios_to_ddp(results)
+    assert ratios[:4] == pytest.approx([1.1, 1.0, 1.3, 1.0]) and ratios[4] != ratios[4]
+    summary = wan.ratio_summary(results)
+    assert summary == ["swarmgrad over 20mbit: time to 2.7 / unshaped DDP's of the same pass, median 1.20 "
+                       "(range 1.10-1.30; within 1.2x in 1 of 2)"]
+    text = wan.table(results)
+    cells = [[c.strip() for c in line.split("|")[1:4]] for line in text.splitlines() if line.startswith("| ")]
+    assert cells[0] == ["pass", "system", "link"] and ["2", "swarmgrad", "20mbit"] in cells
+    assert "1.30" in [c.strip() for c in text.splitlines()[4].split("|")]  # pass 2's swarmgrad row
+    assert "within 1.2x in 1 of 2" in text
