@@ -47,15 +47,15 @@ from hivemind.p2p import PeerID
 from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec,
                                    reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
-from swarmgrad.peer.averaging_group import Group, choose_group, partition
+from swarmgrad.peer.averaging_group import Group, partition
 from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.polling import poll_intervals
+from swarmgrad.peer.matchmaking import matchmake
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
-from swarmgrad.peer.swarm import ONLINE, SwarmView
+from swarmgrad.peer.swarm import SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.codecs import averaging_codecs
@@ -65,16 +65,14 @@ from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_t
 
 logger = logging.getLogger(__name__)
 
-MATCHMAKING_POLL_SECONDS = 0.2
-"""The longest interval at which matchmaking re-reads the registrations (it starts shorter:
-peer/polling.py; a poll interval, not a deadline)."""
-
-
 # the reducer's side ---------------------------------------------------------------------------
 @dataclass
 class _Slot:
     """One round as seen by this reducer: filled by the local member and by remote requests."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    knock: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when another member's request arrives: it has finished its matchmaking, so its
+    registration is stored, and ours re-reads the registrations now instead of at its next poll."""
     group: Group | None = None
     weights: dict[str, float] = field(default_factory=dict)
     """What each member registered as its weight: a contribution may not claim more."""
@@ -139,6 +137,8 @@ class Averager:
         self.gather_up_to = avg.gather_up_to
         """Groups this small exchange the members' own parts instead of a mean (peer/gather.py)."""
         self._slots: dict[int, _Slot] = {}
+        self._last_members: tuple[str, ...] = ()
+        """The members of our last round if it completed: this round's parts go to them early."""
         self._own: set[int] = set()
         """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
         round is still in flight when a re-sync moves the clock past it)."""
@@ -170,6 +170,7 @@ class Averager:
             # a peer in another round (or one making up round numbers) gets no slot that could crowd ours out
             raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.clock.current})")
         slot = self._slot(request.round)
+        slot.knock.set()
         timeouts = self.m.timeouts
         try:
             await within(slot.ready.wait(), self.patience + timeouts.allreduce)
@@ -239,32 +240,11 @@ class Averager:
         return self.reducer_feedback.encode(name, mean)
 
     # the member's side ------------------------------------------------------------------------
-    async def matchmake(self, round: int, registration: dict[str, Any]) -> tuple[Group | None, dict[str, float]]:
-        """(the group, every registrant's declared weight)."""
-        # Our registration is stored while we read the others' (one DHT round trip instead of two
-        # at every boundary): we know our own, and the others wait until they read it.
-        registering = asyncio.ensure_future(self.swarm.register_round(self.stage, round, self.peer_id, registration))
-        try:
-            deadline = time.monotonic() + self.patience
-            # The group is settled when every replica the stage records call ONLINE has registered:
-            # each member waits for the same condition, so all read the same set. Past the deadline
-            # (a replica died, or its records lag) members may read different sets; then group hashes
-            # differ, the round fails for all, and nobody applies anything.
-            regs: dict[str, dict[str, Any]] = {}
-            for delay in poll_intervals(MATCHMAKING_POLL_SECONDS):
-                regs, records = await asyncio.gather(self.swarm.round_registrations(self.stage, round),
-                                                     self.swarm.stage_records(self.stage))
-                regs.setdefault(self.peer_id, registration)
-                alive = {r.peer_id for r in records if r.state == ONLINE}
-                if alive <= set(regs) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(delay)
-            await registering  # the others must be able to read it before we go on
-        finally:
-            if not registering.done():  # the reads failed (or we were cancelled): the round is off anyway
-                registering.cancel()
-                await asyncio.gather(registering, return_exceptions=True)
-        return choose_group(regs), {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
+    async def matchmake(self, round: int, registration: dict[str, Any]
+                        ) -> tuple[Group | None, dict[str, float], str]:
+        """peer/matchmaking.py for our stage; requests for the round knock on its slot."""
+        return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
+                               self._slot(round).knock)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -297,26 +277,41 @@ class Averager:
         # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
         # group): the member that reaches the boundary last no longer encodes after it
         encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
+        # The member that reaches the boundary first sends its parts to last round's group while it
+        # waits for the others: over a slow link the last member's parts are then the only bytes
+        # left on the round's critical path, instead of both members' one after the other.
+        expected = Group(self._last_members, digest, applied_rounds) \
+            if len(self._last_members) > 1 and self.peer_id in self._last_members else None
+        sending = asyncio.ensure_future(self._send_early(round, expected, encoding, weight, digest)) \
+            if expected is not None else None
+        early: dict[int, asyncio.Future] = {}
         started = time.monotonic()
         result: RoundResult | None = None
         phases: dict[str, float] = {}
         try:
-            group, weights = await self.matchmake(round, registration)
+            group, weights, superseded = await self.matchmake(round, registration)
             phases["matchmaking"] = time.monotonic() - started
             if group is None or self.peer_id not in group.members:
-                result = RoundResult(False, "our θ_global is not the group's reference",
+                result = RoundResult(False, superseded or "our θ_global is not the group's reference",
                                      group.members if group else (), None, stale=True)
                 return dataclasses.replace(result, phases=phases)
             exchange_started = time.monotonic()  # what is left of the encoding counts as exchange
             encoded, decoded = await encoding
+            if sending is not None and expected is not None and group.hash == expected.hash:
+                early = await sending  # our parts are on their way already (or answered)
+            elif sending is not None:  # sent to another group: its reducers refuse them; stop now
+                await self._drop_early(sending)
+                sending = None
             self._own.add(round)
             try:
                 result = await self._average(round, group, weights, encoded, decoded, weight, digest, phases,
-                                             exchange_started)
+                                             exchange_started, early)
             finally:
                 self._own.discard(round)
             return dataclasses.replace(result, phases=phases)
         finally:
+            self._last_members = result.group if result is not None and result.complete else ()
+            await self._drop_early(sending)
             if result is None or not result.complete:
                 # the encoding may still run (matchmaking failed or was cancelled): wait for it
                 # to finish with the residuals before putting them back
@@ -326,7 +321,7 @@ class Averager:
 
     async def _average(self, round: int, group: Group, weights: dict[str, float], encoded: dict[str, Encoded],
                        decoded: dict[str, torch.Tensor], weight: float, digest: str,
-                       phases: dict[str, float], started: float) -> RoundResult:
+                       phases: dict[str, float], started: float, early: dict[int, asyncio.Future]) -> RoundResult:
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
         slot = self._slot(round)
@@ -341,24 +336,17 @@ class Averager:
         slot.ready.set()
         self._maybe_reduce(slot)
 
-        async def remote(part: int) -> pb.AverageResponse:
-            request = pb.AverageRequest(
-                envelope=envelope(self.identity, self.stage), round=round, group_hash=group.hash,
-                state_digest=digest, weight=float(weight), part=part,
-                tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
-                         for n in sorted(parts) if parts[n] == part])
-            return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse, timeout=wait_s)
-
         async def local() -> pb.AverageResponse:
-            tensors, contributors, total = await within(asyncio.shield(slot.result), wait_s)
+            tensors, contributors, total = await within(asyncio.shield(slot.result),
+                                                        self.patience + self.m.timeouts.allreduce)
             if tensors is None:  # the gather exchange
                 return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors},
                                      slot.encoded, self.peer_id)
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
-        # the slowest member may still be in matchmaking when we are done with it
-        wait_s = self.patience + self.m.timeouts.allreduce
-        calls = [asyncio.ensure_future(local() if p == my_part else remote(p)) for p in range(len(group.members))]
+        calls = [early[p] if p in early else asyncio.ensure_future(
+                     local() if p == my_part else self._send_part(round, group, p, encoded, weight, digest))
+                 for p in range(len(group.members))]
         results = await self._collect(round, group, calls)
         mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if gathers(
             len(group.members), self.gather_up_to) else None
@@ -374,6 +362,48 @@ class Averager:
         if not result.complete and not slot.result.done():
             slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
+
+    async def _send_part(self, round: int, group: Group, part: int, encoded: dict[str, Encoded], weight: float,
+                         digest: str) -> pb.AverageResponse:
+        """Our contribution to `part`, to its reducer; its answer (the mean, or the others' parts)."""
+        parts = partition(self.shapes, len(group.members))
+        request = pb.AverageRequest(
+            envelope=envelope(self.identity, self.stage), round=round, group_hash=group.hash,
+            state_digest=digest, weight=float(weight), part=part,
+            tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n])) for n in sorted(parts) if parts[n] == part])
+        # the slowest member may still be in matchmaking (or computing, for a part sent early)
+        return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse,
+                                   timeout=self.patience + self.m.timeouts.allreduce)
+
+    async def _send_early(self, round: int, expected: Group, encoding: asyncio.Future, weight: float,
+                          digest: str) -> dict[int, asyncio.Future]:
+        """Start sending our parts to the members of `expected` (last round's group) as soon as Δ
+        is encoded, before matchmaking has settled this round's group: a reducer holds a request
+        until its own matchmaking is done and refuses it if its group differs. Returns the calls
+        by part; `run_round` keeps them if the group is `expected`, else cancels them."""
+        encoded, _ = await asyncio.shield(encoding)
+        me = expected.members.index(self.peer_id)
+        return {p: asyncio.ensure_future(self._send_part(round, expected, p, encoded, weight, digest))
+                for p in range(len(expected.members)) if p != me}
+
+    async def _drop_early(self, sending: asyncio.Future | None) -> None:
+        """Cancel and await whatever of the early parts is still running: all of them when the
+        group differed or the round ended before its exchange; none after an exchange that used
+        them (`_collect` awaited them, or cancelled the ones still on the way)."""
+        if sending is None:
+            return
+        leftovers: list[asyncio.Future] = [sending]
+        if sending.done() and not sending.cancelled() and sending.exception() is None:
+            leftovers += list(sending.result().values())
+        for task in leftovers:
+            task.cancel()  # a no-op for those done
+        done, stuck = await asyncio.wait(leftovers, timeout=self.m.timeouts.dht)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: an early part refused or failed is not news
+        if stuck:
+            logger.warning("stage %d: %d early part(s) did not end within timeouts.dht of their cancel; left behind",
+                           self.stage, len(stuck))
 
     async def _collect(self, round: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
         """Every part's answer, in part order; but as soon as one part failed, or another member

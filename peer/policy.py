@@ -77,6 +77,20 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
     return donors if moved else []
 
 
+def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRecord], self_id: str,
+                        members: Sequence[str]) -> list[str]:
+    """Members of our group (`members`, chosen from this round's `registrations`) whose record
+    already announces more applied rounds than they registered with: they have completed this
+    round in a group without us (a replica averages a round only once, and not while we are still
+    matching for it), so the θ_global we registered with is superseded. Seen with a joiner whose
+    download landed as its donor finished the round alone: it would fail the round (GROUP_MISMATCH),
+    read no outcome votes (a group of one posts none), conclude that nobody applied the round, and
+    fail the next as stale before downloading again."""
+    announced = {r.peer_id: r.applied_rounds for r in records}
+    return sorted(p for p in members if p != self_id and p in registrations and p in announced
+                  and announced[p] > int(registrations[p].get("applied_rounds", 0)))
+
+
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
                   stale: bool) -> list[str]:
     """After a failed round: replicas whose state is newer than ours (or, if ours was not the

@@ -66,6 +66,8 @@ class FakeSwarm:
         self.members = members
         self.regs: dict[tuple[int, int], dict[str, dict]] = {}
         self.checks: dict[tuple[int, int], dict[str, str]] = {}
+        self.applied: dict[str, int] = {}
+        """applied_rounds a member's record announces (0 unless set)."""
 
     async def register_round(self, stage: int, round: int, peer_id: str, value: dict) -> bool:
         self.regs.setdefault((stage, round), {})[peer_id] = dict(value)
@@ -75,7 +77,8 @@ class FakeSwarm:
         return {p: dict(v) for p, v in self.regs.get((stage, round), {}).items()}
 
     async def stage_records(self, stage: int) -> list[PeerRecord]:
-        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=1.0, round=0, applied_rounds=0,
+        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=1.0, round=0,
+                           applied_rounds=self.applied.get(p, 0),
                            digest="d", manifest_hash="h", driver=False) for p in self.members]
 
     async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
@@ -184,6 +187,91 @@ def test_a_stale_member_keeps_its_residuals_though_it_encoded_during_matchmaking
         after = avgs[0].feedback.state_dict()
         assert after.keys() == before.keys()
         assert all(torch.equal(after[n], before[n]) for n in before), "the stale round's Δ stayed in the residual"
+    asyncio.run(main())
+
+
+def test_a_member_that_finished_the_round_without_us_makes_us_stale_at_once() -> None:
+    """A joiner whose donor completed the round alone (a group of one posts no outcome vote) used
+    to fail the round with GROUP_MISMATCH, conclude that nobody applied it, and fail the next one as
+    stale; now its matchmaking sees the donor's record announce the round applied."""
+    async def main() -> None:
+        _, swarm, avgs = group(2, manifest())
+        donor, joiner = avgs
+        await donor.matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})  # registered, then
+        swarm.applied[donor.peer_id] = 1  # ...completed round 1 alone and announced it
+        result = await joiner.run_round(1, deltas(0), 1.0, "digest", 0)
+        assert not result.complete and result.stale, result.reason
+        assert "already applied this round without us" in result.reason and donor.peer_id[-8:] in result.reason
+        assert set(result.phases) == {"matchmaking"}, result.phases  # no exchange was attempted
+        swarm.applied[donor.peer_id] = 0  # the same registrations, the donor still matching: a normal round
+        group_, _, superseded = await joiner.matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})
+        assert group_ is not None and set(group_.members) == {donor.peer_id, joiner.peer_id} and superseded == ""
+    asyncio.run(main())
+
+
+def test_the_last_members_request_wakes_a_member_waiting_in_matchmaking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first member at the boundary polls the registrations; the last one sends its part as
+    soon as its own matchmaking ends, and that request ends the first one's wait (with a poll
+    interval of a minute, only the request can end it within the test's deadline)."""
+    import itertools
+    import swarmgrad.peer.matchmaking as matchmaking
+    monkeypatch.setattr(matchmaking, "poll_intervals", lambda cap: itertools.repeat(60.0))
+
+    async def main() -> None:
+        _, swarm, avgs = group(2, manifest())
+        for a in avgs:
+            a.patience = 120.0  # matchmaking's own deadline must not end the wait either
+        first = asyncio.ensure_future(avgs[0].run_round(0, deltas(0), 1.0, "digest", 0))
+        while (1, 0) not in swarm.regs:  # the first member registered and is waiting
+            await asyncio.sleep(0.01)
+        results = await asyncio.wait_for(asyncio.gather(first, avgs[1].run_round(0, deltas(1), 1.0, "digest", 0)), 20)
+        assert all(r.complete for r in results), [r.reason for r in results]
+    asyncio.run(main())
+
+
+def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits() -> None:
+    """After a complete round, a member that reaches the next boundary first sends its part to
+    last round's group at once; the reducer holds it until its own matchmaking is done, and the
+    round's mean is the same as without the early send."""
+    async def main() -> None:
+        _, _, avgs = group(2, manifest(codec="int8", ef=True))
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 3.0], round=0)
+        assert all(r.complete for r in first)
+        inputs = [deltas(2), deltas(3)]
+        waiting = asyncio.ensure_future(avgs[0].run_round(1, inputs[0], 1.0, "digest", 0))
+        async def early_part_arrived() -> None:  # its arrival made the slot: avgs[1] has not begun round 1
+            while 1 not in avgs[1]._slots:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(early_part_arrived(), 10)
+        assert not avgs[1]._slots[1].ready.is_set() and not waiting.done()
+        results = await asyncio.gather(waiting, avgs[1].run_round(1, inputs[1], 3.0, "digest", 0))
+        assert all(r.complete for r in results), [r.reason for r in results]
+        for name in SHAPES:
+            assert torch.equal(results[0].mean_delta[name], results[1].mean_delta[name])
+            ref = weighted_mean([(1.0, inputs[0][name]), (3.0, inputs[1][name])])
+            assert torch.allclose(results[0].mean_delta[name], ref, atol=0.05 * float(ref.abs().max()))
+    asyncio.run(main())
+
+
+def test_parts_sent_early_to_a_group_that_changed_are_refused_and_sent_again() -> None:
+    """A third replica joins: the early parts went to last round's pair under its group hash;
+    the reducer refuses them, the senders send their parts for the group of three, and the mean
+    is that of all three."""
+    async def main() -> None:
+        _, swarm, avgs = group(3, manifest())
+        swarm.members = PEERS[:2]  # round 0: the third is not online yet
+        first = await run_all(avgs[:2], [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        assert all(r.complete for r in first) and all(len(r.group) == 2 for r in first)
+        swarm.members = PEERS[:3]
+        inputs, weights = [deltas(i) for i in range(3, 6)], [1.0, 2.0, 3.0]
+        results = await run_all(avgs, inputs, weights, round=1)
+        assert all(r.complete for r in results), [r.reason for r in results]
+        assert all(len(r.group) == 3 for r in results)
+        for name in SHAPES:
+            ref = weighted_mean([(w, d[name]) for w, d in zip(weights, inputs)])
+            for r in results:
+                assert torch.equal(r.mean_delta[name], results[0].mean_delta[name])
+                assert torch.allclose(r.mean_delta[name], ref, atol=1e-5)
     asyncio.run(main())
 
 

@@ -51,6 +51,18 @@ def test_a_join_download_is_superseded_when_its_donors_applied_a_round_since() -
     assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=5, state=LEAVING)], "me", 3)
 
 
+def test_a_group_member_that_applied_the_round_already_finished_it_without_us() -> None:
+    regs = {"me": {"applied_rounds": 4}, "a": {"applied_rounds": 4}, "b": {"applied_rounds": 4}}
+    # a finished round 4 in a group without us (its record announces 5); b is still matching with us
+    recs = [rec("me", applied=4), rec("a", applied=5), rec("b", applied=4)]
+    assert policy.finished_without_us(regs, recs, "me", ["a", "b", "me"]) == ["a"]
+    assert policy.finished_without_us(regs, recs, "me", ["b", "me"]) == []  # a is not in our group
+    # a record that lags its registration (announced before the round) is not a finished round
+    assert policy.finished_without_us(regs, [rec("a", applied=3), rec("b", applied=4)], "me", ["a", "b", "me"]) == []
+    # our own record, and members without a record (expired, or not read yet), say nothing
+    assert policy.finished_without_us(regs, [rec("me", applied=9)], "me", ["a", "b", "me"]) == []
+
+
 def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
     recs = [rec("a", applied=5, digest="x"), rec("b", applied=5, digest="x"), rec("liar", applied=10**9, digest="y"),
             rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
