@@ -4,7 +4,9 @@ A round r of stage s, on every replica:
 1. matchmaking: register (digest, applied rounds, weight) under {run}/round/{s}/{r}; wait until
    every ONLINE replica of the stage has registered (or `patience`: timeouts.matchmaking, longer in
    H-step rounds where replicas reach the boundary at different times); the group is the
-   registrants whose θ_global digest is the reference one (newest, then most common);
+   registrants whose θ_global digest is the reference one (newest, then most common)
+   (peer/matchmaking.py; a member whose last round completed sends its parts to that group
+   meanwhile, and a reducer holds them until its own matchmaking is done);
 2. reduce-scatter: the stage's tensors are split into one part per member (`partition`); member
    j reduces part j. Each member encodes its pseudo-gradient Δ once (codec, optional error
    feedback) and sends every reducer its part; the reducer waits for all members, takes the
@@ -39,7 +41,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from hivemind.p2p import PeerID
@@ -240,11 +242,11 @@ class Averager:
         return self.reducer_feedback.encode(name, mean)
 
     # the member's side ------------------------------------------------------------------------
-    async def matchmake(self, round: int, registration: dict[str, Any]
+    async def matchmake(self, round: int, registration: dict[str, Any], waiting: Callable[[], None] | None = None
                         ) -> tuple[Group | None, dict[str, float], str]:
         """peer/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
-                               self._slot(round).knock)
+                               self._slot(round).knock, waiting)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -277,19 +279,23 @@ class Averager:
         # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
         # group): the member that reaches the boundary last no longer encodes after it
         encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
-        # The member that reaches the boundary first sends its parts to last round's group while it
-        # waits for the others: over a slow link the last member's parts are then the only bytes
+        # A member that reaches the boundary before the others sends its parts to last round's group
+        # while it waits for them: over a slow link the last member's parts are then the only bytes
         # left on the round's critical path, instead of both members' one after the other.
         expected = Group(self._last_members, digest, applied_rounds) \
             if len(self._last_members) > 1 and self.peer_id in self._last_members else None
-        sending = asyncio.ensure_future(self._send_early(round, expected, encoding, weight, digest)) \
-            if expected is not None else None
+        sending: asyncio.Future | None = None
+
+        def send_early() -> None:
+            nonlocal sending
+            if expected is not None:
+                sending = asyncio.ensure_future(self._send_early(round, expected, encoding, weight, digest))
         early: dict[int, asyncio.Future] = {}
         started = time.monotonic()
         result: RoundResult | None = None
         phases: dict[str, float] = {}
         try:
-            group, weights, superseded = await self.matchmake(round, registration)
+            group, weights, superseded = await self.matchmake(round, registration, send_early)
             phases["matchmaking"] = time.monotonic() - started
             if group is None or self.peer_id not in group.members:
                 result = RoundResult(False, superseded or "our θ_global is not the group's reference",

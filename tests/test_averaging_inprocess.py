@@ -229,14 +229,22 @@ def test_the_last_members_request_wakes_a_member_waiting_in_matchmaking(monkeypa
     asyncio.run(main())
 
 
-def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits() -> None:
+def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a complete round, a member that reaches the next boundary first sends its part to
-    last round's group at once; the reducer holds it until its own matchmaking is done, and the
-    round's mean is the same as without the early send."""
+    last round's group while it waits; the reducer holds it until its own matchmaking is done, and
+    the round's mean is the same as without the early send. The last member sends nothing early."""
+    early_senders: list[str] = []
+    send_early = Averager._send_early
+
+    async def counted(self: Averager, *args: Any) -> Any:
+        early_senders.append(self.peer_id)
+        return await send_early(self, *args)
+    monkeypatch.setattr(Averager, "_send_early", counted)
+
     async def main() -> None:
         _, _, avgs = group(2, manifest(codec="int8", ef=True))
         first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 3.0], round=0)
-        assert all(r.complete for r in first)
+        assert all(r.complete for r in first) and early_senders == []  # no last round to send to early
         inputs = [deltas(2), deltas(3)]
         waiting = asyncio.ensure_future(avgs[0].run_round(1, inputs[0], 1.0, "digest", 0))
         async def early_part_arrived() -> None:  # its arrival made the slot: avgs[1] has not begun round 1
@@ -246,6 +254,8 @@ def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits() 
         assert not avgs[1]._slots[1].ready.is_set() and not waiting.done()
         results = await asyncio.gather(waiting, avgs[1].run_round(1, inputs[1], 3.0, "digest", 0))
         assert all(r.complete for r in results), [r.reason for r in results]
+        # the last to arrive found everyone registered at its first read: nothing of its went early
+        assert early_senders == [avgs[0].peer_id]
         for name in SHAPES:
             assert torch.equal(results[0].mean_delta[name], results[1].mean_delta[name])
             ref = weighted_mean([(1.0, inputs[0][name]), (3.0, inputs[1][name])])
