@@ -3,17 +3,16 @@ the others' registrations until every replica the stage records call ONLINE has 
 patience runs out); the group is then a pure function of what it read (averaging_group.choose_group),
 so members that read the same set agree on it.
 
-The member that reaches the boundary last sends its parts as soon as its own matchmaking ends, and
-a member that has to wait for others sends its parts early (peer/averaging.py): either kind of request
-knocks on the receiver's round (`knock`), whose poll then re-reads at once and from the shortest
-interval, instead of waiting out an interval of up to MATCHMAKING_POLL_SECONDS on the round's
-critical path.
+Every member sends its parts to last round's group as soon as they are encoded (peer/averaging.py,
+early parts), and its parts for any other group once its matchmaking ends: a request knocks on the
+receiver's round (`knock`), whose poll then re-reads at once and from the shortest interval,
+instead of waiting out an interval of up to MATCHMAKING_POLL_SECONDS on the round's critical path.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging_group import Group, choose_group
@@ -37,12 +36,9 @@ class RoundBoard(Protocol):
 
 
 async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registration: dict[str, Any],
-                    patience: float, knock: asyncio.Event, waiting: Callable[[], None] | None = None
-                    ) -> tuple[Group | None, dict[str, float], str]:
+                    patience: float, knock: asyncio.Event) -> tuple[Group | None, dict[str, float], str]:
     """(the group, every registrant's declared weight, why our θ_global is superseded: "" when it
-    is not; the group is then None). `waiting` is called once, when the first read shows that
-    others have yet to register: the member that reaches the boundary last does not call it, so
-    its parts do not go out early over the link its own matchmaking reads and writes through."""
+    is not; the group is then None)."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round, me, registration))
@@ -62,9 +58,6 @@ async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registra
             alive = {r.peer_id for r in records if r.state == ONLINE}
             if alive <= set(regs) or time.monotonic() > deadline:
                 break
-            if waiting is not None:
-                waiting()
-                waiting = None
             try:
                 await within(knock.wait(), next(intervals))
             except asyncio.TimeoutError:

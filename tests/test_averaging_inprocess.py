@@ -232,7 +232,7 @@ def test_the_last_members_request_wakes_a_member_waiting_in_matchmaking(monkeypa
 def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a complete round, a member that reaches the next boundary first sends its part to
     last round's group while it waits; the reducer holds it until its own matchmaking is done, and
-    the round's mean is the same as without the early send. The last member sends nothing early."""
+    the round's mean is the same as without the early send."""
     early_senders: list[str] = []
     send_early = Averager._send_early
 
@@ -254,8 +254,8 @@ def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(mo
         assert not avgs[1]._slots[1].ready.is_set() and not waiting.done()
         results = await asyncio.gather(waiting, avgs[1].run_round(1, inputs[1], 3.0, "digest", 0))
         assert all(r.complete for r in results), [r.reason for r in results]
-        # the last to arrive found everyone registered at its first read: nothing of its went early
-        assert early_senders == [avgs[0].peer_id]
+        # the last to arrive sent its parts early too, while its own matchmaking read
+        assert sorted(early_senders) == sorted(a.peer_id for a in avgs)
         for name in SHAPES:
             assert torch.equal(results[0].mean_delta[name], results[1].mean_delta[name])
             ref = weighted_mean([(1.0, inputs[0][name]), (3.0, inputs[1][name])])
