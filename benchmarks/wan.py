@@ -39,6 +39,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -455,12 +456,9 @@ def ratio_summary(results: list[Result], target: float = TARGETS[-1]) -> list[st
             by_run.setdefault((r.system, r.link), []).append(ratio)
     lines = []
     for (system, link), ratios in by_run.items():
-        ratios.sort()
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-        lines.append(f"{system} over {link}: time to {target} / unshaped DDP's of the same pass, median {median:.2f} "
-                     f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}; within 1.2x in {sum(x <= 1.2 for x in ratios)} "
-                     f"of {len(ratios)})")
+        lines.append(f"{system} over {link}: time to {target} / unshaped DDP's of the same pass, median "
+                     f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; within 1.2x in "
+                     f"{sum(x <= 1.2 for x in ratios)} of {len(ratios)})")
     return lines
 
 
