@@ -60,13 +60,17 @@ class InnerOptimizer:
         for one in grads:
             if self._swarm_adamw is not None:
                 self._swarm_adamw.observe(one)
+            into, added = [], []
             for p, g in zip(params, one):
                 if g is None:
                     continue
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
-                    p.grad.add_(g)
+                    into.append(p.grad)
+                    added.append(g)
+            if into:  # one batch of tensor ops, not one per tensor (as autograd's own accumulation)
+                torch._foreach_add_(into, added)
 
     def step(self, microbatches: int, samples: int) -> bool:
         """One step on the mean of the `microbatches` accumulated gradients, at the lr of the swarm's

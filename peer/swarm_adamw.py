@@ -43,14 +43,22 @@ class SwarmAdamW(torch.optim.Optimizer):
     def observe(self, grads: Iterable[torch.Tensor | None]) -> None:
         """One microbatch's gradients (parameter order of the groups; None for an unused one)."""
         params = [p for g in self.param_groups for p in g["params"]]
+        first, first_g, more, more_g = [], [], [], []
         for p, g in zip(params, grads):
             if g is None:
                 continue
-            sq = self._squares.get(p)
-            if sq is None:
-                self._squares[p] = g.float().square()
+            if p in self._squares:
+                more.append(self._squares[p])
+                more_g.append(g)
             else:
-                sq.addcmul_(g, g)
+                first.append(p)
+                first_g.append(g.float())
+        # one batch of tensor ops per call: a step's ~50 small tensors one by one cost more in
+        # dispatch than in arithmetic (README, "Normalising as the swarm's batch would")
+        if first_g:
+            self._squares.update(zip(first, torch._foreach_mul(first_g, first_g)))
+        if more:
+            torch._foreach_addcmul_(more, more_g, more_g)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -65,11 +73,10 @@ class SwarmAdamW(torch.optim.Optimizer):
         m = max(1, int(self.replicas))
         share = (1.0 - 1.0 / m) if microbatches >= 2 else 0.0
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            by_step: dict[int, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -77,19 +84,42 @@ class SwarmAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                     state["exp_avg_sq_plain"] = torch.zeros_like(p)
                 state["step"] += 1
-                t = state["step"]
-                plain = g.square()
-                observed = plain
-                sq = self._squares.get(p)
-                if share > 0 and sq is not None:
-                    # s²/K of the unclipped mean, from Σg_k² and the mean itself; then clipped like ḡ
-                    mean_sq = plain / (grad_scale * grad_scale)
-                    noise = (sq - microbatches * mean_sq).clamp_(min=0) / (microbatches * (microbatches - 1))
-                    observed = plain - (share * grad_scale * grad_scale) * noise
-                p.mul_(1.0 - lr * wd)
-                state["exp_avg"].mul_(b1).add_(g, alpha=1.0 - b1)
-                state["exp_avg_sq"].mul_(b2).add_(observed, alpha=1.0 - b2)
-                state["exp_avg_sq_plain"].mul_(b2).add_(plain, alpha=1.0 - b2)
-                v = torch.maximum(state["exp_avg_sq"], state["exp_avg_sq_plain"] / m)
-                denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - b1 ** t))
+                by_step.setdefault(state["step"], []).append(p)
+            for t, params in by_step.items():  # one batch per step count: normally all of them
+                self._update(group, params, t, m, share, microbatches, grad_scale)
+
+    def _update(self, group: dict, params: list[torch.Tensor], t: int, m: int, share: float, microbatches: int,
+                grad_scale: float) -> None:
+        """The step of the module docstring for `params`, whose step count is `t`, as batched tensor
+        ops (the same elementwise arithmetic, in the same order, as one tensor at a time)."""
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params]
+        exp_avg = [s["exp_avg"] for s in states]
+        exp_avg_sq = [s["exp_avg_sq"] for s in states]
+        exp_avg_sq_plain = [s["exp_avg_sq_plain"] for s in states]
+        plain = torch._foreach_mul(grads, grads)
+        observed = list(plain)
+        corrected = [i for i, p in enumerate(params) if p in self._squares] if share > 0 else []
+        if corrected:
+            # s²/K of the unclipped mean, from Σg_k² and the mean itself; then clipped like ḡ
+            mean_sq = torch._foreach_div([plain[i] for i in corrected], grad_scale * grad_scale)
+            torch._foreach_mul_(mean_sq, microbatches)
+            noise = torch._foreach_sub([self._squares[params[i]] for i in corrected], mean_sq)
+            torch._foreach_clamp_min_(noise, 0)
+            torch._foreach_div_(noise, microbatches * (microbatches - 1))
+            torch._foreach_mul_(noise, share * grad_scale * grad_scale)
+            for i, value in zip(corrected, torch._foreach_sub([plain[i] for i in corrected], noise)):
+                observed[i] = value
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_mul_(exp_avg, b1)
+        torch._foreach_add_(exp_avg, grads, alpha=1.0 - b1)
+        torch._foreach_mul_(exp_avg_sq, b2)
+        torch._foreach_add_(exp_avg_sq, observed, alpha=1.0 - b2)
+        torch._foreach_mul_(exp_avg_sq_plain, b2)
+        torch._foreach_add_(exp_avg_sq_plain, plain, alpha=1.0 - b2)
+        denom = torch._foreach_maximum(exp_avg_sq, torch._foreach_div(exp_avg_sq_plain, m))
+        torch._foreach_div_(denom, 1.0 - b2 ** t)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avg, denom, value=-lr / (1.0 - b1 ** t))
