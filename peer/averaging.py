@@ -6,9 +6,7 @@ A round r of stage s, on every replica:
    H-step rounds where replicas reach the boundary at different times); the group is the
    registrants whose θ_global digest is the reference one (newest, then most common)
    (peer/matchmaking.py; a member whose last round completed sends its parts to that group
-   meanwhile, and a reducer holds them until its own matchmaking is done; once every other
-   member's parts for that group have arrived, and nobody else is online, that is the group,
-   without waiting for the DHT's reads);
+   meanwhile, and a reducer holds them until its own matchmaking is done);
 2. reduce-scatter: the stage's tensors are split into one part per member (`partition`); member
    j reduces part j. Each member encodes its pseudo-gradient Δ once (codec, optional error
    feedback) and sends every reducer its part; the reducer waits for all members, takes the
@@ -52,14 +50,14 @@ from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode,
                                    reduce_codec)
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.averaging_group import Group, partition
-from swarmgrad.peer import outcome, policy
+from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.matchmaking import matchmake, settled_early
+from swarmgrad.peer.matchmaking import matchmake
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
-from swarmgrad.peer.swarm import ONLINE, PeerRecord, SwarmView
+from swarmgrad.peer.swarm import SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.codecs import averaging_codecs
@@ -77,10 +75,6 @@ class _Slot:
     knock: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when another member's request arrives: it has finished its matchmaking, so its
     registration is stored, and ours re-reads the registrations now instead of at its next poll."""
-    arrived: dict[str, policy.EarlyPart] = field(default_factory=dict)
-    """What the first request of each member of last round's group said, as it arrived: enough
-    to settle an unchanged group without the DHT (matchmaking.settled_early)."""
-    arrival: asyncio.Event = field(default_factory=asyncio.Event)
     group: Group | None = None
     weights: dict[str, float] = field(default_factory=dict)
     """What each member registered as its weight: a contribution may not claim more."""
@@ -147,10 +141,6 @@ class Averager:
         self._slots: dict[int, _Slot] = {}
         self._last_members: tuple[str, ...] = ()
         """The members of our last round if it completed: this round's parts go to them early."""
-        self._online: frozenset[str] | None = None
-        """The replicas the stage's records called ONLINE at matchmaking's last read (None: none yet)."""
-        self._left_running: asyncio.Future | None = None
-        """The matchmaking of a round settled early, left to store our registration (`_end_matchmaking`)."""
         self._own: set[int] = set()
         """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
         round is still in flight when a re-sync moves the clock past it)."""
@@ -182,10 +172,6 @@ class Averager:
             # a peer in another round (or one making up round numbers) gets no slot that could crowd ours out
             raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.clock.current})")
         slot = self._slot(request.round)
-        sender = str(caller)
-        if sender in self._last_members and sender not in slot.arrived:
-            slot.arrived[sender] = policy.EarlyPart(request.group_hash, request.state_digest, request.weight)
-            slot.arrival.set()
         slot.knock.set()
         timeouts = self.m.timeouts
         try:
@@ -198,6 +184,7 @@ class Averager:
             raise ProtocolError(pb.GROUP_MISMATCH, f"group {request.group_hash} differs from ours {group.hash}")
         if request.state_digest != group.digest:
             raise ProtocolError(pb.STALE_STATE, f"θ_global digest {request.state_digest} is not the group's")
+        sender = str(caller)
         if sender not in group.members:
             raise ProtocolError(pb.GROUP_MISMATCH, "the caller is not a member of this round's group")
         inp = validate_average(request, self.identity, self.stage,
@@ -259,51 +246,7 @@ class Averager:
                         ) -> tuple[Group | None, dict[str, float], str]:
         """peer/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
-                               self._slot(round).knock, self._saw_records)
-
-    def _saw_records(self, records: list[PeerRecord]) -> None:
-        self._online = frozenset(r.peer_id for r in records if r.state == ONLINE)
-
-    async def _settle(self, round: int, registration: dict[str, Any], expected: Group | None
-                      ) -> tuple[Group | None, dict[str, float], str, asyncio.Future | None]:
-        """`matchmake`, raced (when last round completed) against the parts that arrive settling
-        an unchanged group first (peer/matchmaking.py). The fourth value is the matchmaking still
-        running after such a settlement: it stores our registration, `_end_matchmaking` ends it."""
-        if expected is None:
-            return (*await self.matchmake(round, registration), None)
-        slot = self._slot(round)
-        dht = asyncio.ensure_future(self.matchmake(round, registration))
-        early = asyncio.ensure_future(settled_early(expected, self.peer_id, slot.arrived, slot.arrival,
-                                                    lambda: self._online))
-        try:
-            await asyncio.wait({dht, early}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled: neither outlives us
-            for task in (dht, early):
-                task.cancel()
-            await asyncio.gather(dht, early, return_exceptions=True)
-            raise
-        if dht.done():  # the DHT's own answer, whenever it has one
-            early.cancel()
-            await asyncio.gather(early, return_exceptions=True)
-            return (*dht.result(), None)
-        weights = dict(early.result())
-        weights[self.peer_id] = float(registration["weight"])
-        return expected, weights, "", dht
-
-    async def close(self) -> None:
-        """End what a round left running (the replica's close)."""
-        await self._end_matchmaking()
-
-    async def _end_matchmaking(self) -> None:
-        """End the matchmaking an early settlement left running: by the next round (or close) it
-        has long stored our registration, unless the DHT is failing; then it is not waited for."""
-        task, self._left_running = self._left_running, None
-        if task is None:
-            return
-        task.cancel()  # a no-op once it is done
-        for outcome_ in await asyncio.gather(task, return_exceptions=True):
-            if isinstance(outcome_, Exception):
-                logger.debug("stage %d: matchmaking after an early settlement failed: %s", self.stage, outcome_)
+                               self._slot(round).knock)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -328,7 +271,6 @@ class Averager:
     async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
-        await self._end_matchmaking()  # last round's, if it was settled early
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
@@ -349,9 +291,8 @@ class Averager:
         started = time.monotonic()
         result: RoundResult | None = None
         phases: dict[str, float] = {}
-        matchmaking: asyncio.Future | None = None
         try:
-            group, weights, superseded, matchmaking = await self._settle(round, registration, expected)
+            group, weights, superseded = await self.matchmake(round, registration)
             phases["matchmaking"] = time.monotonic() - started
             if group is None or self.peer_id not in group.members:
                 result = RoundResult(False, superseded or "our θ_global is not the group's reference",
@@ -374,7 +315,6 @@ class Averager:
         finally:
             self._last_members = result.group if result is not None and result.complete else ()
             await self._drop_early(sending)
-            self._left_running = matchmaking
             if result is None or not result.complete:
                 # the encoding may still run (matchmaking failed or was cancelled): wait for it
                 # to finish with the residuals before putting them back

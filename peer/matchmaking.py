@@ -7,19 +7,12 @@ Every member sends its parts to last round's group as soon as they are encoded (
 early parts), and its parts for any other group once its matchmaking ends: a request knocks on the
 receiver's round (`knock`), whose poll then re-reads at once and from the shortest interval,
 instead of waiting out an interval of up to MATCHMAKING_POLL_SECONDS on the round's critical path.
-
-A group that stays the same needs no reads at all: once every other member of last round's
-complete group has sent its parts for this round, for that group and with our θ_global, and the
-stage's last read showed nobody else online, the group is settled (`settled_early`,
-policy.settled_by_early_parts). Over a thin link the reads queue behind the parts themselves
-(0.12-0.14 s of the last member's averaging per round over 20 Mbit); `matchmake` still runs, so
-our registration lands for everyone who reads it, and its reads keep the online set current.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AbstractSet, Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from swarmgrad.peer import policy
 from swarmgrad.peer.averaging_group import Group, choose_group
@@ -43,11 +36,9 @@ class RoundBoard(Protocol):
 
 
 async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registration: dict[str, Any],
-                    patience: float, knock: asyncio.Event,
-                    seen: Callable[[list[PeerRecord]], None] | None = None
-                    ) -> tuple[Group | None, dict[str, float], str]:
+                    patience: float, knock: asyncio.Event) -> tuple[Group | None, dict[str, float], str]:
     """(the group, every registrant's declared weight, why our θ_global is superseded: "" when it
-    is not; the group is then None). `seen` is given the stage's records at every read."""
+    is not; the group is then None)."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round, me, registration))
@@ -63,8 +54,6 @@ async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registra
         while True:
             knock.clear()  # before the read: a request that arrives during it wakes the wait below
             regs, records = await asyncio.gather(board.round_registrations(stage, round), board.stage_records(stage))
-            if seen is not None:
-                seen(records)
             regs.setdefault(me, registration)
             alive = {r.peer_id for r in records if r.state == ONLINE}
             if alive <= set(regs) or time.monotonic() > deadline:
@@ -89,16 +78,3 @@ async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registra
             return None, weights, (f"{', '.join(p[-8:] for p in ahead)} already applied this round "
                                    f"without us: our θ_global is superseded")
     return group, weights, ""
-
-
-async def settled_early(expected: Group, me: str, arrived: Mapping[str, policy.EarlyPart], arrival: asyncio.Event,
-                        online: Callable[[], AbstractSet[str] | None]) -> dict[str, float]:
-    """Wait until the parts that arrived settle the group without the DHT
-    (policy.settled_by_early_parts); every other member's declared weight. Raced against
-    `matchmake`, which is there for every case this cannot settle."""
-    while True:
-        arrival.clear()  # before the check: a part that arrives during it wakes the wait
-        weights = policy.settled_by_early_parts(expected, me, arrived, online())
-        if weights is not None:
-            return weights
-        await arrival.wait()

@@ -5,12 +5,9 @@ calls these; they decide, it acts. Each is tested without a network (tests/test_
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Sequence
+from typing import Sequence
 
-from swarmgrad.peer.averaging_group import Group
 from swarmgrad.peer.outcome import FAILED
 from swarmgrad.peer.swarm import ONLINE, PeerRecord
 
@@ -92,45 +89,6 @@ def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRe
     announced = {r.peer_id: r.applied_rounds for r in records}
     return sorted(p for p in members if p != self_id and p in registrations and p in announced
                   and announced[p] > int(registrations[p].get("applied_rounds", 0)))
-
-
-@dataclass(frozen=True)
-class EarlyPart:
-    """What a member's first request for a round said, recorded as it arrives (before the
-    reducer's own matchmaking is done): the group it was sent for, its θ_global, its weight."""
-    group_hash: str
-    digest: str
-    weight: float
-
-
-def settled_by_early_parts(expected: Group, self_id: str, arrived: Mapping[str, EarlyPart],
-                           online: AbstractSet[str] | None) -> dict[str, float] | None:
-    """The group of a round settled without reading the DHT: last round's complete group
-    (`expected`, whose θ_global is ours) when every other member's parts for this round have
-    arrived, sent for that group with our θ_global, and no replica outside it was online at the
-    stage's last read (`online`; None: never read, so never settled here). Returns every other
-    member's declared weight, or None to wait for the DHT (peer/matchmaking.py).
-
-    A member that settles here reads what the DHT would have told it, except a replica that came
-    online since the last read: that one reads our registrations (stored meanwhile) and settles a
-    group with itself in it, whose hash differs from ours, so our reducers refuse its parts and
-    its round fails while ours completes (as when its record lags today); it re-syncs, and by
-    the next round our reads show it online, so we wait for the DHT again and it is in the
-    group. Safety never rests on this shortcut: the group hash and the outcome vote decide as
-    before."""
-    if online is None or not online <= set(expected.members) or self_id not in expected.members:
-        return None
-    weights: dict[str, float] = {}
-    for peer in expected.members:
-        if peer == self_id:
-            continue
-        part = arrived.get(peer)
-        if part is None or part.group_hash != expected.hash or part.digest != expected.digest:
-            return None
-        if not (math.isfinite(part.weight) and part.weight >= 0):
-            return None
-        weights[peer] = float(part.weight)
-    return weights
 
 
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],

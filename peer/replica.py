@@ -285,8 +285,6 @@ class Replica:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.rounds is not None:
-            await self.rounds.averager.close()
         if self.handlers is not None:
             await self.handlers.remove_handlers()
         if self.worker is not None:

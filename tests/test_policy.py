@@ -63,23 +63,6 @@ def test_a_group_member_that_applied_the_round_already_finished_it_without_us() 
     assert policy.finished_without_us(regs, [rec("me", applied=9)], "me", ["a", "b", "me"]) == []
 
 
-def test_an_unchanged_group_is_settled_by_the_parts_that_arrived() -> None:
-    from swarmgrad.peer.averaging_group import Group
-    g = Group(("a", "b", "me"), "d", 7)
-    part = lambda w=2.0, h=g.hash, d="d": policy.EarlyPart(h, d, w)  # noqa: E731
-    both = {"a": part(3.0), "b": part(5.0)}
-    assert policy.settled_by_early_parts(g, "me", both, frozenset({"a", "b", "me"})) == {"a": 3.0, "b": 5.0}
-    # a member offline at the last read does not stop it: its parts arrived, so it is here
-    assert policy.settled_by_early_parts(g, "me", both, frozenset({"me"})) == {"a": 3.0, "b": 5.0}
-    assert policy.settled_by_early_parts(g, "me", {"a": part()}, frozenset(g.members)) is None  # b has not sent
-    for bad in (part(h="other-group"), part(d="other-digest"), part(w=float("nan")), part(w=-1.0), part(w=float("inf"))):
-        assert policy.settled_by_early_parts(g, "me", {"a": part(), "b": bad}, frozenset(g.members)) is None, bad
-    # somebody else online (a joiner) must be waited for in the DHT; so must a stage never read
-    assert policy.settled_by_early_parts(g, "me", both, frozenset({"a", "b", "me", "new"})) is None
-    assert policy.settled_by_early_parts(g, "me", both, None) is None
-    assert policy.settled_by_early_parts(g, "outsider", both, frozenset(g.members)) is None
-
-
 def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
     recs = [rec("a", applied=5, digest="x"), rec("b", applied=5, digest="x"), rec("liar", applied=10**9, digest="y"),
             rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
