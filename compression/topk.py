@@ -152,9 +152,43 @@ def _pack_bits(values: np.ndarray, bits: int) -> bytes:
     """Pack non-negative ints (< 2**bits) into ``bits`` bits each, little-endian bit order."""
     if values.size == 0:
         return b""
+    if 8 % bits == 0:  # whole codes per byte: shifts of uint8, no matrix of single bits
+        return _pack_aligned(values, bits)
     shifts = np.arange(bits, dtype=np.int64)
     bitmat = ((values.astype(np.int64)[:, None] >> shifts) & 1).astype(np.uint8)
     return np.packbits(bitmat.reshape(-1), bitorder="little").tobytes()
+
+
+def _pack_aligned(values: np.ndarray, bits: int) -> bytes:
+    """_pack_bits for bits in (1, 2, 4, 8), byte for byte the same: value i sits in bits
+    i*bits .. of the stream, so byte j holds values j*per .. j*per + per - 1, the first lowest."""
+    per = 8 // bits
+    codes = values.astype(np.uint8)
+    if bits == 8:
+        return codes.tobytes()
+    if bits == 1:
+        return np.packbits(codes, bitorder="little").tobytes()
+    pad = -codes.size % per
+    if pad:
+        codes = np.concatenate([codes, np.zeros(pad, dtype=np.uint8)])
+    grid = codes.reshape(-1, per)
+    out = grid[:, 0].copy()
+    for i in range(1, per):
+        out |= grid[:, i] << np.uint8(i * bits)
+    return out.tobytes()
+
+
+def _unpack_aligned(raw: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """Inverse of _pack_aligned, as int64 (what _unpack_bits returns)."""
+    if bits == 8:
+        return raw[:count].astype(np.int64)
+    if bits == 1:
+        return np.unpackbits(raw, count=count, bitorder="little").astype(np.int64)
+    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+    grid = np.empty((raw.size, per), dtype=np.uint8)
+    for i in range(per):
+        grid[:, i] = (raw >> np.uint8(i * bits)) & mask
+    return grid.reshape(-1)[:count].astype(np.int64)
 
 
 _UNPACK_CHUNK = 1 << 16
@@ -165,10 +199,12 @@ never 64 bytes per bit of the payload."""
 
 def _unpack_bits(buf: bytes, count: int, bits: int) -> np.ndarray:
     """Inverse of :func:`_pack_bits`; caller checked ``len(buf) == ceil(count * bits / 8)``."""
-    out = np.zeros(count, dtype=np.int64)
     if count == 0:
-        return out
+        return np.zeros(0, dtype=np.int64)
     raw = np.frombuffer(buf, dtype=np.uint8)
+    if 8 % bits == 0:
+        return _unpack_aligned(raw, count, bits)
+    out = np.zeros(count, dtype=np.int64)
     weights = np.left_shift(np.int64(1), np.arange(bits, dtype=np.int64))
     # chunks start on a byte boundary: chunk * bits is a multiple of 8
     for start in range(0, count, _UNPACK_CHUNK):

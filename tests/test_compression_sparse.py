@@ -122,6 +122,39 @@ def test_error_feedback_telescopes() -> None:
     assert torch.allclose(sent + residual, sum(inputs), atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 16])
+def test_dense_chunks_on_the_grid_match_the_general_path(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """k = chunk takes a path of its own (whole chunks as rows of a grid): the same bytes and the
+    same decoded floats as the general path, short last chunks, zero chunks and -0.0 included."""
+    import swarmgrad.compression.chunktopk as chunktopk
+    torch.manual_seed(bits)
+    for chunk, n in [(2, 1), (3, 7), (8, 8), (256, 1000), (1000, 4097), (256, 875)]:
+        codec = get_codec("chunktopk", chunk=chunk, k=chunk, bits=bits)
+        x = torch.randn(n) * torch.rand(n).pow(3)
+        x[: min(n, chunk // 2)] = 0.0
+        x[n // 2] = -0.0
+        runs = []
+        for grid in (True, False):
+            monkeypatch.setattr(chunktopk, "_GRID", grid)
+            enc = codec.encode(x)
+            runs.append((enc.buffers, ChunkTopKCodec.decode_encoded(enc, 1 << 20)))
+        assert runs[0][0] == runs[1][0], (chunk, n)
+        assert torch.equal(runs[0][1], runs[1][1]) and runs[0][1].shape == (n,), (chunk, n)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8, 13])
+def test_bit_packing_is_the_bit_stream_whatever_the_width(bits: int) -> None:
+    """Widths that divide 8 are packed with whole-byte shifts: the same bytes as the bit matrix."""
+    from swarmgrad.compression.topk import _unpack_bits
+    rng = np.random.default_rng(bits)
+    for n in (1, 3, 8, 9, 17, 1001, 70_000):
+        values = rng.integers(0, 1 << bits, n)
+        bitmat = ((values[:, None] >> np.arange(bits)) & 1).astype(np.uint8)
+        packed = _pack_bits(values, bits)
+        assert packed == np.packbits(bitmat.reshape(-1), bitorder="little").tobytes(), n
+        assert np.array_equal(_unpack_bits(packed, n, bits), values), n
+
+
 def test_bad_constructor_args() -> None:
     for kwargs in ({"chunk": 1}, {"chunk": 2**16 + 1}, {"chunk": 64, "k": 65}, {"k": -1}, {"bits": 5}, {"bits": 0},
                    {"bits": True}, {"chunk": 64.0}):
