@@ -227,10 +227,11 @@ class ChunkTopKCodec(Codec):
         return out
 
 
-def _encode_dense(x: torch.Tensor, n: int, nc: int, chunk: int, bits: int) -> list[bytes]:
+def _encode_dense(x: torch.Tensor, n: int, nc: int, chunk: int, bits: int) -> tuple[bytes, ...]:
     """encode() when every value is kept (k = chunk), bits 2-16: the same bytes as the general
-    path, computed on the (chunks, chunk) grid instead of through gathered positions (5x less
-    time on the reference model's pseudo-gradient: it is on a round's critical path)."""
+    path, computed on the (chunks, chunk) grid instead of through gathered positions (with the
+    decode below, 2.5x less time on the reference model's pseudo-gradient, which is on a
+    round's critical path)."""
     grid = torch.nn.functional.pad(x, (0, nc * chunk - n)).view(nc, chunk)
     scales = grid.abs().amax(dim=1)  # the padding's zeros never exceed a real |x|
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -242,7 +243,7 @@ def _encode_dense(x: torch.Tensor, n: int, nc: int, chunk: int, bits: int) -> li
         mag = (ratio.abs() * levels).floor().clamp(max=levels - 1).to(torch.uint8)
         codes = mag | ((x < 0).to(torch.uint8) << (bits - 1))
         values = _pack_bits(codes.numpy(), bits)
-    return [tensor_bytes(scales), b"", values]
+    return (tensor_bytes(scales), b"", values)
 
 
 def _decode_dense(buf: bytes, scales: torch.Tensor, n: int, nc: int, chunk: int, bits: int) -> torch.Tensor:
