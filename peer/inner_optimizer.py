@@ -69,7 +69,7 @@ class InnerOptimizer:
                 else:
                     into.append(p.grad)
                     added.append(g)
-            if into:  # one batch of tensor ops, not one per tensor (as autograd's own accumulation)
+            if into:  # one batch of tensor ops, not one per tensor
                 torch._foreach_add_(into, added)
 
     def step(self, microbatches: int, samples: int) -> bool:
