@@ -28,7 +28,7 @@ from swarmgrad.peer.rpc import Traffic
 from swarmgrad.peer.schedule import TrainingProgress
 from swarmgrad.peer.state import StageState
 from swarmgrad.peer.state_sync import StateSync
-from swarmgrad.peer.swarm import ONLINE, SwarmView
+from swarmgrad.peer.swarm import JOINING, ONLINE, SwarmView
 from swarmgrad.peer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class RoundRunner:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            if await self.sync.resync(round, result):
+            if await self._resync(round, result):
                 await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
                 self._carried = 0
@@ -237,6 +237,22 @@ class RoundRunner:
         await self.presence.announce()
         await self._after(round, result, report)
         return result
+
+    async def _resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+        """StateSync.resync, announced as JOINING while it runs when our θ_global was stale.
+
+        A stale replica can be in no group until it has the others' state, but its ONLINE record
+        keeps their next matchmaking waiting for it (every ONLINE replica must register): seen when a
+        joiner's download crossed its donor's boundary, the donor waited out its whole patience
+        for the joiner (5 s) while refusing it the state it waited for (the donor was averaging)."""
+        stale = result.stale and self.presence.status == ONLINE
+        if stale:
+            await self.presence.announce(JOINING)
+        try:
+            return await self.sync.resync(round, result, overlapped=overlapped)
+        finally:
+            if stale and self.presence.status == JOINING:
+                self.presence.status = ONLINE  # announced with the round's report (or the heartbeat)
 
     # overlapped rounds (peer/overlap.py) ------------------------------------------------------
     async def _start_overlapped(self, round: int, report: overlap.RoundReport) -> None:
@@ -279,7 +295,7 @@ class RoundRunner:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            if await self.sync.resync(round, result, overlapped=True):
+            if await self._resync(round, result, overlapped=True):
                 overlap.into_shift(flight.anchor, state.params)
                 self.averager.reset_feedback()
                 moved = True

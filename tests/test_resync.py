@@ -1,5 +1,6 @@
 """StateSync.resync after a failed round, against a fake swarm view (no network): the outcome
-votes (peer/averaging.py) decide whether there is a donor to wait for."""
+votes (peer/averaging.py) decide whether there is a donor to wait for; and what the round runner
+announces while a stale replica re-syncs."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,9 @@ from swarmgrad.peer.averaging import RoundResult
 from swarmgrad.peer.averaging_group import group_hash
 from swarmgrad.peer.outcome import vote
 from swarmgrad.peer.manifest import TimeoutsConfig
+from swarmgrad.peer.rounds import RoundRunner
 from swarmgrad.peer.state_sync import StateSync
+from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE
 
 from test_policy import rec
 
@@ -75,3 +78,60 @@ def test_a_group_that_excluded_us_may_have_applied_the_round() -> None:
     result = RoundResult(False, "part 1 refused by b: GROUP_MISMATCH", ("a", "b", "c"), None)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
     assert downloads == [["b"]]
+
+
+class Presence:
+    def __init__(self, status: str) -> None:
+        self.status = status
+        self.announced: list[str] = []
+
+    async def announce(self, status: str | None = None) -> bool:
+        if status is not None:
+            self.status = status
+        self.announced.append(self.status)
+        return True
+
+
+class Resync:
+    """StateSync.resync's stand-in: records the status our record had while it ran."""
+    def __init__(self, presence: Presence, outcome: bool) -> None:
+        self.presence, self.outcome = presence, outcome
+        self.seen: list[str] = []
+
+    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+        self.seen.append(self.presence.status)
+        return self.outcome
+
+
+def runner_resync(status: str, result: RoundResult, outcome: bool) -> tuple[bool, Presence, Resync]:
+    presence = Presence(status)
+    sync_ = Resync(presence, outcome)
+    runner = RoundRunner.__new__(RoundRunner)  # only what _resync touches
+    runner.presence, runner.sync = presence, sync_  # type: ignore[assignment]
+    return asyncio.run(runner._resync(7, result)), presence, sync_
+
+
+def test_a_stale_replica_is_joining_while_it_resyncs() -> None:
+    """Its ONLINE record would keep the others' matchmaking waiting for it (every ONLINE replica
+    must register) while they refuse it the state it waits for: announce JOINING first, and be
+    ONLINE again afterwards (stored with the round's report)."""
+    stale = RoundResult(False, "b already applied this round without us: our θ_global is superseded", ("b",), None,
+                        stale=True)
+    for outcome in (True, False):
+        done, presence, sync_ = runner_resync(ONLINE, stale, outcome)
+        assert done is outcome and sync_.seen == [JOINING] and presence.announced == [JOINING]
+        assert presence.status == ONLINE
+
+
+def test_a_failed_round_that_was_not_stale_stays_online() -> None:
+    """Every member failed together (a lost part, a refused vote): each may be a donor or in the
+    next group, so nothing is announced."""
+    failed = RoundResult(False, "part 0: stream ended", ("a", "b"), None)
+    done, presence, sync_ = runner_resync(ONLINE, failed, True)
+    assert done and sync_.seen == [ONLINE] and presence.announced == []
+
+
+def test_a_leaving_replica_stays_leaving() -> None:
+    stale = RoundResult(False, "superseded", ("b",), None, stale=True)
+    _, presence, sync_ = runner_resync(LEAVING, stale, True)
+    assert sync_.seen == [LEAVING] and presence.announced == [] and presence.status == LEAVING
