@@ -19,6 +19,8 @@ A round r of stage s, on every replica:
 3. every member decodes the same bytes for every part (the reducer too: it applies the decoded
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
+   (This file is the member's side; the reducer's, the slots and the `average` handler, is
+   peer/reducer.py.)
 4. outcome vote (peer/outcome.py): every member posts its group's hash and the digest of the
    mean it decoded, or failed, and applies the round only once every member voted exactly that.
    A member that fails a part (a refusal, a reset stream, a timeout) votes failed at once and
@@ -44,11 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-from hivemind.p2p import PeerID
 
-from swarmgrad.compression import (Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec,
-                                   reduce_codec)
-from swarmgrad.peer.aggregate import reduce_part
+from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
 from swarmgrad.peer.averaging_group import Group, partition
 from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
@@ -56,6 +55,7 @@ from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.matchmaking import matchmake
+from swarmgrad.peer.reducer import Reducer
 from swarmgrad.peer.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.swarm import SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
@@ -63,28 +63,9 @@ from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.codecs import averaging_codecs
 from swarmgrad.protocol.framing import status_name
 from swarmgrad.protocol.responses import AverageResult, validate_average_response, validate_gather_response
-from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope, validate_average
+from swarmgrad.protocol.validation import RunIdentity, encoded_to_proto, envelope
 
 logger = logging.getLogger(__name__)
-
-# the reducer's side ---------------------------------------------------------------------------
-@dataclass
-class _Slot:
-    """One round as seen by this reducer: filled by the local member and by remote requests."""
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    knock: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when another member's request arrives: it has finished its matchmaking, so its
-    registration is stored, and ours re-reads the registrations now instead of at its next poll."""
-    group: Group | None = None
-    weights: dict[str, float] = field(default_factory=dict)
-    """What each member registered as its weight: a contribution may not claim more."""
-    part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    my_part: int = -1
-    contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
-    encoded: dict[str, list[pb.NamedTensor]] = field(default_factory=dict)
-    """Each member's part as it encoded it: the gather exchange answers with these (peer/gather.py)."""
-    result: asyncio.Future | None = None
-    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -110,7 +91,7 @@ class RoundResult:
 
 
 class Averager:
-    """Runs outer rounds for one stage replica and serves the reducer side for its peers."""
+    """Runs outer rounds for one stage replica (the member's side); its `reducer` serves the others' parts."""
 
     def __init__(self, manifest: Manifest, stage: int, peer_id: str, shapes: dict[str, tuple[int, ...]],
                  rpc: FramedRPC, swarm: SwarmView, max_numel: int, clock: RoundClock):
@@ -126,127 +107,40 @@ class Averager:
         large = parse_codec_spec(avg.codec)
         self.codec = SizeAdaptive(avg.small_tensor_threshold, get_codec("fp32"), large)
         self.feedback = ErrorFeedback(self.codec, avg.feedback_decay) if avg.error_feedback else None
-        self.allowed_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold)
-        """Only the manifest's codecs are decoded on the averaging path."""
-        self.reduce_codec = reduce_codec(self.codec, feedback=avg.reducer_feedback)
-        """What a reducer encodes the mean with: the union of sparse contributions, or with
-        averaging.reducer_feedback the members' codec under `reducer_feedback`."""
-        self.reducer_feedback = ErrorFeedback(self.reduce_codec) if avg.reducer_feedback else None
-        """What this reducer's encodes of its part's mean dropped, added to its next mean."""
+        self.reducer = Reducer(manifest, stage, self.identity, self.codec, max_numel, clock)
+        """The reducer's side: the rounds' slots and the `average` handler (peer/reducer.py)."""
         self.mean_codecs = averaging_codecs(avg.codec, avg.small_tensor_threshold, mean=True,
                                             reducer_feedback=avg.reducer_feedback)
         """The reducer's answers come in the reduce codec's names."""
         self.gather_up_to = avg.gather_up_to
         """Groups this small exchange the members' own parts instead of a mean (peer/gather.py)."""
-        self._slots: dict[int, _Slot] = {}
         self._last_members: tuple[str, ...] = ()
         """The members of our last round if it completed: this round's parts go to them early."""
-        self._own: set[int] = set()
-        """Rounds our own run_round is averaging: their slots outlive the clock (an overlapped
-        round is still in flight when a re-sync moves the clock past it)."""
-        self.clock = clock
-        """Requests for rounds far from the clock's are refused."""
-        self.patience = manifest.timeouts.matchmaking
+
+    @property
+    def patience(self) -> float:
         """How long matchmaking waits for every online replica to register (the round runner
-        raises it in H-step rounds, see policy.matchmaking_patience)."""
+        raises it in H-step rounds, see policy.matchmaking_patience); the reducer holds the
+        others' requests as long."""
+        return self.reducer.patience
+
+    @patience.setter
+    def patience(self, seconds: float) -> None:
+        self.reducer.patience = seconds
 
     def reset_feedback(self) -> None:
         """Forget error-feedback residuals: after adopting another replica's θ_global, what our codec
         dropped from our own (discarded) updates no longer belongs to the state we continue from."""
-        for feedback in (self.feedback, self.reducer_feedback):
+        for feedback in (self.feedback, self.reducer.feedback):
             if feedback is not None:
                 feedback.reset()
-
-    def _slot(self, round: int) -> _Slot:
-        if round not in self._slots:
-            self._slots[round] = _Slot(result=asyncio.get_running_loop().create_future())
-            for old in [r for r in self._slots if r < self.clock.current - 2 and r not in self._own]:  # nobody waits on those
-                slot = self._slots.pop(old)
-                if slot.result is not None and not slot.result.done():
-                    slot.result.cancel()
-        return self._slots[round]
-
-    async def handle(self, request: pb.AverageRequest, caller: PeerID) -> pb.AverageResponse:
-        check_envelope(request.envelope, self.identity, [self.stage])
-        if abs(request.round - self.clock.current) > 1:
-            # a peer in another round (or one making up round numbers) gets no slot that could crowd ours out
-            raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} is not near ours ({self.clock.current})")
-        slot = self._slot(request.round)
-        slot.knock.set()
-        timeouts = self.m.timeouts
-        try:
-            await within(slot.ready.wait(), self.patience + timeouts.allreduce)
-        except asyncio.TimeoutError:
-            raise ProtocolError(pb.WRONG_ROUND, f"this peer is not in round {request.round}") from None
-        group = slot.group
-        assert group is not None
-        if request.group_hash != group.hash:
-            raise ProtocolError(pb.GROUP_MISMATCH, f"group {request.group_hash} differs from ours {group.hash}")
-        if request.state_digest != group.digest:
-            raise ProtocolError(pb.STALE_STATE, f"θ_global digest {request.state_digest} is not the group's")
-        sender = str(caller)
-        if sender not in group.members:
-            raise ProtocolError(pb.GROUP_MISMATCH, "the caller is not a member of this round's group")
-        inp = validate_average(request, self.identity, self.stage,
-                               lambda part: slot.part_names if part == slot.my_part else None, self.max_numel,
-                               allowed_codecs=self.allowed_codecs, max_weight=slot.weights.get(sender, 0.0))
-        if sender in slot.contributions:
-            raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
-        slot.contributions[sender] = (inp.weight, inp.tensors)
-        if gathers(len(group.members), self.gather_up_to):
-            slot.encoded[sender] = list(request.tensors)
-        self._maybe_reduce(slot)
-        assert slot.result is not None
-        try:
-            tensors, contributors, total = await within(asyncio.shield(slot.result), timeouts.allreduce)
-        except asyncio.TimeoutError:
-            raise ProtocolError(pb.DEADLINE_EXCEEDED, "not every member's part arrived in time") from None
-        except asyncio.CancelledError:
-            # the slot was dropped (we moved on two rounds): answer so, rather than close the
-            # caller's stream without a word; our own cancellation still propagates
-            task = asyncio.current_task()
-            if slot.result.cancelled() and task is not None and not task.cancelling():
-                raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} was abandoned here") from None
-            raise
-        if tensors is None:  # the gather exchange
-            return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors}, slot.encoded,
-                                 sender)
-        return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
-
-    def _maybe_reduce(self, slot: _Slot) -> None:
-        group = slot.group
-        if group is None or slot.result is None or slot.result.done():
-            return
-        if set(slot.contributions) != set(group.members):
-            return
-        order = sorted(slot.contributions)
-        total = sum(slot.contributions[p][0] for p in order)
-        if gathers(len(group.members), self.gather_up_to):
-            slot.result.set_result((None, order, total))  # every member aggregates the parts itself
-            return
-        avg = self.m.averaging
-        reduced = reduce_part([slot.contributions[p] for p in order], avg.robust_min_members, avg.max_weight_ratio)
-        if self.reducer_feedback is not None:
-            # a residual of a tensor another member now reduces (the group changed) would come
-            # back late, on top of that tensor's later means: it is dropped instead
-            for name in self.reducer_feedback.names():
-                if name not in slot.part_names:
-                    self.reducer_feedback.reset(name)
-        tensors = [pb.NamedTensor(name=name, tensor=encoded_to_proto(self._encode_mean(name, reduced[name])))
-                   for name in sorted(slot.part_names)]
-        slot.result.set_result((tensors, order, total))
-
-    def _encode_mean(self, name: str, mean: torch.Tensor) -> Encoded:
-        if self.reducer_feedback is None:
-            return self.reduce_codec.encode(mean)
-        return self.reducer_feedback.encode(name, mean)
 
     # the member's side ------------------------------------------------------------------------
     async def matchmake(self, round: int, registration: dict[str, Any]
                         ) -> tuple[Group | None, dict[str, float], str]:
         """peer/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
-                               self._slot(round).knock)
+                               self.reducer.slot(round).knock)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -275,7 +169,7 @@ class Averager:
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
-        saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer_feedback) if f is not None]
+        saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer.feedback) if f is not None]
         # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
         # group): the member that reaches the boundary last no longer encodes after it
         encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
@@ -305,12 +199,12 @@ class Averager:
             elif sending is not None:  # sent to another group: its reducers refuse them; stop now
                 await self._drop_early(sending)
                 sending = None
-            self._own.add(round)
+            self.reducer.own.add(round)
             try:
                 result = await self._average(round, group, weights, encoded, decoded, weight, digest, phases,
                                              exchange_started, early)
             finally:
-                self._own.discard(round)
+                self.reducer.own.discard(round)
             return dataclasses.replace(result, phases=phases)
         finally:
             self._last_members = result.group if result is not None and result.complete else ()
@@ -327,7 +221,7 @@ class Averager:
                        phases: dict[str, float], started: float, early: dict[int, asyncio.Future]) -> RoundResult:
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
-        slot = self._slot(round)
+        slot = self.reducer.slot(round)
         slot.group = group
         slot.weights = weights
         slot.my_part = my_part
@@ -337,7 +231,7 @@ class Averager:
             slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
                                           for n in sorted(slot.part_names)]
         slot.ready.set()
-        self._maybe_reduce(slot)
+        self.reducer.maybe_reduce(slot)
 
         async def local() -> pb.AverageResponse:
             tensors, contributors, total = await within(asyncio.shield(slot.result),
@@ -492,7 +386,7 @@ class Averager:
                   weights: dict[str, float], mine: tuple[float, dict[str, torch.Tensor]], part: int) -> AverageResult:
         """The gather exchange's answer for one part, aggregated here as every member does."""
         got = validate_gather_response(res, expected, group.members, self.peer_id, weights, self.max_numel,
-                                       self.allowed_codecs, what=f"part {part}")
+                                       self.reducer.allowed_codecs, what=f"part {part}")
         if not got.ok:
             return AverageResult(got.status, got.reason)
         own = {n: mine[1][n] for n in expected}

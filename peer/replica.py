@@ -187,7 +187,7 @@ class Replica:
                                  lookahead=m.pipeline.lookahead, hold_s=t.between_rounds)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
-        await rpc.add_handler("average", pb.AverageRequest, averager.handle, refusal(pb.AverageResponse))
+        await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))
         await rpc.add_handler("state", pb.StateRequest, sync.handle, refusal(pb.StateResponse))
         sync.serving = True
         await presence.announce(ONLINE)

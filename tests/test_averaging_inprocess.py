@@ -100,7 +100,7 @@ def group(n: int, m: Manifest) -> tuple[Network, FakeSwarm, list[Averager]]:
     for peer in PEERS[:n]:
         clock = RoundClock(m.rounds, counts_steps=False, max_rounds=0, epoch=None)
         avg = Averager(m, 1, peer, SHAPES, net.rpc(peer), swarm, 1 << 24, clock)  # type: ignore[arg-type]
-        net.handlers[peer] = avg.handle
+        net.handlers[peer] = avg.reducer.handle
         averagers.append(avg)
     return net, swarm, averagers
 
@@ -157,7 +157,7 @@ def test_failed_round_restores_error_feedback_residuals() -> None:
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
         assert before, "int8 leaves residuals behind"
-        avgs[0].clock.current = avgs[1].clock.current = 1
+        avgs[0].reducer.clock.current = avgs[1].reducer.clock.current = 1
         await avgs[1].matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})
         net.dead.add(avgs[1].peer_id)  # registered for round 1, then gone
         failed = await avgs[0].run_round(1, deltas(2), 1.0, "digest", 0)
@@ -178,7 +178,7 @@ def test_a_stale_member_keeps_its_residuals_though_it_encoded_during_matchmaking
         first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
-        avgs[0].clock.current = avgs[1].clock.current = 1
+        avgs[0].reducer.clock.current = avgs[1].reducer.clock.current = 1
         await avgs[1].matchmake(1, {"digest": "newer", "applied_rounds": 5, "weight": 1.0})
         stale = await avgs[0].run_round(1, deltas(2), 1.0, "digest", 0)
         assert not stale.complete and stale.stale, stale.reason
@@ -248,10 +248,10 @@ def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(mo
         inputs = [deltas(2), deltas(3)]
         waiting = asyncio.ensure_future(avgs[0].run_round(1, inputs[0], 1.0, "digest", 0))
         async def early_part_arrived() -> None:  # its arrival made the slot: avgs[1] has not begun round 1
-            while 1 not in avgs[1]._slots:
+            while 1 not in avgs[1].reducer.slots:
                 await asyncio.sleep(0.01)
         await asyncio.wait_for(early_part_arrived(), 10)
-        assert not avgs[1]._slots[1].ready.is_set() and not waiting.done()
+        assert not avgs[1].reducer.slots[1].ready.is_set() and not waiting.done()
         results = await asyncio.gather(waiting, avgs[1].run_round(1, inputs[1], 3.0, "digest", 0))
         assert all(r.complete for r in results), [r.reason for r in results]
         # the last to arrive sent its parts early too, while its own matchmaking read
@@ -309,7 +309,7 @@ def test_a_reducer_sending_different_bytes_is_caught() -> None:
         cheat = avgs[0]
 
         async def two_faced(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
-            resp = await cheat.handle(request, caller)
+            resp = await cheat.reducer.handle(request, caller)
             if caller == avgs[2].peer_id and resp.status == pb.OK:  # a different mean for one member only
                 fp32 = resp.tensors[0].tensor
                 data = bytearray(fp32.buffers[0])
@@ -354,7 +354,7 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
         sent = {n: torch.zeros(s) for n, s in SHAPES.items()}
         for round in range(4):
             for a in avgs:
-                a.clock.current = round
+                a.reducer.clock.current = round
             inputs = [deltas(10 * round + i) for i in range(3)]
             residuals_before = [a.feedback.state_dict() for a in avgs]
             results = await run_all(avgs, inputs, [1.0, 1.0, 1.0], round=round)
@@ -367,9 +367,9 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
                                  for i in range(3)]
                 sent[name] += weighted_mean([(1.0, c) for c in contributions])
         for name in SHAPES:
-            left = sum(r for a in avgs if (r := a.reducer_feedback.residual(name)) is not None)
+            left = sum(r for a in avgs if (r := a.reducer.feedback.residual(name)) is not None)
             assert torch.allclose(applied[name] + left, sent[name], atol=1e-4), name
-        assert avgs[0].mean_codecs == avgs[0].allowed_codecs == {"chunktopk", "fp32"}
+        assert avgs[0].mean_codecs == avgs[0].reducer.allowed_codecs == {"chunktopk", "fp32"}
     asyncio.run(main())
 
 
@@ -377,7 +377,7 @@ def lose_answer_to(net: Network, reducer: Averager, victim: Averager) -> None:
     """The reducer serves `victim` in full, but the answer never arrives (a stream reset after the
     reducer wrote it: the victim sees its stream end without a response)."""
     async def lossy(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
-        resp = await reducer.handle(request, caller)
+        resp = await reducer.reducer.handle(request, caller)
         if caller == victim.peer_id:
             raise RPCFailed(f"average to {reducer.peer_id}: bad response: BAD_REQUEST: stream ended before the last frame")
         return resp

@@ -396,12 +396,13 @@ def test_averaging_codecs_accept_the_reduce_codec() -> None:
 
 
 def test_averager_reducer_sends_the_union() -> None:
-    """The Averager's own reducer step (`_maybe_reduce`) on sparse contributions: the bytes it
+    """The Averager's own reducer step (`Reducer.maybe_reduce`) on sparse contributions: the bytes it
     answers with pass the members' check of the mean's codecs and decode to the exact weighted
     mean over the union of supports (no network: only the reducer's slot is used)."""
     from conftest import small_manifest
 
-    from swarmgrad.peer.averaging import Averager, _Slot
+    from swarmgrad.peer.averaging import Averager
+    from swarmgrad.peer.reducer import RoundSlot
     from swarmgrad.peer.averaging_group import Group
     from swarmgrad.protocol.validation import encoded_from_proto
 
@@ -413,11 +414,11 @@ def test_averager_reducer_sends_the_union() -> None:
     members = ("p0", "p1", "p2")
 
     async def reduce() -> tuple:
-        slot = _Slot(result=asyncio.get_running_loop().create_future())
+        slot = RoundSlot(result=asyncio.get_running_loop().create_future())
         slot.group = Group(members, "digest", 0)
         slot.part_names = shapes
         slot.contributions = {p: (w, d) for p, w, d in zip(members, weights, decoded)}
-        averager._maybe_reduce(slot)
+        averager.reducer.maybe_reduce(slot)
         assert slot.result is not None and slot.result.done()
         return slot.result.result()
 

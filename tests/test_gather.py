@@ -51,7 +51,7 @@ def test_two_members_apply_the_exact_mean_of_what_they_sent_bit_identically() ->
         errors = []
         for round in range(3):
             for a in avgs:
-                a.clock.current = round
+                a.reducer.clock.current = round
             inputs, weights = [deltas(10 * round + i) for i in range(2)], [3.0, 5.0]
             before = [a.feedback.state_dict() for a in avgs]
             results = await run_all(avgs, inputs, weights, round=round)
