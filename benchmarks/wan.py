@@ -98,6 +98,9 @@ class Budget:
         return self.steps * self.global_batch
 
 
+SWARM_PORT = 31337
+"""Where swarmgrad's peers listen inside their namespaces (private to the run: no collision)."""
+
 QUICK = Budget(steps=10, inner_steps=5, ckpt_every=5, timeout_s=150.0)
 
 
@@ -300,8 +303,10 @@ def run_swarmgrad(system: str, link: str, net: netns.WanNet, budget: Budget, tas
     res = Result(system, link, samples=budget.samples, processes=n_stages * replicas)
     cpu: dict[int, float] = {}
     t0 = time.time()
-    with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, save=True) as swarm:
-        swarm.start_first(0, "--max-rounds", "0")
+    # Every peer starts at once, as DDP's ranks do: the first one at a known address, the others
+    # waiting for it (--bootstrap-wait) rather than launched only once it is up.
+    with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, port=SWARM_PORT, save=True) as swarm:
+        swarm.start_first_at(f"/ip4/{net.endpoints[0].address}/tcp/{SWARM_PORT}", 0, "--max-rounds", "0")
         for i in range(1, n_stages * replicas):
             swarm.start(i % n_stages, "--max-rounds", "0")
         watch = CheckpointWatch([workdir / f"{p.name}.ckpt" for p in swarm.peers])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from swarmgrad.peer.cli_args import (address_arg, duration_arg, memory_arg, nonneg_float, nonneg_int, port_arg,
                                      positive_int, slowdown_arg, stage_arg)
-from swarmgrad.peer.cli_peer import cmd_peer, cmd_relay
+from swarmgrad.peer.cli_peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
 from swarmgrad.peer.cli_private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent / "defaults" / "tiny-gpt.toml"
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rejoin a private run with the certificate saved beside --identity at an earlier --join")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of peers already in the swarm; none starts a new swarm")
+    p.add_argument("--bootstrap-wait", type=nonneg_float, default=BOOTSTRAP_WAIT_S, metavar="SECONDS",
+                   help="keep trying --initial-peers this long while none answers (peers launched together "
+                        f"come up in any order; default {BOOTSTRAP_WAIT_S:.0f})")
     p.add_argument("--stage", default="auto", type=stage_arg,
                    help="stage to serve: auto (fewest replicas) or an index")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -103,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
     rl.add_argument("--identity", default=None, help="Ed25519 key file for a stable peer id")
     rl.add_argument("--timeout", type=nonneg_float, default=60.0, help="seconds to start and join")
+    rl.add_argument("--bootstrap-wait", type=nonneg_float, default=BOOTSTRAP_WAIT_S, metavar="SECONDS",
+                    help="keep trying --initial-peers this long while none answers")
     rl.set_defaults(fn=cmd_relay)
 
     s = sub.add_parser("status", help="print the swarm as the DHT sees it")

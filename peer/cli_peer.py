@@ -9,13 +9,57 @@ import dataclasses
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 from swarmgrad.peer.cli_args import parse_bytes
 from swarmgrad.peer.deadline import within
 
 
+BOOTSTRAP_WAIT_S = 30.0
+"""Default --bootstrap-wait: long enough for a peer launched at the same moment as the one it joins
+through to come up on a loaded machine; a wrong address fails after it, saying so on every try."""
+BOOTSTRAP_RETRY_S = 2.0
+"""Pause between attempts to reach --initial-peers that did not answer yet (--bootstrap-wait)."""
+
+
+def is_bootstrap_failure(e: BaseException) -> bool:
+    """None of the initial peers answered: p2pd could not connect to one, or hivemind's DHT
+    could not ping one (a peer started before the one it joins through)."""
+    text = str(e)
+    return "failed to connect to bootstrap peers" in text or "bootstrap failed" in text
+
+
+def start_dht_waiting(start: Callable[[], Any], initial_peers: list[str], wait: float,
+                      clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """`start()`, tried again while none of `initial_peers` answers, for up to `wait` seconds: peers
+    launched together with the one they join through (a script, a compose file) come up in any
+    order. Any other failure, or the last one, is raised."""
+    deadline = clock() + wait
+    while True:
+        try:
+            return start()
+        except Exception as e:
+            left = deadline - clock()
+            if not initial_peers or not is_bootstrap_failure(e) or left <= 0:
+                raise
+            print(f"none of --initial-peers answered yet; trying again for {left:.0f} s more (--bootstrap-wait)",
+                  file=sys.stderr, flush=True)
+            sleep(min(BOOTSTRAP_RETRY_S, left))
+
+
 def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
+              identity: str | None, timeout: float, key=None, authorizer=None, network: dict | None = None,
+              bootstrap_wait: float = 0.0):
+    """`_start_dht`, tried again for up to `bootstrap_wait` seconds while none of `initial_peers`
+    answers (`start_dht_waiting`)."""
+    return start_dht_waiting(lambda: _start_dht(initial_peers, host_maddrs, announce_maddrs, identity, timeout,
+                                                key=key, authorizer=authorizer, network=network),
+                             initial_peers, bootstrap_wait)
+
+
+def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
                identity: str | None, timeout: float, key=None, authorizer=None, network: dict | None = None):
     """Start this peer's DHT under an Ed25519 identity whose key swarmgrad holds, with the record
     signer every peer of a swarm runs (peer/record_signing.py). `identity`: a key file to reuse,
@@ -140,7 +184,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     try:
         dht = start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,
-                         authorizer=private.authorizer() if private else None, network=network.dht_kwargs)
+                         authorizer=private.authorizer() if private else None, network=network.dht_kwargs,
+                         bootstrap_wait=args.bootstrap_wait)
     except IdentityError as e:
         print(f"--identity {e}", file=sys.stderr)
         return 2
@@ -234,7 +279,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         dht = start_dht(list(args.initial_peers), args.host_maddrs, args.announce_maddrs, args.identity,
-                         args.timeout, network=network.dht_kwargs)
+                         args.timeout, network=network.dht_kwargs, bootstrap_wait=args.bootstrap_wait)
     except (P2PDaemonError, RuntimeError) as e:
         print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
               file=sys.stderr)

@@ -81,6 +81,8 @@ class LocalSwarm:
     initial_peers: list[str] = field(default_factory=list)
     verbose: bool = False
     """Start peers with `swarmgrad -v` (DEBUG logs, e.g. rpc.serve's stream endings)."""
+    bootstrap_wait: float | None = None
+    """--bootstrap-wait of the peers after the first (set by `start_first_at`; None: the default)."""
 
     def __enter__(self) -> "LocalSwarm":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +101,8 @@ class LocalSwarm:
                *self.peer_args(index, name)]
         if self.initial_peers:
             cmd += ["--initial-peers", *self.initial_peers]
+            if self.bootstrap_wait is not None:
+                cmd += ["--bootstrap-wait", f"{self.bootstrap_wait:g}"]
         cmd += list(extra)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
         with open(log, "w") as log_file:
@@ -121,6 +125,20 @@ class LocalSwarm:
         peer = self.start(stage, *extra)
         started = self.wait_for(peer, lambda e: e["event"] == "started", timeout)
         self.initial_peers = [a for a in started["maddrs"] if "/127.0.0.1/" in a] or started["maddrs"]
+        return peer
+
+    def start_first_at(self, address: str, stage: int | str = "auto", *extra: str,
+                       bootstrap_wait: float = 60.0) -> PeerProcess:
+        """Start the peer that opens the swarm under a key made here, listening on `address` (a
+        fixed `/ip4/HOST/tcp/PORT`, which `peer_args` must give it), and hand the others its
+        multiaddr at once: they start while it is still coming up and wait for it
+        (`--bootstrap-wait`), as a script that launches a whole swarm together would."""
+        from swarmgrad.peer.identity import load_or_create, peer_id_of
+        key = self.workdir / f"peer{len(self.peers)}.key"
+        peer_id = peer_id_of(load_or_create(key))
+        peer = self.start(stage, "--identity", str(key), *extra)
+        self.initial_peers = [f"{address}/p2p/{peer_id}"]
+        self.bootstrap_wait = bootstrap_wait
         return peer
 
     def wait_for(self, peer: PeerProcess, predicate: Callable[[dict[str, Any]], bool], timeout: float,
