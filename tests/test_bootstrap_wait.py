@@ -1,9 +1,10 @@
 """--bootstrap-wait: a peer launched with the one it joins through comes up in any order. The retry
 rule against a fake start (no network), and once against a real p2pd whose initial peer never
-answers (benchmarks/wan.py's smoke run, tests/test_wan_smoke.py, starts real peers together)."""
+answers, leaving none of its sockets behind (benchmarks/wan.py's smoke run, tests/test_wan_smoke.py, starts real peers together)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -73,9 +74,12 @@ def test_other_failures_and_a_new_swarm_are_not_retried() -> None:
 def test_a_real_start_retries_then_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     """Nothing listens at the initial peer's address: p2pd refuses to start each time; after
     `bootstrap_wait` the error is raised, and each retry was said on stderr."""
+    before = set(Path("/tmp").glob("hivemind-p2p*.sock"))
     started = time.monotonic()
     with pytest.raises(Exception) as e:
         start_dht([PEER], ["/ip4/127.0.0.1/tcp/0"], [], None, 15.0, bootstrap_wait=8.0)
     assert is_bootstrap_failure(e.value), e.value
     assert time.monotonic() - started >= 8.0
     assert capsys.readouterr().err.count("none of --initial-peers answered yet") >= 1
+    left = set(Path("/tmp").glob("hivemind-p2p*.sock")) - before
+    assert not left, f"failed attempts left p2pd's sockets behind: {left}"
