@@ -14,6 +14,10 @@ from conftest import small_manifest
 pytestmark = pytest.mark.timeout(300)
 
 
+UNTRAINED_BITS = 8.0
+"""log2(256): a byte model that knows nothing."""
+
+
 def complete_rounds(peer, stage: int) -> list[dict]:
     return [e for e in peer.events("round") if e["stage"] == stage and e["complete"] and e["samples"] > 0]
 
@@ -48,6 +52,9 @@ def test_empty_stage_is_restored_from_a_backup(local_swarm) -> None:
     swarm.wait_for(refill, lambda e: len(complete_rounds(refill, 1)) >= 3, 90, "rounds after the restore")
     after = [e for e in driver.events("eval") if e["val_loss"] is not None and e["time"] > restored["time"]]
     assert after, "the driver evaluated after the restore"
-    assert after[-1]["val_loss"] < first_eval["val_loss"] - 1.0, (first_eval, after[-1])
+    # against an untrained byte model's ~8 bits/byte, not the first evaluation that succeeded: on a
+    # slow machine that one came after rounds of training (6.19), and the run's few rounds then
+    # failed a bound set from it (5.26 against 5.19) although nothing jumped back
+    assert after[-1]["val_loss"] < UNTRAINED_BITS - 1.0, (first_eval, after[-1])
     assert after[-1]["val_loss"] < before[-1]["val_loss"] + 0.5, (before[-1], after[-1])
     assert driver.alive
