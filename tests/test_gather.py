@@ -222,9 +222,10 @@ def test_four_peers_gather_one_bit_parts_and_stay_identical(local_swarm) -> None
     m = small_manifest(averaging={"codec": "chunktopk:chunk=4096,k=1638,bits=1", "error_feedback": True,
                                   "gather_up_to": 2, "small_tensor_threshold": 0})
     swarm = local_swarm(m)
-    swarm.start_first(0, "--max-rounds", "5", "--linger", "15")
+    # --linger bounds stage 1's wait for the drivers to leave (test_swarm.py says why 60)
+    swarm.start_first(0, "--max-rounds", "5", "--linger", "60")
     for stage in (1, 0, 1):
-        swarm.start(stage, "--max-rounds", "5", "--linger", "15")
+        swarm.start(stage, "--max-rounds", "5", "--linger", "60")
     codes = swarm.wait_exit(180)
     assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
     for stage in (0, 1):

@@ -49,10 +49,12 @@ def round_history(peers: list[PeerProcess], stage: int) -> str:
 def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
     manifest = small_manifest()
     swarm: LocalSwarm = local_swarm(manifest)
-    # 6 rounds so that a replica slowed at start-up on 2 busy cores still shares 3 with its partner
-    first = swarm.start_first(0, "--max-rounds", "6", "--linger", "15")
+    # 6 rounds so that a replica slowed at start-up on 2 busy cores still shares 3 with its partner.
+    # Stage 1 serves until the drivers' records say they left (their final evaluations pass through
+    # it); --linger only bounds that wait, and 15 s ran out once before a slowed driver's final eval
+    first = swarm.start_first(0, "--max-rounds", "6", "--linger", "60")
     for stage in (1, 0, 1):
-        swarm.start(stage, "--max-rounds", "6", "--linger", "15")
+        swarm.start(stage, "--max-rounds", "6", "--linger", "60")
     # the swarm is visible to an outside client while it runs
     swarm.wait_for(first, lambda e: e["event"] == "round" and e["round"] >= 2 and e["complete"], 120, "round 2")
     status = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "status", "--initial-peers",

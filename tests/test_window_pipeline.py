@@ -17,8 +17,8 @@ CAP = 6
 def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None:
     manifest = small_manifest(pipeline={"max_in_flight": CAP}, inner={"microbatches_per_step": CAP})
     swarm: LocalSwarm = local_swarm(manifest)
-    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "10")
-    swarm.start(1, "--max-rounds", "4", "--linger", "10")
+    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "60")
+    swarm.start(1, "--max-rounds", "4", "--linger", "60")
     codes = swarm.wait_exit(200)
     assert codes == [0, 0], "\n".join(p.log_tail() for p in swarm.peers)
 
@@ -54,8 +54,8 @@ def test_three_stage_pipeline_with_lookahead_trains_every_microbatch_once(local_
     manifest = small_manifest(model={"n_layers": 3}, stages={"count": 3}, pipeline={"max_in_flight": 4, "lookahead": True},
                               inner={"microbatches_per_step": 2})
     swarm: LocalSwarm = local_swarm(manifest)
-    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "10")
-    later = [swarm.start(s, "--max-rounds", "4", "--linger", "10") for s in (1, 2)]
+    driver = swarm.start_first(0, "--max-rounds", "4", "--linger", "60")
+    later = [swarm.start(s, "--max-rounds", "4", "--linger", "60") for s in (1, 2)]
     codes = swarm.wait_exit(200)
     assert codes == [0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
 
