@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +85,20 @@ class LocalSwarm:
     """Start peers with `swarmgrad -v` (DEBUG logs, e.g. rpc.serve's stream endings)."""
     bootstrap_wait: float | None = None
     """--bootstrap-wait of the peers after the first (set by `start_first_at`; None: the default)."""
+    _tmp: Path | None = field(default=None, init=False, repr=False)
 
     def __enter__(self) -> "LocalSwarm":
         self.workdir.mkdir(parents=True, exist_ok=True)
         return self
+
+    def _private_tmp(self) -> None:
+        """The peers' temp folders (multiprocessing's pymp-* with its listener socket, the DHT
+        process's certificate) in one folder of this swarm that `close` removes: a SIGKILLed peer
+        cannot remove its own, and /tmp kept them. Short, in /tmp rather than the workdir: the
+        sockets inside must fit AF_UNIX's 107 bytes."""
+        if self._tmp is None and "TMPDIR" not in self.env:
+            self._tmp = Path(tempfile.mkdtemp(prefix="swarmgrad-peers-"))
+            self.env["TMPDIR"] = str(self._tmp)
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
@@ -94,6 +106,7 @@ class LocalSwarm:
     def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
         index = len(self.peers)
         name = name or f"peer{index}"
+        self._private_tmp()
         events = self.workdir / f"{name}.events.jsonl"
         log = self.workdir / f"{name}.log"
         cmd = [*self.command_prefix(index), sys.executable, "-m", "swarmgrad.peer.cli",
@@ -180,6 +193,10 @@ class LocalSwarm:
                 peer.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self.env.pop("TMPDIR", None)
+            self._tmp = None
 
 
 @dataclass
@@ -211,6 +228,7 @@ class PrivateSwarm(LocalSwarm):
         n = sum(p.name.startswith(name) for p in self.peers)
         label = name if n == 0 else f"{name}{n}"
         events, log = self.workdir / f"{label}.events.jsonl", self.workdir / f"{label}.log"
+        self._private_tmp()
         cmd = [sys.executable, "-m", "swarmgrad.peer.cli", "coordinator", "--manifest", str(self.manifest),
                "--key", str(self.key), "--state-dir", str(self.state_dir), "--listen", "127.0.0.1:0",
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--events", str(events), *extra]
@@ -243,15 +261,7 @@ class PrivateSwarm(LocalSwarm):
         """A peer that joins with a new invitation, or (invitation=False) one that rejoins with the
         certificate saved beside its --identity, given in `extra` with --coordinator."""
         self._invite_next = invitation
-        self._private_tmp()
         return super().start(stage, *extra, name=name)
-
-    def _private_tmp(self) -> None:
-        """Peers keep their certificate for their DHT process in a temp folder they remove on exit;
-        one that is SIGKILLed cannot, so its temp folders live in the workdir."""
-        tmp = self.workdir / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.env.setdefault("TMPDIR", str(tmp))
 
     def peer_args(self, index: int, name: str) -> list[str]:
         return ["--join", self.invite()] if self.address and self._invite_next else []

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, _daemon_sockets
 
 from conftest import small_manifest
 
@@ -105,9 +105,13 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
         stop(peers[1], signal.SIGTERM, records)  # kill -TERM -PGID, a supervisor
         stop(peers[2], signal.SIGHUP, records)   # its terminal closed
 
+    sockets = _daemon_sockets(peers[3].proc.pid)  # a SIGKILLed process cannot remove its own
     os.killpg(peers[3].proc.pid, signal.SIGKILL)  # a group SIGKILL (the tests' own teardown)
     assert peers[3].proc.wait(20) == -signal.SIGKILL
     assert not _running(trees[peers[3].name], 15), "a group SIGKILL left processes running"
+    for path in sockets:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 _HOLDER = textwrap.dedent("""
