@@ -191,7 +191,10 @@ class FramedRPC:
             try:
                 await self._serve(method, request_type, handler, refusal, info.peer_id, reader, writer)
             except asyncio.CancelledError:
-                raise
+                # the peer's shutdown cancels its open streams. Nobody awaits this task (it is asyncio's
+                # client_connected_cb), and on 3.11 a cancelled one makes asyncio log an ERROR with
+                # a traceback per open stream (fixed in 3.12), so end it here, quietly
+                logger.debug("%s stream from %s cancelled (shutting down)", method, str(info.peer_id)[-8:])
             except (ConnectionError, asyncio.IncompleteReadError, EOFError) as e:  # a caller gone mid-answer
                 logger.debug("%s stream from %s ended: %s: %s", method, str(info.peer_id)[-8:], type(e).__name__, e)
             except Exception:  # our bug: the caller only sees its stream end, so say it here, loudly

@@ -41,6 +41,8 @@ from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.routing import RateMeter
 from swarmgrad.peer.schedule import TrainingProgress
 from swarmgrad.peer.worker_commit import CommitOnAck
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ class StageWorker(CommitOnAck):
         self.leaving = False
         """This replica stops after its round (a move, the peer's shutdown): what arrives while it is
         paused is refused at once, not held for a resume that will not come (`leave`)."""
+        self.closed = False
+        """Set by `close`: the compute thread is gone; work that still arrives is refused."""
         self.accumulated = 0
         """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
         self.inner_steps = 0
@@ -138,6 +142,8 @@ class StageWorker(CommitOnAck):
         self.inner.set_replicas(count)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.closed:  # a request admitted before the replica stopped: refused, not a server bug
+            raise ProtocolError(pb.NOT_READY, "this replica is stopping")
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -443,5 +449,6 @@ class StageWorker(CommitOnAck):
         return self._paused
 
     def close(self) -> None:
+        self.closed = True
         self._held.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)

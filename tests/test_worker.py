@@ -139,3 +139,21 @@ def test_rate_clock_cpu_leaves_out_time_the_thread_did_not_run_and_slowdown_scal
     assert cpu.compute_total >= 3 * 0.06  # utilisation stays in elapsed time
     with pytest.raises(KeyError):
         make_worker(rate_clock="gpu")
+
+
+def test_a_closed_worker_refuses_work_that_arrives_late() -> None:
+    """A request admitted before the replica stopped reaches the worker after `close` shut its
+    compute thread: a NOT_READY refusal (the caller retries elsewhere), not an executor error
+    logged as a server bug."""
+    from swarmgrad.protocol import wire_pb2 as pb
+    from swarmgrad.protocol.framing import ProtocolError
+
+    async def main() -> None:
+        w = make_worker(loss=True)
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        await w.forward_loss(x, t, False)
+        w.close()
+        with pytest.raises(ProtocolError) as refused:
+            await w.forward_loss(x, t, False)
+        assert refused.value.status == pb.NOT_READY and "stopping" in refused.value.reason
+    asyncio.run(main())
