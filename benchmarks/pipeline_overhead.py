@@ -83,11 +83,11 @@ def swarm_figures(run: SwarmRun) -> dict[str, float]:
     pipeline_rate, driving_s, averaging_s = 0.0, [], []
     for p in drivers:
         rounds = p.events("round")
-        evals = sorted(p.events("eval"), key=lambda e: e["time"])
-        if not rounds or not evals:
+        started = p.events("driving")  # after its start evaluation, if it made one
+        if not rounds or not started:
             continue
         avg = sum(e["averaging_s"] or 0.0 for e in rounds)
-        driving = max(e["time"] for e in rounds) - evals[0]["time"] - avg
+        driving = max(e["time"] for e in rounds) - started[0]["time"] - avg
         driving_s.append(driving)
         averaging_s.append(avg)
         if driving > 0:

@@ -71,6 +71,10 @@ class DrivingLoop:
         self._val: list[Batch] = []
         self._evaluating = False
         self._hinted = False
+        self.evaluate_at_start = True
+        """False for a joiner that took a live replica's state (StateSync.from_replica): its donors
+        evaluated that θ, and its replicas, which count it ONLINE, would wait for it in matchmaking
+        while it evaluated the same θ again."""
 
     async def run(self) -> None:
         d = self.m.data
@@ -86,7 +90,11 @@ class DrivingLoop:
         while self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages,
                                                                 self.m.timeouts.state_download):
             logger.warning("no replica serves some stage yet; the pipeline is incomplete (still waiting)")
-        await self.evaluate()
+        if self.evaluate_at_start:
+            await self.evaluate()
+        else:
+            logger.info("stage 0: no start evaluation (the state came from a live replica, which evaluated it)")
+        self.events.emit("driving", round=self.clock.current, evaluated_at_start=self.evaluate_at_start)
         await self.driver.run(self.stop_training)
 
     async def after_round(self) -> None:

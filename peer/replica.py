@@ -174,6 +174,8 @@ class Replica:
 
         await presence.announce()
         await sync.join()
+        if self.driving is not None:
+            self.driving.evaluate_at_start = not sync.from_replica
         await worker.run(state.commit, clock.current)
         contract = StageContract(stage=stage, n_stages=n_stages, max_batch=m.inner.microbatch_size,
                                  input_spec=lambda b: ctx.model.input_spec(stage, b),

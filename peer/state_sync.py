@@ -141,6 +141,9 @@ class StateSync:
         """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
         self.serving = False
         """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
+        self.from_replica = False
+        """`join` took the state a live replica holds (a download, or this peer's backup with the
+        majority's digest), not the seed or a restore: its donors have evaluated that θ already."""
         self._settled = asyncio.Event()
         """Clear while an overlapped round averages in the background (the worker trains meanwhile,
         so `paused` does not say it): a joiner must not take the state that round replaces."""
@@ -221,6 +224,7 @@ class StateSync:
             if await self.join_local(records):
                 await self.worker.run(self.state.copy_to, self.worker.module)
                 self.progress.expect_group(1 + len(donors))
+                self.from_replica = True
                 return
             # two donors at once when there are two; else each in turn
             source = await self._download_any(donors)
@@ -234,6 +238,7 @@ class StateSync:
                     source = await self._download_any(newer) or source  # failed: keep the one we have
                 await self.worker.run(self.state.copy_to, self.worker.module)
                 self.progress.expect_group(1 + len(donors))
+                self.from_replica = True
                 self.events.emit("state_loaded", source=source, round=self.clock.current,
                                  applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                                  trained_samples=self.state.trained_samples)

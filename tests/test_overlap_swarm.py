@@ -49,6 +49,12 @@ def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_
     assert loaded[0]["digest"] in old
     joined = [e for e in joiner.events("round") if e["complete"] and e["group_size"] >= 2]
     assert joined, history
+    # the first replica scores the seed before it trains; the joiner does not score again the θ its
+    # donors scored: it drives at once (its first evaluation comes with a round)
+    assert first.events("driving")[0]["evaluated_at_start"] is True
+    assert joiner.events("driving")[0]["evaluated_at_start"] is False
+    first_round = joiner.events("round")[0]["time"]
+    assert not [e for e in joiner.events("eval") if e["time"] < first_round], joiner.events("eval")
     # SwarmAdamW's M: the size of the replica's last complete group (its first guess: the stage's
     # ONLINE replicas), so after a round of three every member corrects for three
     for peer in swarm.peers:
