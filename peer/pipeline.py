@@ -37,8 +37,8 @@ from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError, status_name
 from swarmgrad.protocol.responses import validate_forward_response
-from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_to_proto, envelope, raw_from_tensor,
-                                           validate_commit, validate_forward)
+from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_to_proto, envelope, narrow_integers,
+                                           raw_from_tensor, validate_commit, validate_forward)
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Downstream:
         activations = encoded if encoded is not None else await self.encode(output)
         request = pb.ForwardRequest(
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
-            activations=activations, targets=raw_from_tensor(targets), deadline=deadline, eval_only=eval_only,
+            activations=activations, targets=raw_from_tensor(narrow_integers(targets)), deadline=deadline, eval_only=eval_only,
             round=round)
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:

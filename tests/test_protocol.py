@@ -28,6 +28,7 @@ from swarmgrad.protocol.validation import (
     encoded_from_proto,
     encoded_to_proto,
     envelope,
+    narrow_integers,
     raw_from_tensor,
     raw_to_tensor,
     validate_average,
@@ -163,7 +164,6 @@ FORWARD_REFUSALS = [
     ("scalar activations", dict(activations=fp16_proto(torch.zeros(()))), pb.BAD_REQUEST, "batch of 0"),
     ("batch over max", dict(activations=fp16_proto(activations(MAX_BATCH + 1)),
                             targets=raw_from_tensor(targets(MAX_BATCH + 1))), pb.BAD_REQUEST, "batch of 5"),
-    ("targets int32", dict(targets=raw_from_tensor(targets(2).int())), pb.BAD_REQUEST, "torch.int32"),
     ("targets float32", dict(targets=raw_from_tensor(targets(2).float())), pb.BAD_REQUEST, "torch.float32"),
     ("targets wrong shape", dict(targets=raw_from_tensor(targets(2)[:, :-1])), pb.BAD_REQUEST, "targets: [2, 15]"),
     ("targets too many rows", dict(targets=raw_from_tensor(targets(3))), pb.BAD_REQUEST, "targets: [3, 16]"),
@@ -224,6 +224,50 @@ def test_stage_zero_takes_no_forward_requests() -> None:
     req = forward_request(envelope=envelope(IDENTITY, 0))
     err = refused(validate_forward, req, IDENTITY, contract, MAX_NUMEL)
     assert err.status == pb.WRONG_STAGE and "stage 0" in err.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_narrowed_targets_are_widened_to_the_spec(dtype: torch.dtype) -> None:
+    t = targets(2)
+    out = validate_forward(forward_request(targets=raw_from_tensor(t.to(dtype))), IDENTITY, CONTRACT, MAX_NUMEL)
+    assert out.targets.dtype == torch.int64 and torch.equal(out.targets, t)
+
+
+def test_narrowed_targets_are_still_range_checked() -> None:
+    contract = StageContract(stage=1, n_stages=2, max_batch=4, input_spec=input_spec, targets_spec=targets_spec,
+                             vocab_size=100)
+    t = targets(2).clamp(max=99).to(torch.uint8)
+    t[0, 0] = 200
+    err = refused(validate_forward, forward_request(targets=raw_from_tensor(t)), IDENTITY, contract, MAX_NUMEL)
+    assert err.status == pb.BAD_REQUEST and "outside [0, 100)" in err.reason
+
+
+def test_integer_targets_are_not_narrowed_into_a_float_spec() -> None:
+    float_spec = lambda b: ((b, SEQ), torch.float32)  # noqa: E731
+    contract = StageContract(stage=1, n_stages=2, max_batch=4, input_spec=input_spec, targets_spec=float_spec)
+    err = refused(validate_forward, forward_request(targets=raw_from_tensor(targets(2).to(torch.uint8))),
+                  IDENTITY, contract, MAX_NUMEL)
+    assert err.status == pb.BAD_REQUEST and "torch.float32" in err.reason
+
+
+@pytest.mark.parametrize("values, dtype", [
+    ([0, 255], torch.uint8), ([-1, 5], torch.int32), ([0, 256], torch.int32),
+    ([-2**31, 2**31 - 1], torch.int32), ([0, 2**31], torch.int64), ([-2**31 - 1, 0], torch.int64),
+])
+def test_narrow_integers_picks_the_narrowest_dtype_that_holds_the_values(values: list[int], dtype: torch.dtype) -> None:
+    t = torch.tensor(values, dtype=torch.int64)
+    narrow = narrow_integers(t)
+    assert narrow.dtype == dtype and torch.equal(narrow.long(), t)
+
+
+def test_narrow_integers_leaves_floats_and_empty_tensors() -> None:
+    for t in (torch.tensor([1.5, 2.0]), torch.zeros(0, dtype=torch.int64), torch.tensor([1, 2], dtype=torch.uint8)):
+        assert narrow_integers(t) is t
+
+
+def test_byte_targets_cost_one_byte_each_on_the_wire() -> None:
+    t = targets(4)
+    assert len(raw_from_tensor(narrow_integers(t)).data) == t.numel()
 
 
 def test_vocab_unset_skips_range_check() -> None:
