@@ -10,7 +10,9 @@ gradient that stage 1 sends back through ``bwd.encode`` -> ``decode``, exactly t
 swarm makes, and nothing else differs. Every pair starts from the same weights and sees the
 same batches, so the val bits/byte column differs only by what the codecs did (plus chaotic
 divergence of training: any perturbation, even fp16's, moves the result by ~0.2%;
-``--noise-seeds N`` adds fp32 rows with other seeds for the seed-to-seed spread).
+``--noise-seeds N`` adds fp32 rows with other seeds for the seed-to-seed spread; ``--seeds 0 1 2``
+trains every pair with each seed, weights, batches and rounding alike, and compares each run with
+the fp32/fp32 run of its own seed, so a gap near a threshold can be told from that spread).
 
 A full run takes ~3 min per pair on one idle core (300 steps of 32); ``--cache-dir`` keeps
 each pair's result, so a table can be assembled from runs made at different times.
@@ -173,13 +175,24 @@ def cached_train_pair(pair: str, args: argparse.Namespace, data: tuple, seed: in
     return result
 
 
+def fp32_of(results: list[Result], seed: int) -> float:
+    return next((r.val_bpb for r in results if r.fwd == "fp32" and r.bwd == "fp32" and r.seed == seed), math.nan)
+
+
+def gap_pct(r: Result, results: list[Result]) -> float:
+    """`r`'s val bits/byte against the fp32/fp32 run of the same seed (the noise-seed rows: seed 0's)."""
+    base = fp32_of(results, r.seed)
+    if r.fwd == "fp32" and r.bwd == "fp32":
+        base = fp32_of(results, 0)
+    return 100 * (r.val_bpb - base) / base
+
+
 def print_table(results: list[Result], fp32_bytes: float) -> None:
-    base = next((r.val_bpb for r in results if r.fwd == "fp32" and r.bwd == "fp32" and r.seed == 0), math.nan)
     print("| codec fwd | codec bwd | seed | val bits/byte | gap vs fp32 | bytes/sample | ratio vs fp32 "
           "| fwd rel err | bwd rel err | bwd cos | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        gap = 100 * (r.val_bpb - base) / base
+        gap = gap_pct(r, results)
         print(f"| {r.fwd} | {r.bwd} | {r.seed} | {r.val_bpb:.4f} | {gap:+.2f}% | {r.bytes_per_sample:,.0f} "
               f"| {fp32_bytes / r.bytes_per_sample:.1f}x | {r.fwd_err:.4f} | {r.bwd_err:.4f} | {r.bwd_cos:.5f} "
               f"| {r.seconds:.0f} |")
@@ -195,6 +208,8 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--pairs", nargs="+", default=None, help='"FWD/BWD" codec spec pairs')
     parser.add_argument("--noise-seeds", type=int, default=0, help="extra fp32/fp32 runs with other seeds")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="train every pair with each of these seeds (fp32/fp32 too, for the paired gaps)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default="", help="reuse results of runs with the same settings from here")
     args = parser.parse_args()
@@ -207,13 +222,24 @@ def main() -> None:
     schedule = "constant lr" if args.constant_lr else f"warmup {args.warmup} + cosine"
     print(f"# {args.steps} steps x batch {args.batch} (seq 128), {schedule}, "
           f"val {args.val_batches}x32 sequences; train corpus {len(train):,} bytes")
+    if len(args.seeds) > 1 or args.seeds != [0]:
+        pairs = list(dict.fromkeys(["fp32/fp32", *pairs]))
     results = []
-    for pair in pairs:
-        results.append(cached_train_pair(pair, args, data))
-        print(f"#   {pair}: {results[-1].val_bpb:.4f} bits/byte ({results[-1].seconds:.0f} s)", flush=True)
+    for seed in args.seeds:
+        for pair in pairs:
+            results.append(cached_train_pair(pair, args, data, seed=seed))
+            print(f"#   {pair} (seed {seed}): {results[-1].val_bpb:.4f} bits/byte ({results[-1].seconds:.0f} s)", flush=True)
     for seed in range(1, args.noise_seeds + 1):
-        results.append(cached_train_pair("fp32/fp32", args, data, seed=seed))
+        if seed not in args.seeds:
+            results.append(cached_train_pair("fp32/fp32", args, data, seed=seed))
     print_table(results, fp32_bytes=2 * 4 * 128 * 128)
+    if len(args.seeds) > 1:
+        print("\n| codec fwd | codec bwd | seeds | mean gap vs fp32 of the same seed | min | max |")
+        print("|---|---|---|---|---|---|")
+        for pair in pairs[1:]:
+            gaps = [gap_pct(r, results) for r in results if f"{r.fwd}/{r.bwd}" == pair and r.seed in args.seeds]
+            print(f"| {pair.split('/')[0]} | {pair.split('/')[1]} | {len(gaps)} | {sum(gaps) / len(gaps):+.2f}% "
+                  f"| {min(gaps):+.2f}% | {max(gaps):+.2f}% |")
 
 
 if __name__ == "__main__":
