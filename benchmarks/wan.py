@@ -23,7 +23,7 @@ issue's 1.2x goal); with `--repeats N` the list runs N times, one pass after ano
 system and link gives the median ratio over the passes (this machine's speed drifts by more than
 the goal's margin within an hour, so only runs next to each other compare).
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
-2 microbatches of 32 per step, `--pipe-microbatches 16` for 16 of 4; fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
+8 microbatches of 8 per step, `--pipe-microbatches 2` for 2 of 32; fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
 codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
 than fp32), swarmgrad-pipe-la (swarmgrad-pipe with `pipeline.lookahead`: the next step's microbatches
 go out while this one drains, one step stale), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync,
@@ -79,9 +79,11 @@ class Budget:
     """Sequences per peer per step (2 peers: a global batch of 64)."""
     inner_steps: int = 50
     """swarmgrad's H and hm-local's steps between averages."""
-    pipe_microbatches: int = 2
+    pipe_microbatches: int = 8
     """Microbatches per step of the pipelines' one driver (each step is the global batch): more,
-    smaller ones shorten each step's fill and drain, at more messages and smaller matmuls."""
+    smaller ones shorten each step's fill and drain, at more messages and smaller matmuls. 8 x 8
+    reached 2.7 over 20 Mbit first with compressed boundaries and in 0.70x 2 x 32's time with fp16
+    (16 x 4 was faster still for fp16, slower for compressed; README, "Does the pipeline fill its link?")."""
     ckpt_every: int = 50
     """Baselines: steps between saved weights (each costs a scoring pass afterwards)."""
     timeout_s: float = 1500.0
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the manifest swarmgrad runs (default {REFERENCE.relative_to(HERE.parent)}), e.g. another codec")
     p.add_argument("--inner-steps", type=int, default=None, help="H, and hm-local's steps between averages (default 50)")
     p.add_argument("--pipe-microbatches", type=int, default=None,
-                   help="microbatches per step of the pipelines (default 2: 2 x 32; 16: 16 x 4)")
+                   help="microbatches per step of the pipelines (default 8: 8 x 8; 2: 2 x 32; 16: 16 x 4)")
     args = p.parse_args(argv)
     batch = Budget().global_batch
     if args.pipe_microbatches is not None and (args.pipe_microbatches < 1 or batch % args.pipe_microbatches):

@@ -146,3 +146,19 @@ def test_ratios_compare_each_run_with_unshaped_ddp_of_its_own_pass() -> None:
     assert cells[0] == ["pass", "system", "link"] and ["2", "swarmgrad", "20mbit"] in cells
     assert "1.30" in [c.strip() for c in text.splitlines()[4].split("|")]  # pass 2's swarmgrad row
     assert "within 1.2x in 1 of 2" in text
+
+
+@pytest.mark.parametrize("k", [None, 2, 16])
+def test_pipelines_split_each_step_of_the_global_batch_into_the_chosen_microbatches(tmp_path: Path, k: int | None) -> None:
+    import types
+
+    import wan
+    budget = wan.Budget() if k is None else wan.Budget(pipe_microbatches=k)
+    task = types.SimpleNamespace(train_dir=tmp_path)
+    for system in wan.PIPELINES:
+        m = wan.manifest_for(system, budget, task)
+        want = k or 8  # the default: 8 x 8 filled the link or the compute best (README)
+        assert m.stages.count == 2
+        assert (m.inner.microbatches_per_step, m.inner.microbatch_size) == (want, budget.global_batch // want)
+        assert m.pipeline.max_in_flight == max(4, want)
+        assert m.pipeline.lookahead == (system == "swarmgrad-pipe-la")
