@@ -23,7 +23,7 @@ issue's 1.2x goal); with `--repeats N` the list runs N times, one pass after ano
 system and link gives the median ratio over the passes (this machine's speed drifts by more than
 the goal's margin within an hour, so only runs next to each other compare).
 Systems: swarmgrad (2 peers, whole model), swarmgrad-pipe (2 stages, one peer each, one driver with
-8 microbatches of 8 per step, `--pipe-microbatches 2` for 2 of 32; fp16 boundaries), swarmgrad-pipe-c (the same with the demo's boundary
+8 microbatches of 8 per step, `--pipe-microbatches 2` for 2 of 32; fp16 boundaries), swarmgrad-pipe-c (the same with the demo manifest's boundary
 codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=true`, ~10x fewer bytes
 than fp32), swarmgrad-pipe-la (swarmgrad-pipe with `pipeline.lookahead`: the next step's microbatches
 go out while this one drains, one step stale), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync,
@@ -53,7 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
-from _common import fmt, markdown_table  # noqa: E402
+from _common import DEFAULT_MANIFEST, fmt, markdown_table  # noqa: E402
 from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root  # noqa: E402
 from swarmgrad.peer.launcher import PeerProcess  # noqa: E402
 from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
@@ -65,7 +65,9 @@ REFERENCE = HERE.parent / "examples" / "reference.toml"
 SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la", "swarmgrad-2x2")
 PIPELINES = ("swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la")
 """The systems with one peer per stage (one driver, nothing to average)."""
-COMPRESSED_BOUNDARY = {"activation_codec": "lowrank:rank=32", "gradient_codec": "hadamard:bits=4,stochastic=true"}
+_DEMO_PIPELINE = load(DEFAULT_MANIFEST).pipeline
+COMPRESSED_BOUNDARY = {"activation_codec": _DEMO_PIPELINE.activation_codec, "gradient_codec": _DEMO_PIPELINE.gradient_codec}
+"""swarmgrad-pipe-c's boundary codecs: the demo manifest's (peer/defaults/tiny-gpt.toml), so the two cannot drift apart."""
 BASELINES = ("ddp", "hm-sync", "hm-local")
 SYSTEMS = SWARMGRAD + BASELINES
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
