@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from swarmgrad.peer.cli_peer import remove_dead_sockets
 from swarmgrad.peer.launcher import PrivateSwarm
 from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
@@ -80,12 +81,14 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
     finally:
         await p2p.shutdown()
     # the DHT: an outsider's node cannot join, and what it stores reaches nobody
+    began = time.time()
     try:
         dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30)
         results["dht_join"] = "joined"
         dht.shutdown()
     except Exception as e:
         results["dht_join"] = f"refused: {type(e).__name__}"
+        remove_dead_sockets(began)  # the refused node's p2pd left its socket in /tmp (as a peer's would)
     key = Ed25519PrivateKey.generate()
     with ephemeral_key_file(key) as (path, _):
         dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30,
