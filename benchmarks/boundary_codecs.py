@@ -222,7 +222,7 @@ def main() -> None:
     schedule = "constant lr" if args.constant_lr else f"warmup {args.warmup} + cosine"
     print(f"# {args.steps} steps x batch {args.batch} (seq 128), {schedule}, "
           f"val {args.val_batches}x32 sequences; train corpus {len(train):,} bytes")
-    if len(args.seeds) > 1 or args.seeds != [0]:
+    if args.seeds != [0]:
         pairs = list(dict.fromkeys(["fp32/fp32", *pairs]))
     results = []
     for seed in args.seeds:

@@ -133,7 +133,8 @@ def decode_tensor(msg: pb.EncodedTensor, max_numel: int, what: str = "tensor",
     return tensor
 
 
-_NARROW = ((torch.uint8, 0, 255), (torch.int32, -2**31, 2**31 - 1))
+_NARROW = (torch.uint8, torch.int32)
+"""RAW_DTYPES' integer dtypes narrower than int64, narrowest first."""
 
 
 def narrow_integers(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,8 @@ def narrow_integers(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_floating_point() or tensor.dtype in (torch.uint8, torch.bool) or not tensor.numel():
         return tensor
     low, high = int(tensor.min()), int(tensor.max())
-    for dtype, lo, hi in _NARROW:
-        if lo <= low and high <= hi:
+    for dtype in _NARROW:
+        if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
             return tensor.to(dtype)
     return tensor
 
