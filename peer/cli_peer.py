@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
@@ -56,36 +55,9 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
     """`_start_dht`, tried again for up to `bootstrap_wait` seconds while none of `initial_peers`
     answers (`start_dht_waiting`)."""
     def attempt():  # type: ignore[no-untyped-def]
-        began = time.time()
-        try:
-            return _start_dht(initial_peers, host_maddrs, announce_maddrs, identity, timeout,
-                              key=key, authorizer=authorizer, network=network)
-        except Exception:
-            remove_dead_sockets(began)
-            raise
+        return _start_dht(initial_peers, host_maddrs, announce_maddrs, identity, timeout,
+                          key=key, authorizer=authorizer, network=network)
     return start_dht_waiting(attempt, initial_peers, bootstrap_wait)
-
-
-def remove_dead_sockets(since: float, folder: Path = Path("/tmp")) -> list[Path]:
-    """Unlink hivemind's unix sockets made since `since` that nobody listens on: a p2pd that failed
-    to start (no initial peer answered) leaves its socket behind, one per attempt. A socket file
-    exists only once its owner listens, so a refused connection means the owner is gone."""
-    import socket
-    removed = []
-    for path in folder.glob("hivemind-p2p*.sock"):
-        try:
-            if path.stat().st_mtime < since - 1.0:
-                continue
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                probe.connect(str(path))
-        except ConnectionRefusedError:
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path)
-        except OSError:
-            continue  # gone already, or busy: not ours to judge
-    return removed
 
 
 def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],

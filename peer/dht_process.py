@@ -23,9 +23,11 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -62,7 +64,15 @@ class PeerDHT(DHT):
             os.setpgid(0, 0)
         signal.signal(signal.SIGTERM, _stop_descendants_and_exit)
         _watch_parent(self._owner_pid, self._owner_is_main_thread)
-        super().run()
+        began = time.time()
+        try:
+            super().run()
+        finally:
+            if getattr(self, "_node", None) is None:
+                # the start failed (no initial peer answered): hivemind returns here without
+                # stopping its p2pd, which dies soon after and leaves its control socket in /tmp
+                _kill_all(psutil.Process().children(recursive=True), grace=CHILDREN_GRACE_S, term_first=True)
+                remove_dead_sockets(began)
 
     # the peer's process -------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,16 +93,27 @@ class PeerDHT(DHT):
             logger.warning("the DHT process did not stop within %.0fs of shutdown; killing it", STOP_GRACE_S)
             self.kill()
             self.join(STOP_GRACE_S)
-        _kill_all(descendants, grace=CHILDREN_GRACE_S)  # p2pd got SIGTERM from it or from hivemind
+        _end_daemons(descendants, grace=CHILDREN_GRACE_S)  # p2pd got SIGTERM from it or from hivemind
 
 
 def start_dht_process(**kwargs: Any) -> PeerDHT:
     """`hivemind.DHT(**kwargs)` in its own process group, started and ready (same errors as
     hivemind's: P2PDaemonError, a failed bootstrap). Call it before torch starts threads (hivemind
     forks), from the main thread: the process then learns of the caller's death at once
-    (PR_SET_PDEATHSIG); from another thread, within `PARENT_POLL_S`."""
-    kwargs.setdefault("start", True)
-    return PeerDHT(**kwargs)
+    (PR_SET_PDEATHSIG); from another thread, within `PARENT_POLL_S`. When the start fails, the
+    error is raised once the process has stopped its p2pd and removed the daemon's socket."""
+    start = kwargs.pop("start", True)
+    dht = PeerDHT(start=False, **kwargs)
+    if start:
+        try:
+            dht.run_in_background(await_ready=kwargs.get("await_ready", True))
+        except BaseException:
+            dht.join(2 * CHILDREN_GRACE_S + STOP_GRACE_S)
+            if dht.exitcode is None:
+                dht.kill()
+                dht.join(STOP_GRACE_S)
+            raise
+    return dht
 
 
 # helpers (the DHT's process) --------------------------------------------------------------------
@@ -123,12 +144,47 @@ def _stop_descendants_and_exit(signum: int, frame: object) -> None:
     control socket), what is left after `CHILDREN_GRACE_S` SIGKILL; then exit."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        _kill_all(psutil.Process().children(recursive=True), grace=CHILDREN_GRACE_S, term_first=True)
+        _end_daemons(psutil.Process().children(recursive=True), grace=CHILDREN_GRACE_S)
     finally:
         os._exit(128 + signum)
 
 
 # helpers (either process) -----------------------------------------------------------------------
+def _end_daemons(procs: list, grace: float) -> None:
+    """`_kill_all(procs)` with SIGTERM first, then unlink the control sockets of the p2pd daemons
+    among them: p2pd removes its own on SIGTERM, not when SIGKILLed or when it dies orphaned."""
+    sockets = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            sockets += [a.removeprefix("-listen=/unix") for a in p.cmdline() if a.startswith("-listen=/unix/")]
+    _kill_all(procs, grace=grace, term_first=True)
+    for path in sockets:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def remove_dead_sockets(since: float, folder: Path = Path("/tmp")) -> list[Path]:
+    """Unlink the p2pd control sockets made since `since` that nobody listens on (hivemind puts
+    them in /tmp whatever TMPDIR says). Go's listener binds and listens in one call, so a refused
+    connection means the daemon is gone; a live daemon takes the probe's empty connection quietly.
+    Never hivemind's client sockets: each connection to one is an incoming stream to a peer."""
+    removed = []
+    for path in folder.glob("hivemind-p2pd-*.sock"):
+        try:
+            if path.stat().st_mtime < since - 1.0:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(str(path))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue  # gone already, or busy: not ours to judge
+    return removed
+
+
 def _descendants(pid: int) -> list:
     try:
         return psutil.Process(pid).children(recursive=True)

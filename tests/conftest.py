@@ -1,13 +1,19 @@
 """Shared fixtures. Swarm tests start real peer processes (each with its DHT child and p2pd) on
-127.0.0.1 port 0; `local_swarm` always tears them down, by process group, whatever the test did."""
+127.0.0.1 port 0; `local_swarm` always tears them down, by process group, whatever the test did.
+
+hivemind puts p2pd's control sockets in /tmp whatever TMPDIR says, and a p2pd that dies without
+stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those it left and the
+run's summary names the test, so a leak is seen and found rather than piling up on the machine."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
+from swarmgrad.peer.dht_process import remove_dead_sockets
 from swarmgrad.peer.launcher import LocalSwarm, small_manifest  # noqa: F401  (tests import it from here)
 from swarmgrad.peer.manifest import Manifest, dumps
 
@@ -29,3 +35,32 @@ def local_swarm(tmp_path: Path) -> Iterator[Callable[[Manifest], LocalSwarm]]:
     yield make
     for swarm in swarms:
         swarm.close(grace=10.0)
+
+
+_LEFT = pytest.StashKey[list]()  # (test id, socket names) per test that left sockets
+_BEGAN = pytest.StashKey[float]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_LEFT] = []
+    config.stash[_BEGAN] = time.time()
+
+
+@pytest.fixture(autouse=True)
+def _hivemind_sockets_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    began = time.time()
+    yield
+    left = remove_dead_sockets(began)
+    if left:
+        request.config.stash[_LEFT].append((request.node.nodeid, [p.name for p in left]))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    left = config.stash[_LEFT]
+    late = remove_dead_sockets(config.stash[_BEGAN])  # owners that died after their test ended
+    if late:
+        left.append(("(found at the end of the run)", [p.name for p in late]))
+    if left:
+        terminalreporter.section("hivemind sockets left in /tmp (removed)")
+        for nodeid, names in left:
+            terminalreporter.write_line(f"{nodeid}: {', '.join(names)}")

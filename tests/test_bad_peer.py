@@ -9,6 +9,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
+from swarmgrad.peer.dht_process import start_dht_process
 from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import encoded_to_proto, raw_from_tensor
@@ -18,8 +19,6 @@ from conftest import small_manifest
 
 @pytest.mark.timeout(180)
 def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
-    import hivemind
-
     m = small_manifest()
     swarm = local_swarm(m)
     driver = swarm.start_first(0)
@@ -61,7 +60,7 @@ def test_stage_refuses_garbage_and_keeps_training(local_swarm) -> None:
     }
 
     async def probe() -> dict[str, pb.ForwardResponse]:
-        dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True)
+        dht = start_dht_process(initial_peers=swarm.initial_peers, client_mode=True)
         try:
             p2p = await dht.replicate_p2p()
             rpc = FramedRPC(p2p, stage_namespace(m.run_id, 1), Traffic(), max_message_bytes=1 << 20)

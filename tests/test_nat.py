@@ -269,16 +269,16 @@ def test_a_client_mode_dht_that_forgot_its_peers_is_put_back() -> None:
     import asyncio
     import functools
 
-    from hivemind import DHT
     from hivemind.utils import get_dht_time
 
+    from swarmgrad.peer.dht_process import start_dht_process
     from swarmgrad.peer.dial_out import DialOut, keep_in_routing_table
 
-    public = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    public = start_dht_process(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     natted = None
     try:
-        natted = DHT(start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                     initial_peers=[str(a) for a in public.get_visible_maddrs()])
+        natted = start_dht_process(client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                   initial_peers=[str(a) for a in public.get_visible_maddrs()])
         assert public.store("k", "v", get_dht_time() + 60)
         assert natted.get("k", latest=True).value == "v"
         assert natted.run_coroutine(_forget_every_peer) == 0

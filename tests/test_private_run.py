@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmgrad.peer.cli_peer import remove_dead_sockets
+from swarmgrad.peer.dht_process import start_dht_process
 from swarmgrad.peer.launcher import PrivateSwarm
 from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
@@ -50,7 +50,6 @@ def _requests(m, stage: int) -> dict[str, tuple[object, type]]:
 
 async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_maddrs: list[str]) -> dict:
     """Everything an outsider without a certificate can try, with every address in hand."""
-    import hivemind
     from hivemind.p2p import P2P
 
     from swarmgrad.peer.identity import ephemeral_key_file
@@ -81,19 +80,17 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
     finally:
         await p2p.shutdown()
     # the DHT: an outsider's node cannot join, and what it stores reaches nobody
-    began = time.time()
-    try:
-        dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30)
+    try:  # (start_dht_process: its DHT process cleans up after a refused start, as a peer's does)
+        dht = start_dht_process(initial_peers=coordinator_maddrs, startup_timeout=30)
         results["dht_join"] = "joined"
         dht.shutdown()
     except Exception as e:
         results["dht_join"] = f"refused: {type(e).__name__}"
-        remove_dead_sockets(began)  # the refused node's p2pd left its socket in /tmp (as a peer's would)
     key = Ed25519PrivateKey.generate()
     with ephemeral_key_file(key) as (path, _):
-        dht = hivemind.DHT(initial_peers=coordinator_maddrs, start=True, startup_timeout=30,
-                           ensure_bootstrap_success=False, identity_path=str(path), check_if_identity_free=False,
-                           record_validators=[SignedRecordValidator(key)])
+        dht = start_dht_process(initial_peers=coordinator_maddrs, startup_timeout=30,
+                                ensure_bootstrap_success=False, identity_path=str(path), check_if_identity_free=False,
+                                record_validators=[SignedRecordValidator(key)])
     try:
         record = PeerRecord(peer_id=str(dht.peer_id), stage=0, state="online", throughput=1e5, round=999,
                             applied_rounds=999, digest="evil", manifest_hash=m.hash, driver=True)
@@ -109,8 +106,6 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
 async def _admitted_caller_until_revoked(swarm: PrivateSwarm, m, target: str, heartbeat: float) -> dict:
     """An admitted peer (this test process) calls a replica; it is revoked; how long until the
     replica refuses it?"""
-    import hivemind
-
     from swarmgrad.peer.identity import ephemeral_key_file, peer_id_of
     from swarmgrad.peer.private import join
     from swarmgrad.peer.record_signing import SignedRecordValidator
@@ -119,9 +114,9 @@ async def _admitted_caller_until_revoked(swarm: PrivateSwarm, m, target: str, he
     loop = asyncio.get_running_loop()
     private = await loop.run_in_executor(None, lambda: join(key, invitation=swarm.invite()))
     with ephemeral_key_file(key) as (path, _):
-        dht = hivemind.DHT(initial_peers=swarm.coordinator_maddrs, start=True, startup_timeout=30,
-                           identity_path=str(path), check_if_identity_free=False,
-                           record_validators=[SignedRecordValidator(key)], authorizer=private.authorizer())
+        dht = start_dht_process(initial_peers=swarm.coordinator_maddrs, startup_timeout=30,
+                                identity_path=str(path), check_if_identity_free=False,
+                                record_validators=[SignedRecordValidator(key)], authorizer=private.authorizer())
     try:
         admission = private.admission(dht)
         await admission.step()  # publish our certificate

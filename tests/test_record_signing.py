@@ -217,10 +217,10 @@ def honest_record(peer_id: str, stage: int = 0, throughput: float = 3.0) -> Peer
 
 @pytest.mark.timeout(90)
 def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from hivemind import DHT
     from hivemind.utils import get_dht_time
 
     from swarmgrad.peer.cli_peer import start_dht
+    from swarmgrad.peer.dht_process import start_dht_process
     from swarmgrad.peer.status import print_status
     run = "forge-run"
     loopback = ["/ip4/127.0.0.1/tcp/0"]
@@ -235,8 +235,8 @@ def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.
         epoch_key_id = DHTID.generate(source=f"{run}/epoch").to_bytes()
         forger_key = Ed25519PrivateKey.generate()
         write_key_file(tmp_path / "f.key", forger_key)  # the forger's own signatures are its peer id's
-        f = DHT(initial_peers=maddrs, host_maddrs=loopback, start=True, identity_path=str(tmp_path / "f.key"),
-                check_if_identity_free=False, record_validators=[ForgingValidator(forger_key, {epoch_key_id})])
+        f = start_dht_process(initial_peers=maddrs, host_maddrs=loopback, identity_path=str(tmp_path / "f.key"),
+                              check_if_identity_free=False, record_validators=[ForgingValidator(forger_key, {epoch_key_id})])
         dhts.append(f)
         id_a, id_b, id_f = str(a.peer_id), str(b.peer_id), str(f.peer_id)
 
