@@ -131,6 +131,7 @@ class Replica:
                                            commit_timeout=t.commit)
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
+        worker.eval_weights = lambda: state.snapshot.params if state.snapshot is not None else None
         # a request must arrive whole within a microbatch's deadline; each remote peer may hold a
         # driver's in-flight window plus its averaging and state streams open at once
         limits = dict(read_timeout=t.microbatch, max_streams_per_peer=max(8, 2 * m.pipeline.max_in_flight + 4),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,13 @@ class StageWorker(CommitOnAck):
         ever, never reset: the round runner turns its growth over a round into the round's utilisation,
         the driver its growth over a report window into its compute utilisation (peer/window.py)."""
         self._rebase: Callable[[], None] | None = None
+        self.eval_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None
+        """Where evaluations (train=False) take their weights. The replica points it at θ_global's
+        committed snapshot, so a validation loss scores the model the stage group agreed on at its
+        last round boundary on every stage, not θ_local part-way through inner steps, which other
+        drivers' microbatches keep moving while an evaluation passes through. None: the module's."""
+        self._eval_module: nn.Module | None = None
+        self._eval_source: dict[str, torch.Tensor] | None = None
         self.skipped_steps = 0
         """Inner steps skipped because a gradient was not finite (reported in round events)."""
         self._held = HeldGradients(commit_timeout, self._expired)
@@ -266,7 +274,28 @@ class StageWorker(CommitOnAck):
         with torch.set_grad_enabled(train):
             if slot.stash is not None:
                 return x, self.lookahead.forward(slot.stash, x)
+            if not train and (evaluated := self._eval_module_now()) is not None:
+                return x, evaluated(x)
             return x, self.module(x)
+
+    def _eval_module_now(self) -> nn.Module | None:
+        """A copy of the module holding `eval_weights`, refreshed once per snapshot (compute
+        thread). A copy rather than `functional_call` on the module: that swaps the module's own
+        parameters for the call's duration, and the event loop reads them meanwhile (a lookahead
+        stash, a pseudo-gradient)."""
+        source = self.eval_weights() if self.eval_weights is not None else None
+        if source is None:
+            return None
+        if self._eval_module is None:
+            self._eval_module = copy.deepcopy(self.module).requires_grad_(False)
+            for p in self._eval_module.parameters():
+                p.grad = None
+        if self._eval_source is not source:
+            with torch.no_grad():
+                for name, p in self._eval_module.named_parameters():
+                    p.copy_(source[name])
+            self._eval_source = source
+        return self._eval_module
 
     async def forward(self, x: torch.Tensor, train: bool = True, slot: Slot = PLAIN
                       ) -> tuple[torch.Tensor, torch.Tensor]:

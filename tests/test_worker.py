@@ -157,3 +157,34 @@ def test_a_closed_worker_refuses_work_that_arrives_late() -> None:
             await w.forward_loss(x, t, False)
         assert refused.value.status == pb.NOT_READY and "stopping" in refused.value.reason
     asyncio.run(main())
+
+
+def test_evaluations_score_the_committed_snapshot_while_training_moves_the_live_weights() -> None:
+    from swarmgrad.peer.manifest import OuterOptConfig
+    from swarmgrad.peer.state import StageState
+
+    async def main() -> None:
+        w = make_worker(loss=True)
+        state = StageState(w.module, OuterOptConfig())
+        w.eval_weights = lambda: state.snapshot.params
+        x, t = torch.randn(3, 4), torch.randn(3, 4)
+        theta0 = nn.functional.mse_loss(w.module(x), t).item()
+        for _ in range(2):
+            async with w.admitted(wait=False):
+                await w.forward_loss(x, t)
+        assert await w.maybe_step()  # θ_local moved; nothing committed since
+        live = nn.functional.mse_loss(w.module(x), t).item()
+        assert live != theta0
+        assert (await w.forward_loss(x, t, train=False))[0] == theta0
+        _, y = await w.forward(x, train=False)
+        assert torch.equal(y, torch.func.functional_call(w.module, state.snapshot.params, (x,)))
+        assert all(p.requires_grad for p in w.module.parameters())  # the module's own are untouched
+        with torch.no_grad():  # a round boundary: θ_global takes the trained weights and commits
+            for name, p in w.module.named_parameters():
+                state.params[name].copy_(p)
+        state.commit(1)
+        assert (await w.forward_loss(x, t, train=False))[0] == live
+        w.eval_weights = None  # no source: the module's own weights
+        assert (await w.forward_loss(x, t, train=False))[0] == live
+        w.close()
+    asyncio.run(main())
