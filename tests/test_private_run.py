@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmgrad.peer.dht_process import start_dht_process
+from swarmgrad.peer.dht_process import remove_dead_sockets, start_dht_process
 from swarmgrad.peer.launcher import PrivateSwarm
 from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
@@ -80,12 +80,15 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
     finally:
         await p2p.shutdown()
     # the DHT: an outsider's node cannot join, and what it stores reaches nobody
-    try:  # (start_dht_process: its DHT process cleans up after a refused start, as a peer's does)
+    began = time.time()
+    try:
         dht = start_dht_process(initial_peers=coordinator_maddrs, startup_timeout=30)
         results["dht_join"] = "joined"
         dht.shutdown()
     except Exception as e:
         results["dht_join"] = f"refused: {type(e).__name__}"
+    # a refused start stops its p2pd before the error is raised: no dead socket left in /tmp
+    results["sockets_left"] = [p.name for p in remove_dead_sockets(began)]
     key = Ed25519PrivateKey.generate()
     with ephemeral_key_file(key) as (path, _):
         dht = start_dht_process(initial_peers=coordinator_maddrs, startup_timeout=30,
@@ -173,6 +176,7 @@ def test_private_run(tmp_path: Path) -> None:
         assert kinds == {"forward", "commit", "average", "state", "put", "get"}, kinds
         assert all(status == "UNAUTHORIZED" for _, status in outsider["refused"]), outsider["refused"]
         assert outsider["dht_join"].startswith("refused"), outsider["dht_join"]
+        assert outsider["sockets_left"] == [], outsider["sockets_left"]
         # its node keeps what it stored in its own storage (hivemind counts that a success); no admitted
         # node took it: the coordinator, which reads the stage records every heartbeat, never sees it
         time.sleep(2 * heartbeat)
