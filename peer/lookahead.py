@@ -72,7 +72,11 @@ class Lookahead:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
+        # the Parameter objects themselves: `forward` (functional_call, on the compute thread)
+        # swaps the module's attributes for the stash's tensors while it runs, and `stash` runs on
+        # the event loop meanwhile, so reading them through the module could copy a stash
+        self._params = dict(module.named_parameters())
+        self._names = [n for n, p in self._params.items() if p.requires_grad]
         self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
         self._held: list[tuple[Grads, int]] = []
 
@@ -81,8 +85,7 @@ class Lookahead:
         only while the parameters cannot change: the worker's gate is open and no step runs)."""
         if self._stash is None or self._stash[0] != step:
             with torch.no_grad():
-                copy = {n: p.detach().clone().requires_grad_(p.requires_grad)
-                        for n, p in self.module.named_parameters()}
+                copy = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self._params.items()}
             self._stash = (step, copy)
         return self._stash[1]
 

@@ -240,3 +240,19 @@ def test_placement_counts_the_stash_with_lookahead() -> None:
     for a, b in zip(off, on):
         assert a.memory.stash == 0 and b.memory.stash == 4 * b.params
         assert b.memory.total == a.memory.total + b.memory.stash
+
+
+def test_a_stash_taken_while_an_ahead_forward_runs_copies_the_live_weights() -> None:
+    """functional_call swaps the module's attributes for the stash's tensors during a forward on
+    the compute thread; a stash the event loop takes meanwhile must still copy the live weights."""
+    from swarmgrad.peer.lookahead import Lookahead
+    torch.manual_seed(0)
+    module = nn.Linear(3, 3)
+    lookahead = Lookahead(module)
+    taken = {}
+
+    def during_forward(mod: nn.Module, inputs: tuple) -> None:
+        taken["stash"] = lookahead.stash(7)
+    module.register_forward_pre_hook(during_forward)
+    lookahead.forward({n: torch.zeros_like(p) for n, p in module.named_parameters()}, torch.randn(1, 3))
+    assert all(torch.equal(taken["stash"][n], p) for n, p in module.named_parameters())
