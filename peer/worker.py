@@ -282,7 +282,8 @@ class StageWorker(CommitOnAck):
         """A copy of the module holding `eval_weights`, refreshed once per snapshot (compute
         thread). A copy rather than `functional_call` on the module: that swaps the module's own
         parameters for the call's duration, and the event loop reads them meanwhile (a lookahead
-        stash, a pseudo-gradient)."""
+        stash). Where the module is fp32 on the CPU the copy's parameters are the snapshot's own
+        (immutable) tensors, so it costs no memory; elsewhere one copy on the module's device."""
         source = self.eval_weights() if self.eval_weights is not None else None
         if source is None:
             return None
@@ -293,7 +294,11 @@ class StageWorker(CommitOnAck):
         if self._eval_source is not source:
             with torch.no_grad():
                 for name, p in self._eval_module.named_parameters():
-                    p.copy_(source[name])
+                    t = source[name]
+                    if t.device == p.device and t.dtype == p.dtype:
+                        p.data = t
+                    else:
+                        p.copy_(t)
             self._eval_source = source
         return self._eval_module
 
