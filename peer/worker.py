@@ -299,6 +299,10 @@ class StageWorker(CommitOnAck):
                         p.data = t
                     else:
                         p.copy_(t)
+                # θ_global holds no buffers: those (a BatchNorm's statistics) are the live module's
+                live = dict(self.module.named_buffers())
+                for name, b in self._eval_module.named_buffers():
+                    b.copy_(live[name])
             self._eval_source = source
         return self._eval_module
 
