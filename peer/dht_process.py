@@ -156,11 +156,17 @@ def _end_daemons(procs: list, grace: float) -> None:
     sockets = []
     for p in procs:
         with contextlib.suppress(psutil.Error):
-            sockets += [a.removeprefix("-listen=/unix") for a in p.cmdline() if a.startswith("-listen=/unix/")]
+            sockets += p2pd_sockets(p)
     _kill_all(procs, grace=grace, term_first=True)
     for path in sockets:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def p2pd_sockets(proc: psutil.Process) -> list[str]:
+    """The unix control socket a p2pd process listens on (its `-listen=/unix/PATH` argument); none
+    for any other process. Raises psutil.Error for a process that is gone."""
+    return [a.removeprefix("-listen=/unix") for a in proc.cmdline() if a.startswith("-listen=/unix/")]
 
 
 def remove_dead_sockets(since: float, folder: Path = Path("/tmp")) -> list[Path]:

@@ -287,6 +287,8 @@ def _daemon_sockets(pid: int) -> list[str]:
     sockets of the peer and its DHT process (a SIGKILLed process cannot remove its own)."""
     import psutil
 
+    from swarmgrad.peer.dht_process import p2pd_sockets
+
     def client_sockets(proc: psutil.Process) -> list[str]:
         return [c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str)
                 and os.path.basename(c.laddr).startswith("hivemind-") and c.laddr.endswith(".sock")]
@@ -297,9 +299,7 @@ def _daemon_sockets(pid: int) -> list[str]:
         for child in peer.children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 out += client_sockets(child)
-                for arg in child.cmdline():
-                    if arg.startswith("-listen=/unix/"):
-                        out.append(arg.removeprefix("-listen=/unix"))
+                out += p2pd_sockets(child)
     return out
 
 
