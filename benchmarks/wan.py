@@ -85,7 +85,8 @@ class Budget:
     """Microbatches per step of the pipelines' one driver (each step is the global batch): more,
     smaller ones shorten each step's fill and drain, at more messages and smaller matmuls. 8 x 8
     reached 2.7 over 20 Mbit first with compressed boundaries and in 0.70x 2 x 32's time with fp16
-    (16 x 4 was faster still for fp16, slower for compressed; README, "Does the pipeline fill its link?")."""
+    (16 x 4 was faster still for fp16, slower for compressed; docs/measurements.md, "Does the pipeline fill
+    its link?")."""
     ckpt_every: int = 50
     """Baselines: steps between saved weights (each costs a scoring pass afterwards)."""
     timeout_s: float = 1500.0

@@ -176,7 +176,8 @@ class Averager:
         # Every member sends its parts to last round's group as soon as they are encoded, while
         # matchmaking runs: the first member's bytes are then at the others before they arrive, and
         # the last member's go out while its own matchmaking reads (sending them only after it cost
-        # 0.07-0.08 s more per round over 20 Mbit: README, "Alternating passes, and parts sent early")
+        # 0.07-0.08 s more per round over 20 Mbit: docs/measurements.md, "Alternating passes, and parts
+        # sent early")
         expected = Group(self._last_members, digest, applied_rounds) \
             if len(self._last_members) > 1 and self.peer_id in self._last_members else None
         sending = asyncio.ensure_future(self._send_early(round, expected, encoding, weight, digest)) \

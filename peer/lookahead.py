@@ -4,7 +4,7 @@ PipeDream-2BW's double-buffered weights.
 Without it every inner step drains its pipeline: the step needs the gradients of all its
 microbatches, so after the last request of a step the driver's uplink waits for that
 microbatch's answer, its backward and the step before the next step's first request can leave.
-Over a slow link that fill and drain is a large share of the time (README, "Does the pipeline
+Over a slow link that fill and drain is a large share of the time (docs/measurements.md, "Does the pipeline
 fill its link?"). And a later stage that has answered its step's quota waits for the driver's
 commits before it steps, so the next step's requests queue there while its downlink is idle.
 With lookahead, once a step's quota of microbatches is taken a replica admits up to a quota of
@@ -18,7 +18,7 @@ when a microbatch of the next round arrives, and its pause first steps what ran 
 averaging still sees every replica at rest. A stash costs one copy of the stage's parameters
 while any microbatch that ran against it is in flight.
 
-Measured (README, "Lookahead across inner steps"): over 20 Mbit the reference pipeline trains
+Measured (docs/measurements.md, "Lookahead across inner steps"): over 20 Mbit the reference pipeline trains
 1.17-1.19x the samples/s, but at its learning rate one step of staleness costs +20 % val
 bits/byte at equal samples with half the microbatches ahead: off by default, experimental. It
 is here so that the trade can be measured on other models (benchmarks/pipeline_link.py,

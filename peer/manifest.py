@@ -159,7 +159,7 @@ class PipelineConfig:
     """Replicas take the next inner step's microbatches while this step drains, against a stash of
     their weights (PipeDream-2BW): the link stays busier across steps, and those microbatches'
     gradients are one step stale (peer/lookahead.py). Off: every gradient is exact. Experimental:
-    on the reference task the staleness costs far more per sample than the speed gains (README)."""
+    on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
     max_message_mb: float = 256.0

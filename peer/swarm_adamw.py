@@ -54,7 +54,7 @@ class SwarmAdamW(torch.optim.Optimizer):
                 first.append(p)
                 first_g.append(g.float())
         # batched tensor ops, as torch.optim's foreach implementations: the same arithmetic per
-        # element; on the reference model no faster measurably (README, "On a faster machine")
+        # element; on the reference model no faster measurably (docs/measurements.md, "On a faster machine")
         if first_g:
             self._squares.update(zip(first, torch._foreach_mul(first_g, first_g)))
         if more:
