@@ -39,8 +39,8 @@ The report (one markdown table, then one JSON line) is computed from the peers' 
   samples minus stage-0 samples over rounds in which no peer was killed, crashed or came online,
   divided by the microbatch size.
 - replicas bit-identical: every (stage, round) that several replicas completed has one digest.
-- validation loss: the swarm's first evaluation (before training), the mean of each driver's last
-  one before the first kill, and the mean of the last one of each driver alive at the end.
+- validation loss: the swarm's first evaluation (before training), its last one before the first
+  kill, and the mean of the last one of each driver alive at the end.
 """
 from __future__ import annotations
 
@@ -284,12 +284,13 @@ def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tup
     mismatched = sorted(k for k, d in complete.items() if len(set(d)) > 1)
     drivers = [n for n in events if stage_of[n] == 0]
     evals = {n: [e for e in events[n] if e["event"] == "eval" and e.get("val_loss") is not None] for n in drivers}
-    # start: the swarm's first evaluation (before training); at chaos start: each live driver's last
-    # one before the first kill; end: the last one of each driver alive at the end
+    # start: the swarm's first evaluation (before training); at chaos start: the swarm's last one
+    # before the first kill (one driver per round evaluates, data.evaluators); end: the last one of
+    # each driver alive at the end (its final evaluation)
     ordered = sorted((e for n in drivers for e in evals[n]), key=lambda e: e["time"])
     val_start = ordered[0]["val_loss"] if ordered else float("nan")
-    val_chaos = _mean([[e for e in evals[n] if e["time"] <= soak.chaos_t0][-1]["val_loss"] for n in drivers
-                       if any(e["time"] <= soak.chaos_t0 for e in evals[n])])
+    before_chaos = [e for e in ordered if e["time"] <= soak.chaos_t0]
+    val_chaos = before_chaos[-1]["val_loss"] if before_chaos else float("nan")
     val_end = _mean([evals[n][-1]["val_loss"] for n in drivers if n in shutdown and evals[n]])
     dup, clean = duplicate_estimate(samples, _disturbed_rounds(soak, rounds))
     dup_exact, trained = duplicated([e.get("committed", []) for e in rounds if e["stage"] == 1])

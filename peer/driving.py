@@ -10,6 +10,7 @@ import math
 from hivemind.p2p import PeerID
 
 from swarmgrad.peer import policy
+from swarmgrad.peer.averaging import RoundResult
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
 from swarmgrad.peer.driver import Batch, Driver
@@ -97,15 +98,18 @@ class DrivingLoop:
         self.events.emit("driving", round=self.clock.current, evaluated_at_start=self.evaluate_at_start)
         await self.driver.run(self.stop_training)
 
-    async def after_round(self) -> None:
+    async def after_round(self, round: int, result: RoundResult) -> None:
         """Called by the round runner after each round: report what limited the pipeline in it
-        (the `pipeline` event and a progress line), start an evaluation when one is due."""
+        (the `pipeline` event and a progress line), start an evaluation when one is due and this
+        driver is one of the round's evaluators (`data.evaluators`, chosen from its group)."""
         if self.driver is not None and self.driver.running and self.n_stages > 1:
             self.report_pipeline()
         if policy.eval_due(is_driver=True, driving=self.driver is not None and self.driver.running,
                            evaluating=self._evaluating, eval_every=self.m.data.eval_every,
-                           rounds_done=self.clock.rounds_done, finished=self.clock.finished):
-            self.tasks.append(asyncio.create_task(self.evaluate(), name="eval"))
+                           rounds_done=self.clock.rounds_done, finished=self.clock.finished) \
+                and policy.evaluates(me=self.peer_id, group=result.group if result.complete else (),
+                                     run_id=self.m.run_id, round=round, evaluators=self.m.data.evaluators):
+            self.tasks.append(asyncio.create_task(self.evaluate(after_round=round), name="eval"))
 
     def report_pipeline(self) -> None:
         assert self.driver is not None
@@ -128,7 +132,9 @@ class DrivingLoop:
                         "raise pipeline.max_in_flight with them)", 100 * r["step_gap_share"],
                         inner.microbatches_per_step, inner.microbatch_size)
 
-    async def evaluate(self, final: bool = False) -> None:
+    async def evaluate(self, final: bool = False, after_round: int | None = None) -> None:
+        """Score θ_global on the held-out batches; `after_round`: the round whose end made it due
+        (None for the start and final evaluations), in the event."""
         assert self.driver is not None
         self._evaluating = True
         try:
@@ -140,6 +146,7 @@ class DrivingLoop:
             self.stats.val_loss = bpb if math.isfinite(bpb) else None
         stats = self.driver.stats
         self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
+                         after_round=after_round,
                          completed=stats.completed, retries=stats.retries, lost=stats.lost,
                          commit_failures=stats.commit_failures)
         logger.info("stage 0 eval at round %d: validation %.3f bits/byte", self.clock.current, bpb)

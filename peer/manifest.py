@@ -177,6 +177,12 @@ class DataConfig:
     eval_every: int = 2
     """Drivers evaluate validation loss every this many rounds (0: only at start and end)."""
     eval_batches: int = 8
+    evaluators: int = 1
+    """Drivers that evaluate at each `eval_every` round (0: every driver). The replicas hold the same
+    θ_global bit for bit, so N drivers scoring it would give N equal figures for N times the
+    forwards on every stage; the evaluators are chosen from the round's averaging group by
+    rendezvous hash of the round (policy.evaluates), so the cost rotates among the drivers. Start
+    and final evaluations run on every driver."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -111,6 +111,8 @@ def check(m: Manifest) -> None:
         raise _fail("data.val_fraction", f"must be in (0, 1) (got {d.val_fraction})")
     if d.max_bytes < 0 or d.eval_every < 0:
         raise _fail("data", "max_bytes and eval_every must be >= 0")
+    if d.evaluators < 0:
+        raise _fail("data.evaluators", f"must be >= 0 (0: every driver evaluates; got {d.evaluators})")
     if md.kind == "gpt" and 0 < d.max_bytes < md.seq_len + 1:
         raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
                                       f"({md.seq_len + 1}): one training window needs that many bytes")

@@ -5,6 +5,7 @@ calls these; they decide, it acts. Each is tested without a network (tests/test_
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import Sequence
 
@@ -140,6 +141,18 @@ def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: in
     if not (is_driver and driving and eval_every) or evaluating or finished:
         return False
     return rounds_done > 0 and rounds_done % eval_every == 0
+
+
+def evaluates(*, me: str, group: Sequence[str], run_id: str, round: int, evaluators: int) -> bool:
+    """Whether this driver is one of a due round's evaluators: the `evaluators` members of the
+    round's averaging group that rank first under rendezvous hashing of (run, round). Every member
+    knows the same group, so they agree without a message, and the round in the hash rotates the
+    cost. A driver in no group (its round was incomplete, so its θ_global may not be the others')
+    scores its own; `evaluators` 0: every driver evaluates."""
+    if evaluators <= 0 or me not in group:
+        return True
+    rank = sorted(group, key=lambda p: hashlib.sha256(f"{run_id}/eval/{round}/{p}".encode()).digest())
+    return me in rank[:evaluators]
 
 
 def matchmaking_patience(matchmaking: float, round_s: float | None, step_rounds: bool,

@@ -41,7 +41,8 @@ class RoundRunner:
     def __init__(self, *, stage: int, clock: RoundClock, worker: StageWorker, state: StageState,
                  averager: Averager, sync: StateSync, presence: Presence, swarm: SwarmView,
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
-                 save_dir: str | None, peer_id: str, after_round: Callable[[], Awaitable[None]] | None = None,
+                 save_dir: str | None, peer_id: str,
+                 after_round: Callable[[int, RoundResult], Awaitable[None]] | None = None,
                  backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False):
         self.stage = stage
         self.overlap = overlap
@@ -343,7 +344,7 @@ class RoundRunner:
         if self.save_dir:
             await asyncio.get_running_loop().run_in_executor(None, self.save)
         if self.after_round is not None and not self.leave_after_round:
-            await self.after_round()
+            await self.after_round(round, result)
 
     def save(self) -> None:
         if self.save_dir:

@@ -35,8 +35,8 @@ PINNED = {
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
-# averaging.backup_link_share were added, and timeouts.between_rounds
-PINNED_HASH = "ce5a04bc92b4e12a94e27945a6983963"
+# averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators
+PINNED_HASH = "dfa2e14c39b5ae64f837e6c2882659b8"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -379,6 +379,7 @@ def test_replace_validates() -> None:
     ("outer", {"lr": float("inf")}, "outer.lr"),
     ("inner", {"lr": float("nan")}, "inner.lr"),
     ("data", {"max_bytes": 50}, "data.max_bytes"),
+    ("data", {"evaluators": -1}, "data.evaluators"),
     ("averaging", {"robust_min_members": 2}, "averaging.robust_min_members"),
     ("averaging", {"max_weight_ratio": 0.5}, "averaging.max_weight_ratio"),
     ("averaging", {"backup_link_share": 0.0}, "averaging.backup_link_share"),

@@ -98,6 +98,30 @@ def test_eval_due() -> None:
     assert not policy.eval_due(rounds_done=3, **{**kw, "driving": False})
 
 
+def test_one_evaluator_per_round_chosen_alike_by_every_member_and_rotating() -> None:
+    group = tuple(f"peer{i}" for i in range(5))
+    for round in range(40):
+        chosen = [p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=round, evaluators=1)]
+        assert len(chosen) == 1
+        # the members' order in the group does not change the choice
+        assert chosen == [p for p in reversed(group)
+                          if policy.evaluates(me=p, group=tuple(reversed(group)), run_id="r", round=round,
+                                              evaluators=1)]
+    picks = {next(p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=r, evaluators=1))
+             for r in range(40)}
+    assert len(picks) >= 4, "the cost rotates among the drivers"
+    two = [p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=2)]
+    assert len(two) == 2
+    assert all(policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=0) for p in group)
+    assert all(policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=9) for p in group)
+
+
+def test_a_driver_outside_the_group_evaluates_its_own_state() -> None:
+    # an incomplete round has no group: this driver's θ_global may not be the others'
+    assert policy.evaluates(me="a", group=(), run_id="r", round=3, evaluators=1)
+    assert policy.evaluates(me="a", group=("b", "c"), run_id="r", round=3, evaluators=1)
+
+
 # --------------------------------------------------------------------------- the round clock
 
 def test_clock_observe_wakes_and_never_goes_back() -> None:

@@ -228,7 +228,9 @@ def test_private_run(tmp_path: Path) -> None:
         mark = _rounds(driver)
         swarm.wait_for(driver, lambda e: e["event"] == "round" and _rounds(driver) >= mark + 2 and e["complete"],
                        90, "two more rounds without the coordinator")
-        last_val = [e["val_loss"] for e in driver.events("eval") if e["val_loss"] is not None]
+        # both drivers' evaluations: after the start, one driver per round evaluates (data.evaluators)
+        last_val = [e["val_loss"] for e in sorted((e for p in (peers[0], peers[2]) for e in p.events("eval")
+                                                   if e["val_loss"] is not None), key=lambda e: e["time"])]
         first_val = last_val[0]
 
         # ---- everything dies; the swarm comes back from the newest checkpoint

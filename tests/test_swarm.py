@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -79,9 +79,15 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
     evals = sorted((e for d in drivers for e in d.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
     assert evals[0]["val_loss"] > 7.0, "an untrained byte model scores about 8 bits/byte"
     finals = [e for e in evals if e["final"]]
-    assert len(finals) == 2, "each driver evaluates once more after its last round"
+    assert len(finals) == 2, f"each driver evaluates once more after its last round: {evals}"
     for final in finals:
         assert final["val_loss"] < evals[0]["val_loss"] - 1.5, f"validation loss did not go down: {evals}"
+    # between start and end, one driver per round evaluates (data.evaluators 1): both hold θ_global
+    # bit for bit, so a second would score the same model again
+    full0 = {r for r, events in complete_rounds(swarm.peers, 0).items()
+             if len(events) == 2 and all(e["group_size"] == 2 for e in events)}
+    due = Counter(e["after_round"] for e in evals if e["after_round"] in full0)
+    assert due and max(due.values()) == 1, (due, evals)
     # a driver's round weights are the samples it trained on
     samples = [e["samples"] for p in drivers for e in p.events("round")]
     assert sum(samples) > 0
