@@ -404,10 +404,12 @@ def _progress(soak: Soak, t0: float) -> None:
     live = soak.live()
     latest = {s: max((e["round"] for p in live if p.stage == s for e in p.events("round") if e["complete"]),
                      default=None) for s in range(STAGES)}
-    evals = [e["val_loss"] for p in live if p.stage == 0 for e in p.events("eval")[-1:] if e.get("val_loss")]
+    # one driver per round evaluates (data.evaluators): the swarm's latest figure, whoever made it
+    evals = sorted((e for p in live if p.stage == 0 for e in p.events("eval") if e.get("val_loss")),
+                   key=lambda e: e["time"])
+    last_val = f"{evals[-1]['val_loss']:.2f}" if evals else "-"
     print(f"  t={time.time() - t0:6.1f}s live {len(live)} (online {sum(bool(p.events('online')) for p in live)}), "
-          f"latest complete round {latest}, kills {len(soak.kills)}, drivers' last val "
-          f"{', '.join(f'{v:.2f}' for v in evals) or '-'}", flush=True)
+          f"latest complete round {latest}, kills {len(soak.kills)}, last val {last_val}", flush=True)
 
 
 def run(args: argparse.Namespace, m: Manifest, workdir: Path) -> dict[str, Any]:
