@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from swarmgrad.peer.outcome import FAILED
 from swarmgrad.peer.swarm import ONLINE, PeerRecord
@@ -103,11 +103,20 @@ def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int,
     return sorted(r.peer_id for r in newer if r.digest == digest)
 
 
-def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: int) -> bool:
-    """Every other member of the failed round has announced a later round: if none of them
-    applied it, nobody did, and waiting longer cannot produce a donor."""
+def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: int,
+                   abandoned: Iterable[str] = (), silent: Iterable[str] = ()) -> bool:
+    """Has every other member of the failed round applied it or not, as far as anyone can learn?
+    Each one has announced a later round (if none of them applied it, nobody did), or said it
+    abandoned the round (it failed, did not apply it and re-syncs too), or posted no outcome vote
+    that we could read by the end of our vote wait (`silent`: dead or cut off, as a member killed
+    between the exchange and its vote is). Then waiting longer cannot produce a donor.
+
+    Without `abandoned`, two members re-syncing after a third died before its vote each waited
+    for the other to announce a later round, which it does only after its own wait: both stalled
+    for the whole wait (matchmaking + allreduce) and then kept their state anyway. A silent member
+    that did apply the round (its vote unseen) is a replica the next round finds stale."""
     finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
-    return finished == set(others)
+    return set(others) <= finished | set(abandoned) | set(silent)
 
 
 def nobody_applied(votes: dict[str, str], self_id: str, group_hash: str | None, voted_digest: bool,

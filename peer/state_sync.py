@@ -348,8 +348,15 @@ class StateSync:
         deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
         # members that never answered are dead or cut off: they will not announce a later round
         others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
-        if await self._nobody_applied(round, result):
+        member = bool(result.group) and self.peer_id in result.group
+        votes = await self._votes(round) if member else None
+        if votes is not None and policy.nobody_applied(votes, self.peer_id, group_hash(tuple(result.group)),
+                                                       result.voted_digest):
             return False
+        # members whose vote we could not read by now (our vote wait is over) are dead or cut off
+        silent = [p for p in others if p not in votes] if votes is not None and result.voted_digest else []
+        if member:
+            await self._say_abandoned(round, group_hash(tuple(result.group)))
         while time.monotonic() < deadline:
             try:
                 records = await self.swarm.stage_records(self.stage)
@@ -364,21 +371,37 @@ class StateSync:
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True
-            if not donors and policy.resync_settled(records, others, round + 1 if overlapped else round):
+            if not donors and policy.resync_settled(records, others, round + 1 if overlapped else round,
+                                                    abandoned=await self._abandoned(round) if member else (),
+                                                    silent=silent):
                 return False
             await asyncio.sleep(0.5)
         return False
 
-    async def _nobody_applied(self, round: int, result: RoundResult) -> bool:
-        """The round's outcome votes say no replica applied it (policy.nobody_applied): then there is
-        no donor to wait for (before the votes, every failed round waited here for the others to
-        announce a later round, which they do only after their own wait: several seconds of stall)."""
-        if not result.group or self.peer_id not in result.group:
-            return False
+    async def _votes(self, round: int) -> dict[str, str] | None:
+        """The round's outcome votes (None if they could not be read). If they say no replica
+        applied it (policy.nobody_applied), there is no donor to wait for: before the votes, every
+        failed round waited here for the others to announce a later round, which they do only
+        after their own wait (several seconds of stall)."""
         try:
-            votes = await within(self.swarm.round_checks(self.stage, round), self.t.dht)
+            return await within(self.swarm.round_checks(self.stage, round), self.t.dht)
         except Exception as e:
             logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
                         type(e).__name__, e)
-            return False
-        return policy.nobody_applied(votes, self.peer_id, group_hash(tuple(result.group)), result.voted_digest)
+            return None
+
+    async def _say_abandoned(self, round: int, hash_: str) -> None:
+        """Tell the other members that we did not apply the round and will not (policy.resync_settled)."""
+        try:
+            await within(self.swarm.post_abandoned(self.stage, round, self.peer_id, hash_), self.t.dht)
+        except Exception as e:
+            logger.info("stage %d: could not say that round %d was abandoned: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+
+    async def _abandoned(self, round: int) -> list[str]:
+        try:
+            return list(await within(self.swarm.round_abandoned(self.stage, round), self.t.dht))
+        except Exception as e:
+            logger.info("stage %d: resync could not read who abandoned round %d: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+            return []

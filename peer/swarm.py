@@ -6,6 +6,8 @@ Keys (all under the run id, so runs never see each other's records):
                            that peer believes it (the swarm's epoch is the value most announce)
   {run}/round/{s}/{r}      subkey peer id -> registration for round r of stage s
   {run}/round/{s}/{r}/check  subkey peer id -> digest of the mean that peer decoded
+  {run}/round/{s}/{r}/abandoned  subkey peer id -> its group's hash: it failed round r, did not
+                           apply it and never will (it re-syncs; peer/state_sync.py)
 Every subkey is its writer's peer id and every value is signed by it: the DHT is built with
 `record_signing.SignedRecordValidator`, which refuses (on store and on get) a record whose
 signature is not the subkey's peer's, and any expiry beyond MAX_RECORD_TTL. Writes here clamp
@@ -230,8 +232,20 @@ class SwarmView:
         return await self._store(f"{round_key(self.run_id, stage, round)}/check", peer_id, digest, self._round_ttl)
 
     async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+        return await self._short_strings(f"{round_key(self.run_id, stage, round)}/check")
+
+    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+        """Say that this replica failed the round and did not apply it: the other members re-syncing
+        from it need not wait for it to announce a later round (peer/state_sync.py)."""
+        return await self._store(f"{round_key(self.run_id, stage, round)}/abandoned", peer_id, group_hash,
+                                 self._round_ttl)
+
+    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
+        return await self._short_strings(f"{round_key(self.run_id, stage, round)}/abandoned")
+
+    async def _short_strings(self, key: str) -> dict[str, str]:
         out = {}
-        for peer_id, value in await self._entries(f"{round_key(self.run_id, stage, round)}/check", self._round_ttl):
+        for peer_id, value in await self._entries(key, self._round_ttl):
             if isinstance(value, str) and len(value) <= 64:
                 out[peer_id] = value
         return out

@@ -87,6 +87,10 @@ def test_resync_settles_when_every_other_member_moved_on() -> None:
     assert not policy.resync_settled(recs, ["a", "b"], 3)
     assert policy.resync_settled([rec("a", round=4), rec("b", round=5)], ["a", "b"], 3)
     assert policy.resync_settled([], [], 3)
+    # a member that abandoned the round (it failed it too) or whose vote never came is not waited for
+    assert policy.resync_settled(recs, ["a", "b"], 3, abandoned=["b"])
+    assert policy.resync_settled([rec("a", round=4)], ["a", "b"], 3, silent=["b"])
+    assert not policy.resync_settled(recs, ["a", "b"], 3, abandoned=["x"], silent=["y"])
 
 
 def test_eval_due() -> None:

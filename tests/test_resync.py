@@ -19,12 +19,20 @@ from test_policy import rec
 
 
 class Swarm:
-    def __init__(self, votes: dict[str, str], records: list[Any]):
+    def __init__(self, votes: dict[str, str], records: list[Any], abandoned: dict[str, str] | None = None):
         self.votes, self.records = votes, records
+        self.abandoned = dict(abandoned or {})
         self.record_reads = 0
 
     async def round_checks(self, stage: int, round: int) -> dict[str, str]:
         return dict(self.votes)
+
+    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+        self.abandoned[peer_id] = group_hash
+        return True
+
+    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
+        return dict(self.abandoned)
 
     async def stage_records(self, stage: int) -> list[Any]:
         self.record_reads += 1
@@ -76,6 +84,39 @@ def test_a_group_that_excluded_us_may_have_applied_the_round() -> None:
                    rec("c", round=8, applied=6, digest="e")])
     downloads: list[list[str]] = []
     result = RoundResult(False, "part 1 refused by b: GROUP_MISMATCH", ("a", "b", "c"), None)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
+    assert downloads == [["b"]]
+
+
+def test_members_left_by_a_member_that_died_before_its_vote_settle_at_once() -> None:
+    """Seen in the chaos soak: c was killed between the exchange and its vote, so a and b, who voted
+    the same digest, both failed on the missing vote and re-synced, each waiting for the other to
+    announce a later round, which it does only once its own wait is over: 11 s of stall on both,
+    after which each kept its state anyway. Now each says it abandoned the round, and c, whose vote
+    nobody could read by the end of the vote wait, is not waited for."""
+    g = group_hash(("a", "b", "c"))
+    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")}, records, abandoned={"b": g})
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is False
+    assert swarm.record_reads == 1 and not downloads
+    assert swarm.abandoned["a"] == g, "a tells the others it did not apply the round"
+
+
+def test_a_member_that_voted_its_digest_and_said_nothing_more_is_waited_for() -> None:
+    """b voted the same digest and has neither abandoned the round nor announced a later one: it
+    may have read c's vote and applied, so a waits (the whole wait, here) for it to become a donor."""
+    g = group_hash(("a", "b", "c"))
+    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")}, records)
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
+    assert asyncio.run(sync(swarm, downloads).resync(7, result)) is False
+    assert swarm.record_reads >= 3 and not downloads
+    # and had b applied it, a would have taken b's state
+    swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")},
+                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
     assert downloads == [["b"]]
 
