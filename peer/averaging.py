@@ -43,7 +43,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -400,11 +400,17 @@ class Averager:
         """The outcome vote (peer/outcome.py): ours is the digest of the mean we decoded, or failed."""
         digest = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else None
         out = await outcome.agree(self.swarm, self.stage, round, group.members, group.hash, self.peer_id, digest,
-                                  self.m.timeouts.allreduce, self.m.timeouts.dht)
+                                  self.m.timeouts.allreduce, self.m.timeouts.dht, gone=self._gone)
         if out.applied or digest is None:
             return result
         return RoundResult(False, out.reason, group.members, None, unreachable=out.missing,
                            voted_digest=out.voted_digest)
+
+    async def _gone(self, members: Sequence[str]) -> list[str]:
+        """Of `members`, those we hold no connection to any more (outcome.agree: a member killed
+        after the exchange, whose vote will never come)."""
+        connected = await self.rpc.connected()
+        return [p for p in members if p not in connected]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Awaitable, Callable, Collection, Protocol, Sequence
 
 from swarmgrad.peer.deadline import cancel_requested, within
 from swarmgrad.peer.polling import poll_intervals
@@ -60,9 +60,16 @@ class Outcome:
 
 
 async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str], group_hash: str, me: str,
-                digest: str | None, timeout: float, dht_timeout: float) -> Outcome:
+                digest: str | None, timeout: float, dht_timeout: float,
+                gone: Callable[[Sequence[str]], Awaitable[Collection[str]]] | None = None) -> Outcome:
     """Post our vote (`digest` None: our round failed), then, if it is a digest, wait at most
-    `timeout` until every member voted. Each DHT call has `dht_timeout`."""
+    `timeout` until every member voted. Each DHT call has `dht_timeout`.
+
+    `gone(members)`: those of them we hold no connection to any more. A member that has not voted
+    and is gone (killed after the exchange, in which every member spoke to every other) will never
+    vote: the round fails then instead of at `timeout`. That is as safe as the timeout itself (a
+    missing vote means nobody can apply; a member whose vote lands later and who applies with the
+    others is the two-generals case that `voted_digest` already covers)."""
     mine = vote(group_hash, digest)
     try:
         await within(board.post_check(stage, round, me, mine), dht_timeout)
@@ -87,12 +94,28 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
                                   f"different bytes, or their group differs)", voted_digest=True)
         if set(members) <= set(posted):
             return Outcome(True)
+        left = await _gone([p for p in members if p not in posted], gone, dht_timeout)
+        if left:
+            return Outcome(False, f"outcome vote: member(s) {sorted(p[-8:] for p in left)} left before voting (no "
+                                  f"connection to them)", voted_digest=True, missing=tuple(left))
         if time.monotonic() > deadline:
             missing = tuple(p for p in members if p not in posted)
             return Outcome(False, f"outcome vote: {len(missing)} member(s) posted no vote", voted_digest=True,
                            missing=missing)
         await asyncio.sleep(delay)
     raise AssertionError("poll_intervals never ends")
+
+
+async def _gone(missing: Sequence[str], gone: Callable[[Sequence[str]], Awaitable[Collection[str]]] | None,
+                timeout: float) -> list[str]:
+    if not missing or gone is None:
+        return []
+    try:
+        left = await within(gone(missing), timeout)
+    except Exception as e:  # the daemon did not answer: the vote's own deadline still ends the wait
+        logger.debug("could not list connections: %s: %s", type(e).__name__, e)
+        return []
+    return [p for p in missing if p in left]
 
 
 async def first_failure(board: VoteBoard, stage: int, round: int, members: Sequence[str], group_hash: str,

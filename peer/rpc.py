@@ -294,6 +294,11 @@ class FramedRPC:
             logger.exception("%s handler failed", method)
             return refusal(pb.INTERNAL, f"{type(e).__name__}: {e}")
 
+    async def connected(self) -> set[str]:
+        """Peers the p2p daemon holds a connection to now (base58 ids): a peer killed since our last
+        exchange with it is gone from it at once (its sockets reset)."""
+        return {str(info.peer_id) for info in await self.p2p.list_peers()}
+
     async def remove_handlers(self) -> None:
         for method in self._registered:
             try:

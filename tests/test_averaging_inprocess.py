@@ -45,6 +45,10 @@ class LoopbackRPC:
     def __init__(self, net: Network, me: str):
         self.net, self.me = net, me
 
+    async def connected(self) -> set[str]:
+        """As a p2p daemon lists its connections: a dead peer's are gone."""
+        return set() if self.me in self.net.dead else {p for p in self.net.handlers if p not in self.net.dead}
+
     async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
         if peer in self.net.dead or self.me in self.net.dead:
             await asyncio.sleep(min(timeout, 0.2))
@@ -147,6 +151,39 @@ def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
         votes = swarm.checks[(1, 0)]
         assert {p: v.split(":")[1] for p, v in votes.items()} == {a.peer_id: FAILED for a in avgs[:2]}, votes
         assert all(nobody_applied(votes, a.peer_id, group_hash(r.group), r.voted_digest) for a, r in zip(avgs, results))
+    asyncio.run(main())
+
+
+def test_a_member_killed_between_the_exchange_and_its_vote_fails_the_round_at_once() -> None:
+    """Seen in the chaos soak: a member SIGKILLed after it had reduced and received its parts never
+    voted, and the other two waited out timeouts.allreduce (8.4 s there, 20 s by default) for its
+    vote. They hold no connection to it any more, so they fail the round as soon as they see that,
+    and their re-sync does not wait for it (it is listed as unreachable)."""
+    async def main() -> None:
+        m = manifest().replace(timeouts={"allreduce": 30.0})  # a wait for the vote would fail the test's timeout
+        net, swarm, avgs = group(3, m)
+        dying = avgs[2]
+
+        class KilledAtItsVote:  # the DHT as the dying member sees it: it dies as it is about to vote
+            def __getattr__(self, name: str) -> Any:
+                return getattr(swarm, name)
+
+            async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
+                net.dead.add(peer_id)
+                await asyncio.sleep(3600)
+                return False
+
+        dying.swarm = KilledAtItsVote()  # type: ignore[assignment]
+        survivors = asyncio.gather(*(a.run_round(0, deltas(i), 1.0, "digest", 0) for i, a in enumerate(avgs[:2])))
+        killed = asyncio.ensure_future(dying.run_round(0, deltas(2), 1.0, "digest", 0))
+        results = await asyncio.wait_for(survivors, 10.0)
+        killed.cancel()
+        await asyncio.gather(killed, return_exceptions=True)
+        for r in results:
+            assert not r.complete and "left before voting" in r.reason, r.reason
+            assert r.voted_digest and r.unreachable == (dying.peer_id,)
+        votes = swarm.checks[(1, 0)]
+        assert set(votes) == {a.peer_id for a in avgs[:2]}, "the dying member posted nothing"
     asyncio.run(main())
 
 
