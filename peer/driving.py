@@ -104,11 +104,15 @@ class DrivingLoop:
         driver is one of the round's evaluators (`data.evaluators`, chosen from its group)."""
         if self.driver is not None and self.driver.running and self.n_stages > 1:
             self.report_pipeline()
+        group = result.group if result.complete else ()
+        # in a group, count by the round number its members share: a joiner's own count of rounds
+        # differs from the others', and they would disagree on which rounds are due
+        done = round + 1 if group else self.clock.rounds_done
         if policy.eval_due(is_driver=True, driving=self.driver is not None and self.driver.running,
                            evaluating=self._evaluating, eval_every=self.m.data.eval_every,
-                           rounds_done=self.clock.rounds_done, finished=self.clock.finished) \
-                and policy.evaluates(me=self.peer_id, group=result.group if result.complete else (),
-                                     run_id=self.m.run_id, round=round, evaluators=self.m.data.evaluators):
+                           rounds_done=done, finished=self.clock.finished) \
+                and policy.evaluates(me=self.peer_id, group=group, run_id=self.m.run_id, round=round,
+                                     evaluators=self.m.data.evaluators):
             self.tasks.append(asyncio.create_task(self.evaluate(after_round=round), name="eval"))
 
     def report_pipeline(self) -> None:
