@@ -96,6 +96,11 @@ def find_stalls(progress: Sequence[float], end: float, limit: float) -> list[tup
     return [(a, b - a) for a, b in zip(times, times[1:] + [end]) if b - a > limit]
 
 
+def _eval_name(summary: dict[str, Any]) -> str:
+    after = summary.get("val_loss_chaos_start_after_round")
+    return "the start evaluation" if after is None else f"after round {after}"
+
+
 def duplicated(committed: Sequence[Sequence[str]]) -> tuple[int, int]:
     """(microbatches trained more than once, microbatches trained) over one stage's round events'
     `committed` lists: an id seen n times counts n - 1."""
@@ -285,12 +290,15 @@ def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tup
     drivers = [n for n in events if stage_of[n] == 0]
     evals = {n: [e for e in events[n] if e["event"] == "eval" and e.get("val_loss") is not None] for n in drivers}
     # start: the swarm's first evaluation (before training); at chaos start: the swarm's last one
-    # before the first kill (one driver per round evaluates, data.evaluators); end: the last one of
+    # before the first kill (one driver per round evaluates, data.evaluators; the start one when the
+    # chaos began before the first due round); end: the last one of
     # each driver alive at the end (its final evaluation)
     ordered = sorted((e for n in drivers for e in evals[n]), key=lambda e: e["time"])
     val_start = ordered[0]["val_loss"] if ordered else float("nan")
     before_chaos = [e for e in ordered if e["time"] <= soak.chaos_t0]
     val_chaos = before_chaos[-1]["val_loss"] if before_chaos else float("nan")
+    # None: the start evaluation (the chaos began before the first due round's evaluation)
+    val_chaos_round = before_chaos[-1].get("after_round") if before_chaos else None
     val_end = _mean([evals[n][-1]["val_loss"] for n in drivers if n in shutdown and evals[n]])
     dup, clean = duplicate_estimate(samples, _disturbed_rounds(soak, rounds))
     dup_exact, trained = duplicated([e.get("committed", []) for e in rounds if e["stage"] == 1])
@@ -316,6 +324,7 @@ def summarize(soak: Soak, wall_s: float, chaos_s: float, shutdown: dict[str, tup
         "duplicated_estimate": round(dup / soak.m.inner.microbatch_size, 1), "duplicate_clean_rounds": clean,
         "rounds_compared": len(compared), "digest_mismatches": mismatched,
         "val_loss_start": round(val_start, 3), "val_loss_chaos_start": round(val_chaos, 3),
+        "val_loss_chaos_start_after_round": val_chaos_round,
         "val_loss_end": round(val_end, 3), "val_loss_fell": val_end < val_start,
     }
 
@@ -357,9 +366,9 @@ def report(s: dict[str, Any], microbatch_size: int, round_s: float) -> str:
         ("replicas bit-identical after every complete round",
          f"{'yes' if not s['digest_mismatches'] else 'NO: ' + str(s['digest_mismatches'][:5])} "
          f"({s['rounds_compared']} rounds with >= 2 replicas)"),
-        ("validation loss start -> first kill -> end (bits/byte)",
-         f"{fmt(s['val_loss_start'], 3)} -> {fmt(s['val_loss_chaos_start'], 3)} -> {fmt(s['val_loss_end'], 3)} "
-         f"({'falls' if s['val_loss_fell'] else 'DOES NOT FALL'})"),
+        ("validation loss start -> last before the chaos -> end (bits/byte)",
+         f"{fmt(s['val_loss_start'], 3)} -> {fmt(s['val_loss_chaos_start'], 3)} ({_eval_name(s)}) -> "
+         f"{fmt(s['val_loss_end'], 3)} ({'falls' if s['val_loss_fell'] else 'DOES NOT FALL'})"),
     ]
     return markdown_table(["chaos soak", "value"], rows)
 
