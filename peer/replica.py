@@ -282,7 +282,11 @@ class Replica:
             try:
                 announced = await within(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
             except asyncio.TimeoutError:
-                logger.info("could not announce LEAVING within timeouts.shutdown / 3")
+                t = self.ctx.manifest.timeouts
+                # typical when the peers it would store to are stopping too: nothing is lost
+                logger.info("could not announce that it is leaving within %.1f s (timeouts.shutdown / 3): "
+                            "the others see it gone when its record expires (timeouts.announce_ttl, %.0f s)",
+                            t.shutdown / 3, t.announce_ttl)
             self.events.emit("leaving", announced=bool(announced))
         tasks = self.tasks + ([self.main] if self.main is not None else [])
         for task in tasks:
