@@ -173,7 +173,7 @@ class Peer:
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
                           slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory,
                           max_message_bytes=self.max_message_bytes,
-                          backup_rpc=backup_rpc, backup_store=self._backup_store,
+                          backup_rpc=backup_rpc, backup_store=self._backup_store, pinned=not self.opt.rebalancing,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
                           resume_round=self.resume_round)

@@ -39,6 +39,9 @@ class Replica:
     fresh: frozenset[int] = frozenset()
     """Other stages whose current state it holds as a backup (it could join them without a
     download; see ``fresh_backups``)."""
+    pinned: bool = False
+    """Its peer never moves (``--stage N`` or ``--rebalance off``): it counts in its stage's
+    capacity, and is never a candidate mover."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class Snapshot:
         memory, current = memory or {}, current or {}
         stages = tuple(tuple(Replica(r.peer_id, r.state, float(r.throughput), memory.get(r.peer_id, 0),
                                      r.peer_id in moving,
-                                     fresh_backups(getattr(r, "backups", ()), current) - {s})
+                                     fresh_backups(getattr(r, "backups", ()), current) - {s},
+                                     bool(getattr(r, "pinned", False)))
                              for r in view.get(s, ()))
                        for s in range(len(costs)))
         return cls(stages, tuple(c.cost for c in costs), tuple(c.memory_bytes for c in costs),
@@ -136,9 +140,10 @@ class Snapshot:
         return optimum(work, self.costs, mem, self.memory_need)
 
     def candidates(self, stage: int, target: int) -> list[Replica]:
-        """ONLINE, not moving, memory fits ``target``; sorted by peer id."""
+        """ONLINE, not moving, not pinned, memory fits ``target``; sorted by peer id."""
         need = self.need(target)
-        return sorted((r for r in self.stages[stage] if r.state == ONLINE and not r.moving and fits(r.memory, need)),
+        return sorted((r for r in self.stages[stage]
+                       if r.state == ONLINE and not r.moving and not r.pinned and fits(r.memory, need)),
                       key=lambda r: r.peer_id)
 
     def _best(self, scored: list[tuple[float, Replica]], base: float, salt: int, target: int) -> Replica | None:

@@ -49,7 +49,7 @@ class Presence:
     def __init__(self, swarm: SwarmView, *, peer_id: str, stage: int, manifest_hash: str, maddrs: tuple[str, ...],
                  worker: StageWorker, state: StageState, clock: RoundClock, heartbeat: float, memory: int = 0,
                  stats: ReplicaStats | None = None,
-                 backups: Callable[[int], tuple[tuple[int, int], ...]] | None = None):
+                 backups: Callable[[int], tuple[tuple[int, int], ...]] | None = None, pinned: bool = False):
         self.swarm = swarm
         self.peer_id = peer_id
         self.stage = stage
@@ -64,6 +64,8 @@ class Presence:
         self.backups = backups
         """(stage, applied_rounds) of the backups this peer holds, other than of `stage`."""
         """Bytes this peer offers a stage (placement of others reads it)."""
+        self.pinned = pinned
+        """This peer does not move between stages (announced: placement never picks it to move)."""
         self.moving = False
         """Set when this replica decided to move away: its stage has a mover, nobody else leaves it."""
         self.status = JOINING
@@ -79,7 +81,7 @@ class Presence:
                           throughput=self.worker.rate.rate, round=self.clock.current,
                           applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                           manifest_hash=self.manifest_hash, driver=self.stage == 0, maddrs=self.maddrs[:4],
-                          memory=self.memory, moving=self.moving, stats=self.stats.to_value(),
+                          memory=self.memory, moving=self.moving, pinned=self.pinned, stats=self.stats.to_value(),
                           backups=self.backups(self.stage) if self.backups is not None else ())
 
     async def announce(self, status: str | None = None) -> bool:

@@ -25,6 +25,12 @@ DWELL_CHECKS = 4
 rate on the new stage is an estimate until it has measured itself there, and acting on the
 estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
 
+EMPTY_CHECK_SHARE = 5
+"""While a stage is empty (and at the first check), checks come this many times as often: filling
+it is immediate, and at a fresh start every peer chose its stage before it saw the others' records
+(two started together, one pinned to stage 1, both on stage 1: the other filled stage 0 only at
+its first check, 22 s later, the swarm idle meanwhile)."""
+
 
 def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
     """Each stage's applied rounds as its majority announces them (policy.majority_digest): a
@@ -84,14 +90,17 @@ class Rebalancer:
         if dwell > 0:
             await asyncio.sleep(dwell)
         confirm = Confirmation(self.policy.confirmations)
+        empty = self._dwell_until == 0.0  # at the start (a peer that moved dwelt first); then as seen
         while True:
-            wait = check_interval(self.interval_s / (3 if confirm.pending else 1), self.rng)
+            wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if empty else 3 if confirm.pending else 1),
+                                  self.rng)
             await asyncio.sleep(wait)
             try:
-                _, decision = await self.decide(stage, rate_fn(), salt_fn())
+                snap, decision = await self.decide(stage, rate_fn(), salt_fn())
             except Exception as e:  # a slow DHT: skip this check, never act on a partial view
                 logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
                 continue
+            empty = any(n == 0 for n in snap.live_counts)
             confirmed = confirm.observe(decision)
             if confirmed is not None:
                 return confirmed

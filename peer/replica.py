@@ -82,6 +82,8 @@ class PeerContext:
     resume_round: int = 0
     """Private runs: the round of the coordinator's newest checkpoint. A swarm that starts again
     from it sets a new wall-clock epoch that many rounds back (SwarmView.epoch)."""
+    pinned: bool = False
+    """The peer does not rebalance (PeerOptions.rebalancing is false): its records say so."""
     backup_store: Any = None
     """The peer's BackupStore (peer/backup.py): its copies are announced, and a replica joining a
     stage whose current state it holds starts from that copy instead of downloading it."""
@@ -151,7 +153,8 @@ class Replica:
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, worker=worker, state=state, clock=clock,
                                             heartbeat=t.heartbeat, memory=ctx.memory,
-                                            backups=ctx.backup_store.held if ctx.backup_store else None)
+                                            backups=ctx.backup_store.held if ctx.backup_store else None,
+                                            pinned=ctx.pinned)
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
                          timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,

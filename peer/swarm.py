@@ -60,6 +60,9 @@ class PeerRecord:
     """Bytes this peer offers for a stage (0: not said)."""
     moving: bool = False
     """This replica is moving away from its stage (it serves until its next round boundary)."""
+    pinned: bool = False
+    """Its peer does not move between stages (`--stage N`, `--rebalance off`): placement never
+    picks it as a mover, or an empty stage could wait on a peer that will not come."""
     stats: dict[str, Any] | None = None
     """What the replica last measured (presence.ReplicaStats, bounded by protocol/records.py): for
     people and dashboards only, never for decisions."""
@@ -89,7 +92,7 @@ class PeerRecord:
         return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
                    applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
                    driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"],
-                   stats=f["stats"], backups=f["backups"])
+                   pinned=f["pinned"], stats=f["stats"], backups=f["backups"])
 
 
 def stage_key(run_id: str, stage: int) -> str:

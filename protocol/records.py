@@ -117,6 +117,7 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
         "maddrs": [_str(m, MAX_MADDR_CHARS, "record maddr") for m in maddrs],
         "memory": _int(value.get("memory", 0), 0, MAX_MEMORY, "record memory"),
         "moving": _bool(value.get("moving", False), "record moving"),
+        "pinned": _bool(value.get("pinned", False), "record pinned"),
         "stats": _stats(value.get("stats")),
         "backups": _backups(value.get("backups", ()), max_stage),
     }

@@ -310,7 +310,7 @@ RECORD = dict(stage=1, state="online", throughput=3.5, round=4, applied_rounds=3
 
 
 def test_record_fields() -> None:
-    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "stats": None,
+    assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "pinned": False, "stats": None,
                                              "backups": ()}  # defaults
     stats = bounded_record_fields({**RECORD, "stats": {"train_loss": 2.5, "samples": 10, "from_the_future": 1}})
     assert stats["stats"]["train_loss"] == 2.5 and "from_the_future" not in stats["stats"]
@@ -324,7 +324,8 @@ def test_record_fields() -> None:
                            ({"applied_rounds": None}, "applied_rounds"), ({"maddrs": ["x"] * 9}, "maddrs"),
                            ({"maddrs": ["x" * 300]}, "maddr"), ({"maddrs": "abc"}, "maddrs"),
                            ({"digest": "d" * 500}, "digest"), ({"driver": 1}, "driver"), ({"state": ""}, "state"),
-                           ({"memory": -1}, "memory"), ({"memory": 2**60}, "memory"), ({"moving": "no"}, "moving")]:
+                           ({"memory": -1}, "memory"), ({"memory": 2**60}, "memory"), ({"moving": "no"}, "moving"),
+                           ({"pinned": 1}, "pinned")]:
         assert needle in refused(bounded_record_fields, {**RECORD, **change}).reason, change
     assert refused(bounded_record_fields, ["not", "a", "dict"]).status == pb.BAD_REQUEST
 

@@ -259,6 +259,23 @@ def test_an_empty_stage_is_filled_at_once_by_one_peer() -> None:
     assert Confirmation().observe(ds[0]) is ds[0]
 
 
+def test_a_pinned_replica_is_never_the_mover() -> None:
+    """Two peers started together on stage 1, one pinned there (--stage 1): the other fills the
+    empty stage 0, whatever the tie-break salt (with both rates 0 before any training, the salt
+    alone decided, and it could pick the pinned one, which never moves)."""
+    for salt in range(20):
+        s = Snapshot(((), (Replica("auto", ONLINE, 0.0), Replica("pin", ONLINE, 0.0, pinned=True))), (1.0, 1.0))
+        ds = decisions(s, salt=salt)
+        assert [(d.peer_id, d.target) for d in ds] == [("auto", 0)], salt
+    # nor for a bottleneck move: the pinned fast replica stays, the unpinned one is the mover
+    s = Snapshot(((Replica("a", ONLINE, 1.0),),
+                  (Replica("pin", ONLINE, 9.0, pinned=True), Replica("b", ONLINE, 9.0))), (1.0, 1.0))
+    assert all(d.peer_id == "b" for d in decisions(s, NO_MARGIN)) and decisions(s, NO_MARGIN)
+    s = Snapshot(((Replica("a", ONLINE, 1.0),),
+                  (Replica("pin", ONLINE, 9.0, pinned=True), Replica("pin2", ONLINE, 9.0, pinned=True))), (1.0, 1.0))
+    assert decisions(s, NO_MARGIN) == []
+
+
 def test_confirmation_needs_two_consecutive_checks() -> None:
     d = MoveDecision("p", 0, 1, "bottleneck", 1.0, 1.0, 2.0, 3.0)
     other = MoveDecision("p", 0, 2, "bottleneck", 1.0, 1.0, 2.0, 3.0)
@@ -425,3 +442,41 @@ def test_a_large_swarm_may_use_its_own_margin() -> None:
     # a handful of peers keeps q: the exact optimum, where one move is a large step
     few = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.6)], [("e", 2.6)]])
     assert decisions(few, Policy(q=0.8, q_bound=1.0)) == []
+
+
+def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_empty(monkeypatch) -> None:
+    """The daemon's side: a pinned record reaches the snapshot, and while a stage is empty (and at
+    the first check) the checks come EMPTY_CHECK_SHARE times as often, since filling it is
+    immediate; a full swarm is checked at the ordinary interval."""
+    import asyncio
+    from types import SimpleNamespace
+    from swarmgrad.peer import rebalance as R
+    from swarmgrad.peer.swarm import PeerRecord
+
+    def rec(pid: str, stage: int, pinned: bool = False) -> PeerRecord:
+        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
+                          digest="d", manifest_hash="h", driver=stage == 0, pinned=pinned)
+    views = iter([{0: [rec("x", 0)], 1: [rec("me", 1)]},   # full: no move
+                  {0: [], 1: [rec("me", 1)]},                # empty, but we are stage 1's only replica
+                  {0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}])  # we fill it, not the pinned one
+
+    class Views:
+        async def swarm(self) -> dict:
+            return next(views)
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+    monkeypatch.setattr(R.asyncio, "sleep", sleep)
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2
+    reb = R.Rebalancer(swarm=Views(), peer_id="me", costs=costs, bench_rates=(1.0, 1.0), memory=0,
+                       interval_s=10.0, seed=0)
+    decision = asyncio.run(reb.next_move(1, lambda: 0.0, lambda: 0))
+    assert (decision.peer_id, decision.target, decision.reason) == ("me", 0, "fill-empty")
+    quick, ordinary = 10.0 / R.EMPTY_CHECK_SHARE, 10.0
+    assert len(waits) == 3
+    assert 0.5 * quick <= waits[0] <= 1.5 * quick  # the first check
+    assert 0.5 * ordinary <= waits[1] <= 1.5 * ordinary  # after a full snapshot
+    assert 0.5 * quick <= waits[2] <= 1.5 * quick  # after one with an empty stage
+    s = R.snapshot_from_view({0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}, costs)
+    assert [r.pinned for r in s.stages[1]] == [False, True]
