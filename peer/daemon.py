@@ -262,8 +262,10 @@ class Peer:
                     ) -> Replica:
         """Make-before-break: the new stage's replica joins (JOINING, state download) and serves
         (ONLINE) while the old one finishes its current round; then the old one leaves."""
-        logger.info("moving from stage %d to stage %d (%s, expected gain %.1f samples/s)", decision.source,
-                    decision.target, decision.reason, decision.gain)
+        # a gain of 0 filling a stage: the stages it leaves behind have not measured their rates yet
+        gain = (f"expected gain {decision.gain:.1f} samples/s" if decision.gain > 0 or decision.reason != "fill-empty"
+                else "the other stages' rates not measured yet")
+        logger.info("moving from stage %d to stage %d (%s, %s)", decision.source, decision.target, decision.reason, gain)
         assert old.worker is not None
         new = Replica(old.ctx, decision.target, rebalancer.figures(old.stage, old.worker.rate.rate).rates[decision.target])
         self.replicas.append(new)
