@@ -53,7 +53,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         mark = "  <- bottleneck" if placement and placement["bottleneck"] == stage else ""
         print(f"stage {stage}: {len(recs)} replica(s), capacity {capacity:.1f} samples/s{mark}")
         for r in recs:
-            print(f"  {r.peer_id}  {r.state:8s}{' moving' if r.moving else '       '} "
+            print(f"  {r.peer_id}  {r.state:8s}{' moving' if r.moving else ' pinned' if r.pinned else '       '} "
                   f"{'driver ' if r.driver else '       '}{r.throughput:8.1f} samples/s  "
                   f"{r.memory / 2**30:6.1f} GiB  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
     if placement:
