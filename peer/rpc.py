@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarmgrad.peer.deadline import within
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, ProtocolError, discard, encode_stream, read_stream_message,
+from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, STREAM_ENDED, ProtocolError, discard, encode_stream, read_stream_message,
                                         write_chunks)
 
 logger = logging.getLogger(__name__)
@@ -371,8 +371,12 @@ class FramedRPC:
             raise RPCFailed(f"{method} to {who} timed out after {timeout:.1f}s") from None
         except ProtocolError as e:
             # how far the exchange got tells a stream reset (nothing came back) from a short answer
-            raise RPCFailed(f"{method} to {who}: bad response: {e} (request {'sent' if timing.sent.is_set() else 'not sent whole'}"
-                            f", {got} response bytes, {time.monotonic() - (timing.started or time.monotonic()):.2f}s after the stream opened)") from None
+            where = (f"request {'sent' if timing.sent.is_set() else 'not sent whole'}, {got} response bytes, "
+                     f"{time.monotonic() - (timing.started or time.monotonic()):.2f}s after the stream opened")
+            if got == 0 and e.reason == STREAM_ENDED:  # nothing malformed came: no answer came at all
+                raise RPCFailed(f"{method} to {who}: no answer, the stream ended ({where}): the peer stopped "
+                                "or the stream was reset") from None
+            raise RPCFailed(f"{method} to {who}: bad response: {e} ({where})") from None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # ConnectionError, P2PDaemonError, IncompleteReadError and friends

@@ -48,6 +48,10 @@ def is_known_status(code: int) -> bool:
     return isinstance(code, int) and code in pb.Status.values()
 
 
+STREAM_ENDED = "stream ended before the last frame"
+"""The reason of a message cut short: the sender stopped, or the stream was reset."""
+
+
 class ProtocolError(Exception):
     """A message refused at the boundary; `status` is a wire Status code, `reason` says why."""
 
@@ -123,7 +127,7 @@ async def read_message(frames: AsyncIterator[pb.Frame], message_type: type[M], m
         parts.append(frame.data)
         complete = frame.last
     if not complete:
-        raise ProtocolError(pb.BAD_REQUEST, "stream ended before the last frame")
+        raise ProtocolError(pb.BAD_REQUEST, STREAM_ENDED)
     return await parse_message(b"".join(parts), message_type), total
 
 
@@ -181,7 +185,7 @@ async def read_stream_message(reader: asyncio.StreamReader, message_type: type[M
             if frame.last:
                 break
     except asyncio.IncompleteReadError:
-        raise ProtocolError(pb.BAD_REQUEST, "stream ended before the last frame") from None
+        raise ProtocolError(pb.BAD_REQUEST, STREAM_ENDED) from None
     return await parse_message(b"".join(parts), message_type), total
 
 

@@ -416,7 +416,8 @@ def lose_answer_to(net: Network, reducer: Averager, victim: Averager) -> None:
     async def lossy(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
         resp = await reducer.reducer.handle(request, caller)
         if caller == victim.peer_id:
-            raise RPCFailed(f"average to {reducer.peer_id}: bad response: BAD_REQUEST: stream ended before the last frame")
+            raise RPCFailed(f"average to {reducer.peer_id}: no answer, the stream ended (request sent, 0 response "
+                            "bytes, 0.01s after the stream opened): the peer stopped or the stream was reset")
         return resp
 
     net.handlers[reducer.peer_id] = lossy

@@ -57,6 +57,8 @@ def test_a_stream_cancelled_mid_handler_ends_without_an_asyncio_error() -> None:
     reported, failure = asyncio.run(scenario())
     assert not reported, [c.get("message") for c in reported]
     assert failure is not None, "the call cannot succeed: its handler never answered"
+    # said as what it is (nothing came back), not as a malformed answer
+    assert "no answer, the stream ended" in str(failure) and "bad response" not in str(failure), failure
 
 
 def test_a_peer_whose_daemon_was_killed_is_no_longer_connected() -> None:
