@@ -263,8 +263,9 @@ class Peer:
         """Make-before-break: the new stage's replica joins (JOINING, state download) and serves
         (ONLINE) while the old one finishes its current round; then the old one leaves."""
         # a gain of 0 filling a stage: the stages it leaves behind have not measured their rates yet
-        gain = (f"expected gain {decision.gain:.1f} samples/s" if decision.gain > 0 or decision.reason != "fill-empty"
-                else "the other stages' rates not measured yet")
+        unmeasured = decision.gain <= 0 and decision.reason == "fill-empty"
+        gain = "the other stages' rates not measured yet" if unmeasured else \
+            f"expected gain {decision.gain:.1f} samples/s"
         logger.info("moving from stage %d to stage %d (%s, %s)", decision.source, decision.target, decision.reason, gain)
         assert old.worker is not None
         new = Replica(old.ctx, decision.target, rebalancer.figures(old.stage, old.worker.rate.rate).rates[decision.target])

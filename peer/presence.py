@@ -60,10 +60,10 @@ class Presence:
         self.clock = clock
         self.heartbeat = heartbeat
         self.memory = memory
+        """Bytes this peer offers a stage (placement of others reads it)."""
         self.stats = stats if stats is not None else ReplicaStats()
         self.backups = backups
         """(stage, applied_rounds) of the backups this peer holds, other than of `stage`."""
-        """Bytes this peer offers a stage (placement of others reads it)."""
         self.pinned = pinned
         """This peer does not move between stages (announced: placement never picks it to move)."""
         self.moving = False

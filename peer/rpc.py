@@ -25,8 +25,8 @@ from hivemind.p2p import P2P, PeerID
 
 from swarmgrad.peer.deadline import within
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, STREAM_ENDED, ProtocolError, discard, encode_stream, read_stream_message,
-                                        write_chunks)
+from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, STREAM_ENDED, ProtocolError, discard, encode_stream,
+                                        read_stream_message, write_chunks)
 
 logger = logging.getLogger(__name__)
 
