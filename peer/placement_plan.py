@@ -131,13 +131,14 @@ class Snapshot:
     @cached_property
     def reachable(self) -> Optimum:
         """What placement can reach with the live replicas (ignoring the cost of moving)."""
-        work, mem = [], []
+        work, mem, fixed = [], [], []
         for s, reps in enumerate(self.stages):
             for r in reps:
                 if r.state in LIVE:
                     work.append(r.rate * self.costs[s])
                     mem.append(r.memory)
-        return optimum(work, self.costs, mem, self.memory_need)
+                    fixed.append(s if r.pinned else -1)
+        return optimum(work, self.costs, mem, self.memory_need, fixed=fixed)
 
     def candidates(self, stage: int, target: int) -> list[Replica]:
         """ONLINE, not moving, not pinned, memory fits ``target``; sorted by peer id."""

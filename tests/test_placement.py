@@ -117,6 +117,34 @@ def test_exact_matches_brute_force() -> None:
         assert exact <= fluid_bound(work, costs) * (1 + 1e-9)
 
 
+def test_optimum_keeps_pinned_peers_where_they_are() -> None:
+    """What placement can reach when some replicas never move: the exact optimum searches only the
+    free peers' stages (brute force agrees), and the bound also pours the free work over the
+    pinned work, never below the exact value."""
+    # two fast peers pinned to stage 1, two slow free ones: stage 0 gets at most 1 + 1
+    best = optimum([5.0, 5.0, 1.0, 1.0], [1.0, 1.0], fixed=[1, 1, -1, -1])
+    assert best.throughput == pytest.approx(2.0) and best.assignment == (1, 1, 0, 0)
+    assert optimum([5.0, 5.0, 1.0, 1.0], [1.0, 1.0]).throughput == pytest.approx(6.0)  # free: {5, 1} each
+    assert fluid_bound([5.0, 5.0, 1.0, 1.0], [1.0, 1.0], fixed=[1, 1, -1, -1]) == pytest.approx(2.0)
+    # the water level: 3 free over stages pinned at 0, 1 and 6 (equal costs) reaches 2
+    assert fluid_bound([1.0, 6.0, 3.0], [1.0, 1.0, 1.0], fixed=[1, 2, -1]) == pytest.approx(2.0)
+    rng = random.Random(7)
+    for _ in range(60):
+        n, s = rng.randint(2, 7), rng.randint(2, 3)
+        work = [rng.choice([1, 2, 3, 5]) * rng.uniform(0.9, 1.1) for _ in range(n)]
+        costs = [rng.uniform(0.7, 1.3) for _ in range(s)]
+        fixed = [rng.randrange(s) if rng.random() < 0.4 else -1 for _ in range(n)]
+        exact = optimum(work, costs, fixed=fixed)
+        assert exact.throughput == pytest.approx(brute_force_optimum(work, costs, fixed), rel=1e-9), (work, fixed)
+        assert all(a == f for a, f in zip(exact.assignment, fixed) if f >= 0)
+        assert exact.throughput <= fluid_bound(work, costs, fixed=fixed) * (1 + 1e-9)
+        assert exact.throughput <= optimum(work, costs).throughput * (1 + 1e-9)
+    # the snapshot passes its pinned replicas on
+    snap_ = Snapshot(((Replica("a", ONLINE, 1.0),), (Replica("p", ONLINE, 5.0, pinned=True),
+                                                     Replica("q", ONLINE, 5.0, pinned=True))), (1.0, 1.0))
+    assert snap_.reachable.throughput == pytest.approx(1.0)
+
+
 def test_optimum_respects_memory() -> None:
     # Stage 1 needs 20 GB; only the slow peer has it, so it must serve there.
     work, mem, need = [10.0, 1.0], [8 * GB, 24 * GB], [4 * GB, 20 * GB]
