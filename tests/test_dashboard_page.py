@@ -56,7 +56,7 @@ def swarm_fixture(n_stages: int, replicas_per_stage: int, seed: int = 0) -> tupl
             replicas.append({
                 "peer_id": peer_id, "state": state, "rate": round(rng.uniform(2.0, 12.0), 2),
                 "round": round_, "digest": digest if agrees else f"{rng.getrandbits(64):016x}",
-                "agrees": agrees, "moving": replicas_per_stage > 10 and i == 11 + s,
+                "agrees": agrees, "moving": replicas_per_stage > 10 and i == 11 + s, "pinned": i == 2,
                 "train_loss": round(3.2 + rng.uniform(-0.1, 0.1), 3) if s == n_stages - 1 else None})
             admitted.append({"peer_id": peer_id, "role": "driver" if s == 0 else "peer", "stage": s,
                              "admitted_at": now - rng.uniform(60, 3600), "expires": now + 3600})

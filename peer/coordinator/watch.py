@@ -32,7 +32,7 @@ def swarm_snapshot(run_id: str, view: dict[int, list[PeerRecord]], state: Coordi
         majority = policy.majority_digest(records)
         replicas = [{"peer_id": r.peer_id, "state": r.state, "rate": round(r.throughput, 3), "round": r.round,
                      "digest": r.digest, "agrees": bool(r.digest) and r.digest == majority, "moving": r.moving,
-                     "train_loss": _stat(r, "train_loss")}
+                     "pinned": r.pinned, "train_loss": _stat(r, "train_loss")}
                     for r in sorted(records, key=lambda r: r.peer_id)]
         rate = sum(r.throughput for r in records if r.state == ONLINE)
         stages.append({"stage": stage, "rate": round(rate, 3), "majority_digest": majority, "replicas": replicas})

@@ -21,7 +21,7 @@ marked |null may be null; NaN and infinities are sent as null):
      "stages": [{"stage": int, "rate": float, "majority_digest": str|null,
                  "replicas": [{"peer_id": str, "state": "joining"|"online"|"leaving"|...,
                                "rate": float, "round": int, "digest": str, "agrees": bool,
-                               "moving": bool, "train_loss": float|null}]}],
+                               "moving": bool, "pinned": bool, "train_loss": float|null}]}],
      "peers": {"admitted": [{"peer_id": str, "role": str, "stage": int|null,
                              "admitted_at": float, "expires": float}],
                "revoked": [{"peer_id": str, "revoked_at": float}]},

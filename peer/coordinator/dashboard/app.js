@@ -250,7 +250,9 @@ function replicaRow(r) {
       "data-agrees": agrees, "data-moving": r.moving === true,
       title: r.peer_id + "\nstate " + r.state + "\ndigest " + (r.digest ?? "—")
         + "\ntrain loss " + fmt(r.train_loss, 3)},
-    el("span", {class: "pid"}, shortId(r.peer_id), r.moving ? el("span", {class: "moving-tag", title: "moving to another stage"}, " ⇄") : null),
+    el("span", {class: "pid"}, shortId(r.peer_id),
+      r.moving ? el("span", {class: "moving-tag", title: "moving to another stage"}, " ⇄")
+        : r.pinned ? el("span", {class: "pinned-tag", title: "pinned: given this stage, never moves"}, " ·") : null),
     el("span", {class: "state", title: r.state ?? ""}, el("i", {class: "dot"}), el("span", {class: "label"}, r.state ?? "—")),
     el("span", {class: "r"}, fmt(r.rate)),
     el("span", {class: "r"}, r.round ?? "—"),
