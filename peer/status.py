@@ -64,6 +64,9 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
                   f"+{mv['expected_gain']:.1f} samples/s)")
         if not placement["moves"]:
             print("  no move would be made now")
+        for s in placement["unfilled"]:
+            print(f"  stage {s} is empty and no peer would move there (those that could are pinned, or their "
+                  f"stage has none to spare): start a peer with --stage {s} or --stage auto")
     return 0
 
 
@@ -91,9 +94,13 @@ def _placement(manifest, swarm: dict[int, list]) -> dict:
                 moves.append({"peer_id": r.peer_id, "from_stage": decision.source, "to_stage": decision.target,
                               "reason": decision.reason, "expected_gain": decision.gain})
     reach = snap.reachable
+    filled = {mv["to_stage"] for mv in moves}
+    # an empty stage that no move fills: every replica that could come is pinned, or its stage has
+    # no replica to spare (placement never empties a stage): only a new peer fills it
+    stranded = [s for s, n in enumerate(snap.live_counts) if n == 0 and s not in filled]
     return {"bottleneck": min(range(len(caps)), key=lambda s: (caps[s], s)), "capacities": list(caps),
             "throughput": snap.throughput, "reachable": reach.throughput, "reachable_method": reach.method,
-            "moves": moves}
+            "moves": moves, "unfilled": stranded}
 
 
 if __name__ == "__main__":

@@ -508,3 +508,19 @@ def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_
     assert 0.5 * quick <= waits[2] <= 1.5 * quick  # after one with an empty stage
     s = R.snapshot_from_view({0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}, costs)
     assert [r.pinned for r in s.stages[1]] == [False, True]
+
+
+def test_status_names_an_empty_stage_that_only_a_new_peer_can_fill() -> None:
+    from swarmgrad.peer.status import _placement
+    from swarmgrad.peer.swarm import PeerRecord
+
+    def rec(pid: str, stage: int, pinned: bool) -> PeerRecord:
+        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=5.0, round=3, applied_rounds=3,
+                          digest="d", manifest_hash="h", driver=stage == 0, pinned=pinned)
+    m = load(DEFAULT)
+    stuck = _placement(m, {0: [rec("a", 0, True), rec("b", 0, True)], 1: []})
+    assert stuck["unfilled"] == [1] and stuck["moves"] == []
+    one_free = _placement(m, {0: [rec("a", 0, True), rec("b", 0, False)], 1: []})
+    assert one_free["unfilled"] == [] and [(mv["peer_id"], mv["to_stage"]) for mv in one_free["moves"]] == [("b", 1)]
+    alone = _placement(m, {0: [rec("a", 0, False)], 1: []})  # its stage has none to spare
+    assert alone["unfilled"] == [1]

@@ -66,6 +66,7 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
         peer_id = peer.events("started")[0]["peer"]
         assert peer_id in status.stdout, status.stdout
     assert "stage 0: 2 replica(s)" in status.stdout and "stage 1: 2 replica(s)" in status.stdout
+    assert status.stdout.count(" pinned ") == 4 and "is empty" not in status.stdout, status.stdout  # --stage N each
 
     codes = swarm.wait_exit(150)
     assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
