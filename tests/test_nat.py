@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -229,6 +231,8 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
     # download through a relay took 15-30 s (4-8 rounds), so 6 rounds left as few as 2 together
     common = ("--max-rounds", "10", "--linger", "10")
     relays: list[subprocess.Popen] = []
+    # the relays' temp folders (multiprocessing's pymp-*), removed below: SIGKILLed, they cannot
+    relay_tmp = tempfile.mkdtemp(prefix="swarmgrad-relays-")
     with netns.NetnsSwarm(manifest, tmp_path / "swarm", two_natted_net.endpoints, port=PORT) as swarm:
         try:
             swarm.start_first(0, "--reachability", "public", *common)
@@ -236,7 +240,8 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
                 relays.append(subprocess.Popen(
                     [*ep.exec_prefix(), sys.executable, "-m", "swarmgrad.peer.cli", "relay", "--host-maddrs",
                      f"/ip4/{ep.address}/tcp/{PORT}", "--initial-peers", *swarm.initial_peers],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                    env={**os.environ, "TMPDIR": relay_tmp}))
             b = swarm.start(1, "--reachability", "relay", *common)
             c = swarm.start(1, "--reachability", "relay", *common)
             codes = swarm.wait_exit(180)
@@ -248,6 +253,7 @@ def test_two_replicas_behind_nat_average_through_a_relay(two_natted_net: netns.W
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(relay.pid, signal.SIGKILL)
                 relay.wait(10)
+            shutil.rmtree(relay_tmp, ignore_errors=True)
     assert_replicas_agree([b, c], 1)
     both = [r for r, events in complete_rounds([b, c], 1).items()
             if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
