@@ -207,7 +207,7 @@ def should_move(snapshot: Snapshot, me: PeerFigures, stage: int, *, salt: int = 
     if mine is None or mine.state != ONLINE or mine.moving:
         return None
     a, caps, T = stage, snapshot.capacities, snapshot.throughput
-    if any(n == 0 for n in snapshot.live_counts):
+    if snapshot.empty_stages:
         target = snapshot.fill_plan(salt).get(me.peer_id)
         if target is None:
             return None

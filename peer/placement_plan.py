@@ -121,6 +121,11 @@ class Snapshot:
         return tuple(sum(1 for r in reps if r.state in LIVE) for reps in self.stages)
 
     @cached_property
+    def empty_stages(self) -> tuple[int, ...]:
+        """Stages with no JOINING or ONLINE replica (placement fills these before anything else)."""
+        return tuple(s for s, n in enumerate(self.live_counts) if n == 0)
+
+    @cached_property
     def has_mover(self) -> tuple[bool, ...]:
         return tuple(any(r.state == LEAVING or r.moving for r in reps) for reps in self.stages)
 

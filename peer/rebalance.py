@@ -100,7 +100,7 @@ class Rebalancer:
             except Exception as e:  # a slow DHT: skip this check, never act on a partial view
                 logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
                 continue
-            empty = any(n == 0 for n in snap.live_counts)
+            empty = bool(snap.empty_stages)
             confirmed = confirm.observe(decision)
             if confirmed is not None:
                 return confirmed

@@ -97,10 +97,10 @@ def _placement(manifest, swarm: dict[int, list]) -> dict:
     filled = {mv["to_stage"] for mv in moves}
     # an empty stage that no move fills: every replica that could come is pinned, or its stage has
     # no replica to spare (placement never empties a stage): only a new peer fills it
-    stranded = [s for s, n in enumerate(snap.live_counts) if n == 0 and s not in filled]
+    unfilled = [s for s in snap.empty_stages if s not in filled]
     return {"bottleneck": min(range(len(caps)), key=lambda s: (caps[s], s)), "capacities": list(caps),
             "throughput": snap.throughput, "reachable": reach.throughput, "reachable_method": reach.method,
-            "moves": moves, "unfilled": stranded}
+            "moves": moves, "unfilled": unfilled}
 
 
 if __name__ == "__main__":
