@@ -33,7 +33,7 @@ from swarmgrad.peer.replica import PeerContext, Replica
 from swarmgrad.peer.backup import BackupStore
 from swarmgrad.peer.pipeline import refusal
 from swarmgrad.peer.rpc import FramedRPC, Traffic
-from swarmgrad.peer.stage_bench import device_memory, stage_rates
+from swarmgrad.peer.stage_bench import device_memory, stage_rate, stage_rates
 from swarmgrad.peer.stage_cost import StageCost, stage_costs
 from swarmgrad.peer.swarm import SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
@@ -139,13 +139,18 @@ class Peer:
                 self._revoked_task = asyncio.create_task(self._stop_when_revoked(stop), name="revoked")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
+            expected_rate = rates[stage] if rates else await self._pinned_rate(stage)
+            self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
+                             manifest_hash=self.m.hash, stage_rates=list(rates), expected_rate=expected_rate,
+                             memory=ctx.memory, metrics_port=self.metrics_port,
+                             reachability=self.opt.reachability)
             if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
                 dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
                                    stage=lambda: self.replicas[-1].stage if self.replicas else None,
                                    interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events,
                                    dht=self.dht, initial_peers=self.opt.initial_peer_ids)
                 self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
-            replica = Replica(ctx, stage, rates[stage] if rates else 0.0)
+            replica = Replica(ctx, stage, expected_rate)
             self.replicas.append(replica)
             await replica.start()
             rebalancer = Rebalancer(swarm=self.swarm, peer_id=self.peer_id, costs=costs, bench_rates=rates,
@@ -183,6 +188,12 @@ class Peer:
             rates = await asyncio.get_running_loop().run_in_executor(
                 None, stage_rates, self.m, self.model, self.opt.device, self.opt.slowdown)
         return ctx, costs, rates
+
+    async def _pinned_rate(self, stage: int) -> float:
+        """A pinned peer's benchmarked rate on its own stage (it skipped the every-stage benchmark,
+        having no choice to weigh), announced until it has measured itself."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, stage_rate, self.m, self.model, self.opt.device, stage, self.opt.slowdown)
 
     def _serve_metrics(self, metrics: PeerMetrics) -> int:
         host, port = self.opt.metrics_host, self.opt.metrics_port
@@ -225,9 +236,6 @@ class Peer:
                 raise RuntimeError(f"no stage fits in the memory this peer offers ({memory / 2**30:.1f} GiB; the "
                                    f"smallest stage needs {need / 2**30:.1f} GiB): raise --max-memory")
             stage = choice
-        self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
-                         manifest_hash=self.m.hash, stage_rates=list(rates), memory=memory,
-                         metrics_port=self.metrics_port, reachability=self.opt.reachability)
         return stage
 
     async def _serve(self, replica: Replica, rebalancer: Rebalancer | None, stop: asyncio.Event) -> None:

@@ -58,33 +58,65 @@ def bench_stage(model: StagedModel, stage: int, batch: int, device: torch.device
     return TIMED_ITERS * batch / max(1e-9, time.perf_counter() - started)
 
 
+def _read_cache(path: Path) -> dict[str, list[float]]:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _write_cache(path: Path, key: str, rates: list[float]) -> None:
+    try:
+        cached = _read_cache(path)
+        cached[key] = rates
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.info("could not cache stage rates: %s", e)
+
+
+def _valid(rates: object, n: int) -> bool:
+    return isinstance(rates, list) and len(rates) == n and all(isinstance(r, float) for r in rates)
+
+
 def stage_rates(manifest: Manifest, model: StagedModel, device: str, slowdown: float = 1.0,
                 use_cache: bool = True) -> tuple[float, ...]:
     """Samples/s on every stage for this device (divided by --slowdown), from the cache if there."""
     key = f"{manifest.hash}|{device}|{torch.__version__}"
     path = cache_dir() / "stage-rates.json"
-    cached: dict[str, list[float]] = {}
-    if use_cache:
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = {}
-    rates = cached.get(key)
-    if not (isinstance(rates, list) and len(rates) == model.n_stages and all(isinstance(r, float) for r in rates)):
+    rates = _read_cache(path).get(key) if use_cache else None
+    if not _valid(rates, model.n_stages):
         vocab = manifest.model.vocab_size
         rates = [bench_stage(model, s, manifest.inner.microbatch_size, torch.device(device), vocab)
                  for s in range(model.n_stages)]
         logger.info("stage benchmark on %s: %s samples/s", device, ", ".join(f"{r:.1f}" for r in rates))
         if use_cache:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                cached[key] = rates
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(cached))
-                os.replace(tmp, path)
-            except OSError as e:
-                logger.info("could not cache stage rates: %s", e)
+            _write_cache(path, key, rates)
     return tuple(r / slowdown for r in rates)
+
+
+def stage_rate(manifest: Manifest, model: StagedModel, device: str, stage: int, slowdown: float = 1.0,
+               use_cache: bool = True) -> float:
+    """Samples/s on one stage, for a peer pinned to it: it never weighs the others, but the swarm
+    reads its announced rate before its first round (0 there reads as a stage with no capacity
+    and draws other peers to it). From the whole-device cache entry if there, else one stage's
+    benchmark, cached on its own."""
+    key = f"{manifest.hash}|{device}|{torch.__version__}"
+    path = cache_dir() / "stage-rates.json"
+    cached = _read_cache(path) if use_cache else {}
+    if _valid(cached.get(key), model.n_stages):
+        return cached[key][stage] / slowdown
+    own = cached.get(f"{key}|stage {stage}")
+    if not _valid(own, 1):
+        own = [bench_stage(model, stage, manifest.inner.microbatch_size, torch.device(device),
+                           manifest.model.vocab_size)]
+        logger.info("stage benchmark on %s: stage %d %.1f samples/s", device, stage, own[0])
+        if use_cache:
+            _write_cache(path, f"{key}|stage {stage}", own)
+    return own[0] / slowdown
 
 
 def device_memory(device: str) -> int:

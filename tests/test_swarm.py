@@ -67,6 +67,9 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
         assert peer_id in status.stdout, status.stdout
     assert "stage 0: 2 replica(s)" in status.stdout and "stage 1: 2 replica(s)" in status.stdout
     assert status.stdout.count(" pinned ") == 4 and "is empty" not in status.stdout, status.stdout  # --stage N each
+    # pinned peers skip the every-stage benchmark but still announce a measured rate from the start
+    expected = {p.name: p.events("started")[0]["expected_rate"] for p in swarm.peers}
+    assert all(rate > 0 for rate in expected.values()), expected
 
     codes = swarm.wait_exit(150)
     assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
