@@ -194,15 +194,15 @@ class Driver:
         if n1 > n0:
             self.estimator.observe_compute((c1 - c0) / (n1 - n0))
 
-    def _marks(self) -> tuple[float, float, int, int, int, int, float]:
+    def _marks(self) -> tuple[float, float, int, int, int, int, float, float, float]:
         return (time.monotonic(), self.worker.compute_total, self._up_bytes, self._down_bytes, self._trips,
-                self.stats.ahead, self.step_gaps.total)
+                self.stats.ahead, self.step_gaps.total, *self.worker.core_time)
 
     def report(self) -> dict[str, float | int | str | None]:
         """What limited the pipeline since the last report: the window, the measured link rates,
         link and compute utilisation and the bottleneck (the `pipeline` event's fields)."""
         now = self._marks()
-        (t0, c0, up0, down0, r0, a0, g0), self._report_mark = self._report_mark, now
+        (t0, c0, up0, down0, r0, a0, g0, cpu0, el0), self._report_mark = self._report_mark, now
         m, choice = self.estimator.measure(), self.choice
         use = utilisation(wall_s=now[0] - t0, up_bytes=now[2] - up0, down_bytes=now[3] - down0, up_rate=m.up_rate,
                           down_rate=m.down_rate, local_compute_s=now[1] - c0,
@@ -217,7 +217,9 @@ class Driver:
                 "latency_s": round(m.latency, 4), "interval_s": round(choice.interval, 4), "trip_s": round(choice.trip, 4),
                 "samples": self.estimator.samples,
                 "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0,
-                "step_gap_share": round(min(1.0, (now[6] - g0) / max(1e-9, now[0] - t0)), 3)}
+                "step_gap_share": round(min(1.0, (now[6] - g0) / max(1e-9, now[0] - t0)), 3),
+                "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
+                if self.worker.device.type == "cpu" and now[8] > el0 else None}
 
     async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
                        eval_only: bool) -> tuple[int, float, str, str]:

@@ -28,6 +28,27 @@ logger = logging.getLogger(__name__)
 
 STEP_GAP_HINT = 0.25
 """A driver whose uplink waits this share of the time between inner steps says, once, what shortens it."""
+SHARED_CORE = 0.8
+"""Below this share of a core for its compute thread (a CPU device that other processes share), a
+driver does not suggest finer microbatches: the others already use its waits. Measured with `swarmgrad
+demo` on 2 cores (docs/measurements.md): with 4 peers the compute threads got 0.69–0.73 of a core and
+4 × 8 ran at 0.91–0.98× the samples/s of 2 × 16; with 2 peers they got 0.96–0.98 and 4 × 8 ran at 1.19×."""
+
+
+def pipeline_hint(report: dict, microbatches_per_step: int, microbatch_size: int) -> str | None:
+    """What a driver says once about its pipeline's waits between inner steps, from a `pipeline`
+    report (``Driver.report``); None when there is nothing to say."""
+    gap, share = report["step_gap_share"], report.get("core_share")
+    if gap < STEP_GAP_HINT or microbatch_size <= 1:
+        return None
+    if share is not None and share < SHARED_CORE:
+        return (f"the uplink waited {100 * gap:.0f}% of the time between inner steps, but the compute thread ran "
+                f"on {100 * share:.0f}% of a core: other processes share this machine's cores and use those "
+                f"waits, so more, smaller microbatches would not make the swarm faster here")
+    return (f"the uplink waited {100 * gap:.0f}% of the time between inner steps (each exact step's fill and "
+            f"drain); more, smaller microbatches per step shorten it, with the same samples per step "
+            f"(inner.microbatches_per_step × inner.microbatch_size, now {microbatches_per_step} × "
+            f"{microbatch_size}; raise pipeline.max_in_flight with them)")
 
 
 def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
@@ -121,20 +142,19 @@ class DrivingLoop:
         self.events.emit("pipeline", round=self.clock.current, **r)
         rate = lambda v: "?" if v is None else f"{v / 1e6:.2f}"  # noqa: E731
         logger.info("stage 0 pipeline: window %d of %d (%s) | link %.0f%% (up %.2f of %s MB/s, down %.2f of %s MB/s) "
-                    "| compute %.0f%% (driver %.0f%%) | bottleneck %s | uplink waits between steps %.0f%%%s",
+                    "| compute %.0f%% (driver %.0f%%%s) | bottleneck %s | uplink waits between steps %.0f%%%s",
                     r["window"], r["max_in_flight"],
                     r["window_limited_by"], 100 * r["link_util"], r["up_bytes_per_s"] / 1e6, rate(r["up_rate"]),
                     r["down_bytes_per_s"] / 1e6, rate(r["down_rate"]), 100 * r["compute_util"],
-                    100 * r["driver_compute_util"], r["bottleneck"], 100 * r["step_gap_share"],
+                    100 * r["driver_compute_util"],
+                    "" if r["core_share"] is None else f", on {100 * r['core_share']:.0f}% of a core",
+                    r["bottleneck"], 100 * r["step_gap_share"],
                     f" | {100 * r['ahead_share']:.0f}% ran ahead" if self.m.pipeline.lookahead else "")
-        inner = self.m.inner
-        if not self._hinted and r["step_gap_share"] >= STEP_GAP_HINT and inner.microbatch_size > 1:
-            self._hinted = True  # once per run: the figure is in every pipeline event
-            logger.info("stage 0 pipeline: the uplink waited %.0f%% of the time between inner steps (each exact "
-                        "step's fill and drain); more, smaller microbatches per step shorten it, with the same "
-                        "samples per step (inner.microbatches_per_step × inner.microbatch_size, now %d × %d; "
-                        "raise pipeline.max_in_flight with them)", 100 * r["step_gap_share"],
-                        inner.microbatches_per_step, inner.microbatch_size)
+        hint = None if self._hinted else pipeline_hint(r, self.m.inner.microbatches_per_step,
+                                                       self.m.inner.microbatch_size)
+        if hint is not None:
+            self._hinted = True  # once per run: the figures are in every pipeline event
+            logger.info("stage 0 pipeline: %s", hint)
 
     async def evaluate(self, final: bool = False, after_round: int | None = None) -> None:
         """Score θ_global on the held-out batches; `after_round`: the round whose end made it due

@@ -113,6 +113,11 @@ class StageWorker(CommitOnAck):
         """Seconds this replica has spent computing (forward, backward, inner steps; waits excluded),
         ever, never reset: the round runner turns its growth over a round into the round's utilisation,
         the driver its growth over a report window into its compute utilisation (peer/window.py)."""
+        self.core_time = [0.0, 0.0]
+        """[CPU seconds of the compute thread, elapsed seconds] over the compute calls themselves
+        (the --slowdown sleep excluded), ever: their ratio is the share of a core the compute
+        thread got while it ran. Below 1 on a CPU device, other processes shared its core, and the
+        time this replica waits is theirs to use (the driver reports it, `core_share`)."""
         self._rebase: Callable[[], None] | None = None
         self.eval_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None
         """Where evaluations (train=False) take their weights. The replica points it at θ_global's
@@ -157,11 +162,13 @@ class StageWorker(CommitOnAck):
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run compute on this thread, measure it, and stretch it by the slowdown (testing aid)."""
         wall = self.rate_clock is time.perf_counter  # one reading: two differ under load
+        cpu_started = time.thread_time()
         started = time.perf_counter()
         rate_started = started if wall else self.rate_clock()
         out = fn(*args)
         spent = time.perf_counter() - started
         measured = spent if wall else self.rate_clock() - rate_started
+        self._core(cpu_started, spent)
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * spent)
             spent, measured = spent * self.slowdown, measured * self.slowdown
@@ -170,11 +177,18 @@ class StageWorker(CommitOnAck):
         return out
 
     def _timed_step(self) -> bool:
+        cpu_started = time.thread_time()
         started = time.perf_counter()
         try:
             return self.inner.step(self.accumulated, self.samples)
         finally:
-            self.compute_total += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.compute_total += spent
+            self._core(cpu_started, spent)
+
+    def _core(self, cpu_started: float, spent: float) -> None:
+        self.core_time[0] += time.thread_time() - cpu_started
+        self.core_time[1] += spent
 
     # the overlapped round's rebase (peer/overlap.py) ---------------------------------------
     async def rebase(self, fn: Callable[[], None]) -> None:

@@ -153,3 +153,16 @@ def test_step_gaps_count_the_uplinks_wait_between_steps_within_a_round() -> None
     g.starting(4, 1, 10.2)
     g.starting(4, 1, 10.9)  # the same request again (refused, retried): the wait was counted once
     assert g.total == pytest.approx(0.8)
+
+
+def test_the_finer_microbatches_hint_only_where_the_waits_are_the_drivers_own() -> None:
+    from swarmgrad.peer.driving import SHARED_CORE, STEP_GAP_HINT, pipeline_hint
+    own = {"step_gap_share": 0.85, "core_share": 0.97}
+    hint = pipeline_hint(own, 2, 16)
+    assert hint is not None and "more, smaller microbatches per step shorten it" in hint and "now 2 × 16" in hint
+    assert pipeline_hint({**own, "core_share": None}, 2, 16) == hint  # an accelerator: no core share
+    # the demo: 4 peers on 2 cores, each compute thread on ~half a core; finer microbatches bought nothing
+    shared = pipeline_hint({**own, "core_share": SHARED_CORE - 0.25}, 2, 16)
+    assert shared is not None and "would not make the swarm faster here" in shared and "55% of a core" in shared
+    assert pipeline_hint({**own, "step_gap_share": STEP_GAP_HINT - 0.01}, 2, 16) is None
+    assert pipeline_hint(own, 32, 1) is None  # nothing finer to split into

@@ -31,6 +31,7 @@ def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None
         assert 0.0 <= r["link_util"] <= 1.0 and 0.0 <= r["compute_util"] <= 1.0
         assert r["bottleneck"] == ("link" if r["link_util"] > r["compute_util"] else "compute")
         assert 0.0 <= r["step_gap_share"] <= 1.0
+        assert 0.0 < r["core_share"] <= 1.0  # a CPU device: the share of a core its compute thread got
     # exact steps: the uplink waits between one step's last request and the next one's first
     assert max(r["step_gap_share"] for r in reports) > 0
     last = reports[-1]

@@ -141,6 +141,21 @@ def test_rate_clock_cpu_leaves_out_time_the_thread_did_not_run_and_slowdown_scal
         make_worker(rate_clock="gpu")
 
 
+def test_core_time_counts_the_compute_threads_cpu_against_elapsed_time_without_the_slowdown() -> None:
+    def compute() -> None:
+        time.sleep(0.05)  # descheduled: a neighbour has the core
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    w = make_worker(slowdown=3.0)
+    w._timed(compute)
+    w.close()
+    cpu, elapsed = w.core_time
+    assert 0.02 <= cpu < 0.04 and 0.07 <= elapsed < 3 * 0.07  # the slowdown's sleep is in neither
+    assert cpu / elapsed < 0.6 and w.compute_total >= 3 * 0.07
+
+
 def test_a_closed_worker_refuses_work_that_arrives_late() -> None:
     """A request admitted before the replica stopped reaches the worker after `close` shut its
     compute thread: a NOT_READY refusal (the caller retries elsewhere), not an executor error
