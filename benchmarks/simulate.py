@@ -38,9 +38,15 @@ EXTRA = {
     "full, holders kept fresh (what-if)": dict(policy="full", holders_listen=True),
     "full, 8 holders kept fresh (what-if)": dict(policy="full", backup_copies=8, parallel_push=True,
                                                  holders_listen=True),
+    "full, 10 % pinned": dict(policy="full", pinned_share=0.1),
+    "full, 30 % pinned": dict(policy="full", pinned_share=0.3),
+    "full, 10 % pinned on stage 0 (NAT clients)": dict(policy="full", pinned_share=0.1, pinned_stage=0),
+    "full, 30 % pinned on stage 0 (NAT clients)": dict(policy="full", pinned_share=0.3, pinned_stage=0),
 }
-"""Opt-in (``--extra``): the simulator's former check interval, and backup holders that stay fresh
-all round (``SimConfig.holders_listen``, not in the daemon)."""
+"""Opt-in (``--extra``): the simulator's former check interval, backup holders that stay fresh
+all round (``SimConfig.holders_listen``, not in the daemon), and a share of pinned peers
+(``SimConfig.pinned_share``: never moved, placed where a newcomer would go on arrival, or all on
+stage 0 as NAT clients are)."""
 
 
 def row(name: str, results: list[SimResult], seconds: float) -> str:
@@ -54,7 +60,8 @@ def row(name: str, results: list[SimResult], seconds: float) -> str:
             f"| {mean(r.paper_ratio for r in results):.4f} | {mean(r.reaction_limit for r in results):.4f} "
             f"| {mean(r.reaction_limit_warm for r in results):.4f} "
             f"| {mean(r.backup_bytes_per_round for r in results) / 1e9:.1f} "
-            f"| {mean(r.averaging_bytes_per_round for r in results) / 1e9:.0f} | {seconds:.1f} |")
+            f"| {mean(r.averaging_bytes_per_round for r in results) / 1e9:.0f} "
+            f"| {mean(r.pinned_bound_ratio for r in results):.4f} | {seconds:.1f} |")
 
 
 def _run(job: tuple[int, int, float, dict]) -> tuple[SimResult, float]:
@@ -77,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
           f"time-averaged; on paper = the same with joiners and movers counted at their target; "
           f"recovery = seconds until the ratio is back at 0.95; reaction limit = the ratio if every "
           f"departure were repaired exactly one switch time after it (download + warm-up; warm: warm-up only); "
-          f"GB/round: backups pushed and averaging sent per round, all stages (peer/simulator.py)")
+          f"GB/round: backups pushed and averaging sent per round, all stages; pinned bound = the bound with "
+          f"pinned peers kept in place over the free bound (peer/simulator.py)")
     print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves "
-          "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round | run s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round "
+          "| pinned bound | run s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     variants = {**VARIANTS, **(EXTRA if args.extra else {})}
     if args.only:
         variants = {name: variants[name] for name in args.only}

@@ -40,7 +40,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from swarmgrad.peer.sim_report import run_cli
     return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
-                   plot=args.plot, link_mbit=args.link_mbit, hosted_link_mbit=args.hosted_link_mbit)
+                   plot=args.plot, link_mbit=args.link_mbit, hosted_link_mbit=args.hosted_link_mbit,
+                   pinned_share=args.pinned_share, pinned_stage=args.pinned_stage)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="median link of a peer, Mbit/s (log-normal; state downloads and backups)")
     m.add_argument("--hosted-link-mbit", type=float, default=1000.0,
                    help="median link of the data-centre GPUs (T4, V100, A10, A100, H100); 0: as --link-mbit")
+    m.add_argument("--pinned-share", type=float, default=0.0, metavar="F",
+                   help="share of peers that never move (--stage N, NAT clients): what pinning costs")
+    m.add_argument("--pinned-stage", type=int, default=None, metavar="N",
+                   help="the stage pinned peers serve (default: a newcomer's choice on arrival; 0: NAT clients)")
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
     m.set_defaults(fn=cmd_simulate)

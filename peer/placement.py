@@ -167,6 +167,14 @@ def expected_tenure(age_s: float, floor_s: float = 600.0) -> float:
     return max(float(age_s), floor_s)
 
 
+EMPTY_CHECK_SHARE = 5
+"""While a stage is empty (and, in the daemon, at its first check), a peer checks this many times
+as often: filling it is immediate, and at a fresh start every peer chose its stage before it saw
+the others' records (two started together, one pinned to stage 1, both on stage 1: the other
+filled stage 0 only at its first check, 22 s later, the swarm idle meanwhile). The daemon's
+rebalancer and the simulator both use it."""
+
+
 def check_interval(base_s: float, rng: random.Random) -> float:
     """Seconds to the next check: uniform in [0.5, 1.5]·base, so peers never check in lockstep."""
     return base_s * (0.5 + rng.random())

@@ -9,8 +9,8 @@ import random
 import time
 from typing import Callable, Sequence
 
-from swarmgrad.peer.placement import (Confirmation, MoveDecision, PeerFigures, Policy, check_interval,
-                                      estimate_rates, expected_tenure, should_move)
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, Confirmation, MoveDecision, PeerFigures, Policy,
+                                      check_interval, estimate_rates, expected_tenure, should_move)
 from swarmgrad.peer.placement_plan import Snapshot
 from swarmgrad.peer.stage_cost import StageCost
 from swarmgrad.peer.policy import majority_digest
@@ -24,13 +24,6 @@ DWELL_CHECKS = 4
 """After a move, a peer lets this many check intervals pass before it considers the next one: its
 rate on the new stage is an estimate until it has measured itself there, and acting on the
 estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
-
-EMPTY_CHECK_SHARE = 5
-"""While a stage is empty (and at the first check), checks come this many times as often: filling
-it is immediate, and at a fresh start every peer chose its stage before it saw the others' records
-(two started together, one pinned to stage 1, both on stage 1: the other filled stage 0 only at
-its first check, 22 s later, the swarm idle meanwhile)."""
-
 
 def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
     """Each stage's applied rounds as its majority announces them (policy.majority_digest): a

@@ -98,6 +98,14 @@ class SimConfig:
     the swarm's fastest repair, so it looks at every snapshot refresh."""
     backup_copies: int = 2
     """Holders per stage (``backup.BACKUP_COPIES``); 0: no backups, every mover downloads."""
+    pinned_share: float = 0.0
+    """Share of peers that are pinned (``--stage N`` with rebalancing off, or behind NAT in client
+    mode): they never move, and their records say so, so no plan picks them (``Replica.pinned``).
+    0 draws nothing from the random stream: the runs without pinned peers are the same as before."""
+    pinned_stage: int | None = None
+    """The stage pinned peers serve: None, the stage a newcomer would choose on arrival (an operator
+    who picked well once); N, every one on stage N (0: NAT clients, which drive). A peer whose
+    memory does not hold stage N is refused."""
     holders_listen: bool = False
     """What-if, not in the daemon: a holder, once it has a copy, stays fresh at every boundary, as
     if it applied each round's averaged update as a listening member of the stage's group
@@ -120,6 +128,8 @@ class SimConfig:
             raise ValueError("SimConfig.round_s must be > 0, backup_every and backup_copies >= 0")
         if not 0 < self.backup_link_share <= 1:
             raise ValueError("SimConfig.backup_link_share must be in (0, 1]")
+        if not 0 <= self.pinned_share <= 1:
+            raise ValueError("SimConfig.pinned_share must be in [0, 1]")
 
 
 @dataclass
@@ -152,6 +162,10 @@ class SimResult:
     """The assignment on paper against the bound, time-averaged: every peer counted on the stage it
     serves or is joining (newcomers and movers at their target, at true rates), over the fluid
     bound of all peers. What a repair counts as done before it serves."""
+    pinned_bound_ratio: float = 1.0
+    """What pinning alone costs, time-averaged: the fluid bound with the pinned peers kept on their
+    stages over the bound with every peer free (1: no pinned peer, or they sit where the bound
+    would use them). ``throughput_ratio`` is over the free bound, so it includes this."""
     optimum_method: str = "bound"
     series: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, throughput, optimum) samples, in samples/s."""

@@ -39,15 +39,17 @@ def format_line(r: SimResult) -> str:
             f"moves_per_peer_hour={r.moves_per_peer_hour:.4f} recovery_s={rec} moves={r.moves} "
             f"joins={r.joins} leaves={r.leaves} refused={r.refused} "
             f"min_ratio_after_departure={r.min_ratio_after_departure:.3f} reaction_limit={r.reaction_limit:.4f} "
-            f"warm_moves={r.warm_moves}")
+            f"warm_moves={r.warm_moves} pinned_bound_ratio={r.pinned_bound_ratio:.4f}")
 
 
 def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None,
-            link_mbit: float, hosted_link_mbit: float) -> int:
+            link_mbit: float, hosted_link_mbit: float, pinned_share: float = 0.0,
+            pinned_stage: int | None = None) -> int:
     """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
     moves_per_peer_hour."""
     result = simulate(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy, bandwidth_median_mbit=link_mbit,
-                                hosted_bandwidth_median_mbit=hosted_link_mbit))
+                                hosted_bandwidth_median_mbit=hosted_link_mbit, pinned_share=pinned_share,
+                                pinned_stage=pinned_stage))
     if plot:
         write_png(plot, result.series)
     if as_json:

@@ -10,8 +10,10 @@ once. Every ``snapshot_s`` the DHT view is rebuilt (rates measured with noise; a
 shows LEAVING on its stage and JOINING on its target); peers act on that possibly stale view.
 A newcomer picks its stage with ``choose_stage_for_newcomer`` and serves after downloading the
 stage state and warming up. Every peer checks ``should_move`` at jittered intervals through its
-own ``Confirmation``; a mover keeps serving its old stage while it downloads (make-before-break),
-serves nothing during warm-up, then serves the target.
+own ``Confirmation`` (``EMPTY_CHECK_SHARE`` times as often while the view has an empty stage, as
+the daemon's rebalancer); a mover keeps serving its old stage while it downloads
+(make-before-break), serves nothing during warm-up, then serves the target. A share of peers may
+be pinned (``pinned_share``): they never check, and no plan picks them.
 
 Warm standbys (placement rule 7). Rounds end together every ``round_s``; every ``backup_every``
 rounds each stage pushes its committed state to its ``backup_copies`` holders (ONLINE peers of
@@ -56,9 +58,10 @@ import random
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.placement import (NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy, check_interval,
-                                      choose_stage_for_newcomer, expected_tenure, should_move, switch_time)
-from swarmgrad.peer.placement_optimum import fluid_bound
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy,
+                                      check_interval, choose_stage_for_newcomer, expected_tenure, should_move,
+                                      switch_time)
+from swarmgrad.peer.placement_optimum import fits, fluid_bound
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.policy import next_push_at
 from swarmgrad.peer.sim_config import DEVICES, SimConfig, SimResult, sim_manifest
@@ -67,12 +70,14 @@ from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
 class _Peer:
     __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf",
-                 "copies")
+                 "copies", "pinned")
 
     def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
-                 confirmations: int) -> None:
+                 confirmations: int, pinned: bool = False) -> None:
         self.id, self.speed, self.bench, self.memory, self.bandwidth = pid, speed, bench, memory, bandwidth
         self.joined = joined
+        self.pinned = pinned
+        """It never checks whether to move, and its records say so (SimConfig.pinned_share)."""
         self.stage = self.target = -1
         self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
         self.token = 0
@@ -89,6 +94,8 @@ class Simulation:
         if not cfg.confirm_warm:
             self.policy = dataclasses.replace(self.policy, confirm_warm=False)
         self.rng = random.Random(cfg.seed)
+        if cfg.pinned_stage is not None and not 0 <= cfg.pinned_stage < len(costs):
+            raise ValueError(f"SimConfig.pinned_stage {cfg.pinned_stage} is outside 0..{len(costs) - 1}")
         self.c = tuple(sc.cost for sc in costs)
         self.flops = tuple(sc.flops_per_sample for sc in costs)
         self.need = tuple(sc.memory_bytes for sc in costs)
@@ -104,6 +111,8 @@ class Simulation:
         self.moves = self.joins = self.leaves = self.refused = 0
         self.peer_seconds = 0.0
         self.series: list[tuple[float, float, float]] = []
+        self.pinned_bound: list[float] = []
+        """Samples of the bound with pinned peers kept in place over the free bound."""
         self.paper: list[float] = []
         """Samples of the on-paper ratio (``SimResult.paper_ratio``)."""
         self.departures: list[tuple[float, int, float]] = []
@@ -138,9 +147,10 @@ class Simulation:
         bench = speed * math.exp(rng.gauss(0.0, 0.1))  # a newcomer's own benchmark estimate
         median, cap = cfg.link_law(dev)
         bw = min(max(median * math.exp(rng.gauss(0.0, cfg.bandwidth_sigma)), 10.0), cap)
+        pinned = cfg.pinned_share > 0 and rng.random() < cfg.pinned_share
         self.counter += 1
         return _Peer(f"p{self.counter:05d}", speed, bench, int(dev.memory_gb * 1e9 * cfg.memory_usable),
-                     bw * 1e6 / 8, self.now, self.policy.confirmations)
+                     bw * 1e6 / 8, self.now, self.policy.confirmations, pinned)
 
     def _tenure(self) -> float:
         cfg = self.cfg
@@ -156,13 +166,16 @@ class Simulation:
     def _admit(self, p: _Peer, snapshot: Snapshot, online: bool) -> bool:
         me = PeerFigures(p.id, self._rates(p.bench), p.memory, p.bandwidth, expected_tenure(0.0), self.cfg.warmup_s)
         stage = choose_stage_for_newcomer(snapshot, me)
+        if p.pinned and self.cfg.pinned_stage is not None:
+            stage = self.cfg.pinned_stage if fits(p.memory, self.need[self.cfg.pinned_stage]) else None
         if stage is None:
             self.refused += 1
             return False
         p.stage = stage
         self.peers[p.id] = p
         self._push(self.now + self._tenure(), "leave", p.id)
-        self._push(self.now + check_interval(self.cfg.check_s, self.rng), "check", p.id)
+        if not p.pinned:
+            self._push(self.now + check_interval(self.cfg.check_s, self.rng), "check", p.id)
         if online:
             p.phase = "online"
         else:
@@ -178,7 +191,8 @@ class Simulation:
         self.measured = {}
         for p in self.peers.values():
             if p.phase == "join":
-                stages[p.stage].append(Replica(p.id, JOINING, p.bench / self.flops[p.stage], p.memory))
+                stages[p.stage].append(Replica(p.id, JOINING, p.bench / self.flops[p.stage], p.memory,
+                                               pinned=p.pinned))
                 continue
             if p.phase == "warm":
                 stages[p.target].append(Replica(p.id, JOINING, p.bench / self.flops[p.target], p.memory))
@@ -186,7 +200,7 @@ class Simulation:
             rate = p.speed / self.flops[p.stage] * math.exp(gauss(0.0, noise))
             self.measured[p.id] = rate
             if p.phase == "online":
-                stages[p.stage].append(Replica(p.id, ONLINE, rate, p.memory, fresh=self._fresh(p)))
+                stages[p.stage].append(Replica(p.id, ONLINE, rate, p.memory, fresh=self._fresh(p), pinned=p.pinned))
             else:  # fetch: still serving its stage, announced as moving, JOINING on the target
                 stages[p.stage].append(Replica(p.id, LEAVING, rate, p.memory, moving=True))
                 stages[p.target].append(Replica(p.id, JOINING, rate * self.c[p.stage] / self.c[p.target], p.memory))
@@ -246,7 +260,7 @@ class Simulation:
 
     def _sample(self) -> None:
         caps, paper = [0.0] * len(self.c), [0.0] * len(self.c)
-        work, mem, all_work, all_mem = [], [], [], []
+        work, mem, fixed, all_work, all_mem = [], [], [], [], []
         for p in self.peers.values():
             if p.phase in ("online", "fetch"):
                 caps[p.stage] += p.speed / self.flops[p.stage]
@@ -257,7 +271,10 @@ class Simulation:
             if p.phase != "join":
                 work.append(p.speed / self.mean_flops)
                 mem.append(p.memory)
+                fixed.append(p.stage if p.pinned else -1)
         best = fluid_bound(work, self.c, mem, self.need) if work else 0.0
+        if best > 0 and self.cfg.pinned_share > 0:
+            self.pinned_bound.append(fluid_bound(work, self.c, mem, self.need, fixed) / best)
         self.series.append((self.now, min(caps), best))
         if all_work:
             self.paper.append(min(paper) / fluid_bound(all_work, self.c, all_mem, self.need))
@@ -280,6 +297,8 @@ class Simulation:
         salt = int(self.now // 600)
         decision = p.conf.observe(should_move(self.snap, me, p.stage, salt=salt, policy=self.policy))
         base = self.cfg.confirm_s if p.conf.pending else self.cfg.check_s
+        if self.snap.empty_stages:
+            base = min(base, self.cfg.check_s / EMPTY_CHECK_SHARE)
         if self.cfg.fresh_check_s and self._fresh(p):
             base = min(base, self.cfg.fresh_check_s)
         self._push(self.now + check_interval(base, self.rng), "check", p.id)
@@ -331,7 +350,8 @@ class Simulation:
             p = self._new_peer()
             snap = Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
             if self._admit(p, snap, online=True):
-                stages[p.stage].append(Replica(p.id, ONLINE, p.speed / self.flops[p.stage], p.memory))
+                stages[p.stage].append(Replica(p.id, ONLINE, p.speed / self.flops[p.stage], p.memory,
+                                               pinned=p.pinned))
         self.snap = self._snapshot()
         self._push(0.0, "sample")
         self._push(cfg.snapshot_s, "snapshot")
@@ -389,6 +409,7 @@ class Simulation:
                          reaction_limit_warm=1 - sum(self.unrepaired_warm) / max(len(self.unrepaired_warm), 1),
                          warm_moves=self.warm_moves,
                          paper_ratio=sum(self.paper) / max(len(self.paper), 1),
+                         pinned_bound_ratio=sum(self.pinned_bound) / len(self.pinned_bound) if self.pinned_bound else 1.0,
                          backup_bytes_per_round=self.backup_bytes / max(self.boundaries, 1),
                          averaging_bytes_per_round=self.averaging_bytes / max(self.boundaries, 1))
 

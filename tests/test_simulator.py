@@ -5,9 +5,14 @@ import json
 import struct
 import zlib
 
-from swarmgrad.peer.sim_config import SimConfig
+import pytest
+
+from swarmgrad.peer.placement import EMPTY_CHECK_SHARE
+from swarmgrad.peer.placement_plan import ONLINE, Replica, Snapshot
+from swarmgrad.peer.sim_config import SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.sim_report import write_png
-from swarmgrad.peer.simulator import simulate
+from swarmgrad.peer.simulator import Simulation, simulate
+from swarmgrad.peer.stage_cost import stage_costs
 
 
 def small(**kw) -> SimConfig:
@@ -115,3 +120,88 @@ def test_paced_backups_push_less_and_leave_fewer_fresh_copies() -> None:
     # a push that took d s lets the next go d / 0.02 s later: at these links most rounds push nothing
     assert 0 < paced.backup_bytes_per_round < every.backup_bytes_per_round / 2
     assert paced.warm_moves < every.warm_moves
+
+
+class _Watched(Simulation):
+    """Records who checks whether to move, and every admitted peer's first stage."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.checked: set[str] = set()
+        self.first_stage: dict[str, int] = {}
+
+    def _check(self, p) -> None:
+        self.checked.add(p.id)
+        super()._check(p)
+
+    def _admit(self, p, snapshot, online) -> bool:
+        admitted = super()._admit(p, snapshot, online)
+        if admitted:
+            self.first_stage[p.id] = p.stage
+        return admitted
+
+
+def _watched(cfg: SimConfig) -> tuple[_Watched, SimResult]:
+    sim = _Watched(cfg, stage_costs(sim_manifest()))
+    return sim, sim.run()
+
+
+def test_pinned_peers_never_check_or_move_and_the_rest_still_do() -> None:
+    sim, r = _watched(small(pinned_share=0.4))
+    pinned = {pid for pid, p in sim.peers.items() if p.pinned}
+    assert pinned and len(pinned) < len(sim.peers)
+    assert not pinned & sim.checked and sim.checked  # the free peers check, the pinned never do
+    assert all(sim.peers[pid].stage == sim.first_stage[pid] and sim.peers[pid].phase in ("join", "online")
+               for pid in pinned)
+    assert r.moves > 0 and 0 < r.pinned_bound_ratio <= 1.0 + 1e-9
+    assert all(tp <= best * (1 + 1e-9) for _, tp, best in r.series)
+    # the records say so: no plan picks a pinned peer
+    assert all(rep.pinned == (rep.peer_id in pinned) for stage in sim.snap.stages for rep in stage)
+
+
+def test_no_pinned_share_draws_nothing_and_costs_nothing() -> None:
+    r = simulate(small())
+    assert r.pinned_bound_ratio == 1.0
+    assert simulate(small(pinned_share=0.0, pinned_stage=0)).series == r.series  # the stage alone changes nothing
+
+
+def test_every_peer_pinned_on_one_stage_serves_nothing() -> None:
+    """NAT clients all on stage 0 (a driver) leave every other stage empty: no throughput, and the
+    bound with them kept there is 0 too."""
+    r = simulate(small(pinned_share=1.0, pinned_stage=0))
+    assert r.moves == 0 and r.pinned_bound_ratio == 0.0
+    assert all(tp == 0.0 for _, tp, _ in r.series)
+    free = simulate(small(pinned_share=1.0))  # each placed where a newcomer would go, then never moved
+    assert free.moves == 0 and free.throughput_ratio > 0.5
+
+
+def test_a_peer_checks_more_often_while_a_stage_is_empty() -> None:
+    cfg = small()
+    sim = Simulation(cfg, stage_costs(sim_manifest()))
+    p = sim._new_peer()
+    p.phase, p.stage = "online", 0
+    sim.peers[p.id] = p
+    sim.measured[p.id] = 1.0
+
+    def next_check() -> float:
+        sim.events.clear()
+        sim._check(p)
+        (t, _, kind, pid, _), = sim.events
+        assert kind == "check" and pid == p.id
+        return t - sim.now
+
+    sim.snap = Snapshot(tuple(() for _ in sim.c), sim.c, sim.need, sim.state_bytes)  # every stage empty
+    quick = [next_check() for _ in range(50)]
+    assert max(quick) <= 1.5 * cfg.check_s / EMPTY_CHECK_SHARE
+    full = [tuple(Replica(f"x{s}", ONLINE, 1.0, 1 << 40) for _ in range(2)) for s in range(len(sim.c))]
+    sim.snap = Snapshot(((Replica(p.id, ONLINE, 1.0, p.memory),) + full[0], *full[1:]),
+                        sim.c, sim.need, sim.state_bytes)
+    ordinary = [next_check() for _ in range(50)]
+    assert min(ordinary) >= 0.5 * cfg.check_s
+
+
+def test_bad_pinned_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="pinned_share"):
+        small(pinned_share=1.5)
+    with pytest.raises(ValueError, match="pinned_stage 99"):
+        simulate(small(pinned_share=0.1, pinned_stage=99))
