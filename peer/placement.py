@@ -173,6 +173,12 @@ as often: filling it is immediate, and at a fresh start every peer chose its sta
 the others' records (two started together, one pinned to stage 1, both on stage 1: the other
 filled stage 0 only at its first check, 22 s later, the swarm idle meanwhile). The daemon's
 rebalancer and the simulator both use it."""
+EMPTY_QUICK_CHECKS = 10
+"""Quick checks that found no move for this peer while the same stages stayed empty, before it
+goes back to the ordinary interval: a stage that no one can fill (every peer that could come is
+pinned, or has no stage to spare) would otherwise cost one DHT read of the swarm every few seconds
+per rebalancing peer, for as long as it stays empty. Any change in which stages are empty starts
+the quick checks again."""
 
 
 def check_interval(base_s: float, rng: random.Random) -> float:

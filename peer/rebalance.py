@@ -9,8 +9,9 @@ import random
 import time
 from typing import Callable, Sequence
 
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, Confirmation, MoveDecision, PeerFigures, Policy,
-                                      check_interval, estimate_rates, expected_tenure, should_move)
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, Confirmation, MoveDecision,
+                                      PeerFigures, Policy, check_interval, estimate_rates, expected_tenure,
+                                      should_move)
 from swarmgrad.peer.placement_plan import Snapshot
 from swarmgrad.peer.stage_cost import StageCost
 from swarmgrad.peer.policy import majority_digest
@@ -83,9 +84,11 @@ class Rebalancer:
         if dwell > 0:
             await asyncio.sleep(dwell)
         confirm = Confirmation(self.policy.confirmations)
-        empty = self._dwell_until == 0.0  # at the start (a peer that moved dwelt first); then as seen
+        quick = self._dwell_until == 0.0  # at the start (a peer that moved dwelt first); then as seen
+        empty: tuple[int, ...] = ()
+        quick_left = EMPTY_QUICK_CHECKS
         while True:
-            wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if empty else 3 if confirm.pending else 1),
+            wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if quick else 3 if confirm.pending else 1),
                                   self.rng)
             await asyncio.sleep(wait)
             try:
@@ -93,7 +96,11 @@ class Rebalancer:
             except Exception as e:  # a slow DHT: skip this check, never act on a partial view
                 logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
                 continue
-            empty = bool(snap.empty_stages)
+            if snap.empty_stages != empty:
+                empty, quick_left = snap.empty_stages, EMPTY_QUICK_CHECKS
+            if empty and decision is None:
+                quick_left -= 1
+            quick = bool(empty) and quick_left > 0
             confirmed = confirm.observe(decision)
             if confirmed is not None:
                 return confirmed

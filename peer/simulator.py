@@ -10,8 +10,8 @@ once. Every ``snapshot_s`` the DHT view is rebuilt (rates measured with noise; a
 shows LEAVING on its stage and JOINING on its target); peers act on that possibly stale view.
 A newcomer picks its stage with ``choose_stage_for_newcomer`` and serves after downloading the
 stage state and warming up. Every peer checks ``should_move`` at jittered intervals through its
-own ``Confirmation`` (``EMPTY_CHECK_SHARE`` times as often while the view has an empty stage, as
-the daemon's rebalancer); a mover keeps serving its old stage while it downloads
+own ``Confirmation`` (``EMPTY_CHECK_SHARE`` times as often while the view has an empty stage, for
+at most ``EMPTY_QUICK_CHECKS`` checks that find nothing, as the daemon's rebalancer); a mover keeps serving its old stage while it downloads
 (make-before-break), serves nothing during warm-up, then serves the target. A share of peers may
 be pinned (``pinned_share``): they never check, and no plan picks them.
 
@@ -58,7 +58,7 @@ import random
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy,
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy,
                                       check_interval, choose_stage_for_newcomer, expected_tenure, should_move,
                                       switch_time)
 from swarmgrad.peer.placement_optimum import fits, fluid_bound
@@ -70,7 +70,7 @@ from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
 class _Peer:
     __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf",
-                 "copies", "pinned")
+                 "copies", "pinned", "empty_seen", "quick_left")
 
     def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
                  confirmations: int, pinned: bool = False) -> None:
@@ -78,6 +78,9 @@ class _Peer:
         self.joined = joined
         self.pinned = pinned
         """It never checks whether to move, and its records say so (SimConfig.pinned_share)."""
+        self.empty_seen: tuple[int, ...] = ()
+        self.quick_left = EMPTY_QUICK_CHECKS
+        """Quick checks left while ``empty_seen`` stays empty and none moves it (as the daemon's)."""
         self.stage = self.target = -1
         self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
         self.token = 0
@@ -297,7 +300,11 @@ class Simulation:
         salt = int(self.now // 600)
         decision = p.conf.observe(should_move(self.snap, me, p.stage, salt=salt, policy=self.policy))
         base = self.cfg.confirm_s if p.conf.pending else self.cfg.check_s
-        if self.snap.empty_stages:
+        if self.snap.empty_stages != p.empty_seen:
+            p.empty_seen, p.quick_left = self.snap.empty_stages, EMPTY_QUICK_CHECKS
+        if p.empty_seen and decision is None:
+            p.quick_left -= 1
+        if p.empty_seen and p.quick_left > 0:
             base = min(base, self.cfg.check_s / EMPTY_CHECK_SHARE)
         if self.cfg.fresh_check_s and self._fresh(p):
             base = min(base, self.cfg.fresh_check_s)

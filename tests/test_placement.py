@@ -510,6 +510,45 @@ def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_
     assert [r.pinned for r in s.stages[1]] == [False, True]
 
 
+def test_the_quick_checks_stop_while_a_stage_stays_empty_that_this_peer_cannot_fill(monkeypatch) -> None:
+    """A stage no one can fill (here: stage 0 empty, and we are stage 1's only replica) would cost a
+    DHT read every few seconds for as long as it stays empty: after EMPTY_QUICK_CHECKS quick checks
+    that found nothing the rebalancer waits the ordinary interval; a change in which stages are
+    empty starts the quick checks again."""
+    import asyncio
+    from types import SimpleNamespace
+    from swarmgrad.peer import rebalance as R
+    from swarmgrad.peer.swarm import PeerRecord
+
+    def rec(pid: str, stage: int) -> PeerRecord:
+        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
+                          digest="d", manifest_hash="h", driver=stage == 0)
+    stuck = {0: [], 1: [rec("me", 1)], 2: [rec("x", 2)]}
+    views = [stuck] * (R.EMPTY_QUICK_CHECKS + 3) + [{0: [], 1: [rec("me", 1)], 2: []}] \
+        + [{0: [], 1: [rec("me", 1), rec("y", 1)], 2: [rec("x", 2)]}]  # someone came: we fill stage 0
+    feed = iter(views)
+
+    class Views:
+        async def swarm(self) -> dict:
+            return next(feed)
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+    monkeypatch.setattr(R.asyncio, "sleep", sleep)
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 3
+    reb = R.Rebalancer(swarm=Views(), peer_id="me", costs=costs, bench_rates=(1.0, 1.0, 1.0), memory=0,
+                       interval_s=10.0, seed=0)
+    decision = asyncio.run(reb.next_move(1, lambda: 0.0, lambda: 0))
+    assert (decision.target, decision.reason) == (0, "fill-empty")
+    quick = 1.5 * 10.0 / R.EMPTY_CHECK_SHARE
+    n = R.EMPTY_QUICK_CHECKS
+    assert len(waits) == len(views)
+    assert max(waits[:n]) <= quick  # the first check, then quick ones while stage 0 is empty
+    assert min(waits[n:n + 4]) >= 5.0  # nothing found n times: the ordinary interval
+    assert waits[n + 4] <= quick  # stage 2 emptied too: a new situation, quick again
+
+
 def test_status_names_an_empty_stage_that_only_a_new_peer_can_fill() -> None:
     from swarmgrad.peer.status import _placement
     from swarmgrad.peer.swarm import PeerRecord

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from swarmgrad.peer.placement import EMPTY_CHECK_SHARE
+from swarmgrad.peer.placement import EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS
 from swarmgrad.peer.placement_plan import ONLINE, Replica, Snapshot
 from swarmgrad.peer.sim_config import SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.sim_report import write_png
@@ -191,8 +191,13 @@ def test_a_peer_checks_more_often_while_a_stage_is_empty() -> None:
         return t - sim.now
 
     sim.snap = Snapshot(tuple(() for _ in sim.c), sim.c, sim.need, sim.state_bytes)  # every stage empty
-    quick = [next_check() for _ in range(50)]
+    quick = [next_check() for _ in range(EMPTY_QUICK_CHECKS - 1)]
     assert max(quick) <= 1.5 * cfg.check_s / EMPTY_CHECK_SHARE
+    # the checks found no move for this peer: back to the ordinary interval while nothing changes
+    assert min(next_check() for _ in range(20)) >= 0.5 * cfg.check_s
+    one = [(Replica("y", ONLINE, 1.0, 1 << 40),)] + [()] * (len(sim.c) - 1)
+    sim.snap = Snapshot(tuple(one), sim.c, sim.need, sim.state_bytes)  # other stages empty now: quick again
+    assert next_check() <= 1.5 * cfg.check_s / EMPTY_CHECK_SHARE
     full = [tuple(Replica(f"x{s}", ONLINE, 1.0, 1 << 40) for _ in range(2)) for s in range(len(sim.c))]
     sim.snap = Snapshot(((Replica(p.id, ONLINE, 1.0, p.memory),) + full[0], *full[1:]),
                         sim.c, sim.need, sim.state_bytes)
