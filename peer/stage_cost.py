@@ -7,9 +7,9 @@ Placement (``placement.py``) needs three figures per stage, all derived from the
   FLOP count; for an ``entry_point`` model (whose layers we cannot see) it falls back to the
   stage's parameter count (6·P per sample, the dense-transformer rule).
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
-  momentum, the committed snapshot of both (served to joiners, read by evaluations; on an
-  accelerator evaluations hold one more copy of the weights on the device, not counted here),
-  AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the
+  momentum, the committed snapshot of both (served to joiners, read by evaluations), the copy of
+  the weights evaluations run on (on an accelerator, or in another dtype; a CPU fp32 module's
+  evaluations read the snapshot in place, so there this overstates the need by one copy), AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the
   error-feedback residual of the round codec (when enabled), the activations kept for backward of
   ``pipeline.max_in_flight`` microbatches, and with ``pipeline.lookahead`` a stash of the
   weights. A peer offering less than M_s cannot serve the stage.
@@ -60,11 +60,16 @@ class MemoryNeed:
     snapshot: int = 0
     """θ_global and the outer momentum as last committed (peer/state.py): immutable, served to
     joiners; evaluations read its θ_global."""
+    eval_copy: int = 0
+    """The module evaluations run on, holding the snapshot's θ_global on the module's device
+    (``StageWorker._eval_module_now``): kept from the first evaluation on. Placement does not know a
+    peer's device, so it is counted for every peer, though a CPU fp32 module's copy shares the
+    snapshot's tensors."""
 
     @property
     def total(self) -> int:
         return (self.weights + self.theta_global + self.snapshot + self.momentum + self.adam + self.grads
-                + self.residual + self.activations + self.stash)
+                + self.residual + self.activations + self.stash + self.eval_copy)
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
     # SwarmAdamW: a third moment (the plain square's EMA) and the step's sum of squared gradients
     adam = (4 if m.inner.swarm_second_moment else 2) * p
-    return MemoryNeed(weights=p, theta_global=p, snapshot=2 * p, momentum=p, adam=adam, grads=p,
+    return MemoryNeed(weights=p, theta_global=p, snapshot=2 * p, eval_copy=p, momentum=p, adam=adam, grads=p,
                       residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
                       activations=in_flight * activations_per_sample,
                       stash=p if m.pipeline.lookahead and m.stages.count > 1 else 0)

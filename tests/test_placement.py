@@ -64,6 +64,7 @@ def test_gpt_stage_costs_match_the_built_model() -> None:
         assert c.state_bytes == 8 * c.params  # θ_global + momentum, fp32
         mem = c.memory
         assert mem.adam == 2 * mem.weights and mem.theta_global == mem.momentum == mem.grads == mem.weights
+        assert mem.eval_copy == mem.weights and mem.snapshot == 2 * mem.weights  # evaluations' module, θ+m committed
         assert c.memory_bytes == mem.total > 7 * mem.weights
     assert sum(c.cost for c in costs) == pytest.approx(len(costs))
     # SwarmAdamW keeps a third moment and the step's sum of squared gradients

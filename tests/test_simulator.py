@@ -78,7 +78,7 @@ def test_warm_standbys_join_without_a_download_only_from_fresh_copies() -> None:
     assert cold.warm_moves == 0 and cold.backup_bytes_per_round == 0
     # a copy that takes longer than a round to arrive (1.3 GB at 10 Mbit/s: ~17 min) is of a round
     # the stage has already left when it lands: pushed, never fresh, never joined from
-    slow = simulate(small(round_s=300, bandwidth_median_mbit=10, bandwidth_sigma=0.0))
+    slow = simulate(small(round_s=300, bandwidth_median_mbit=10, bandwidth_sigma=0.0, hosted_bandwidth_median_mbit=0))
     assert slow.backup_bytes_per_round > 0 and slow.warm_moves == 0
     assert warm.reaction_limit_warm > warm.reaction_limit  # a warm-up is shorter than download + warm-up
 
