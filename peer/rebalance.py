@@ -26,6 +26,7 @@ DWELL_CHECKS = 4
 rate on the new stage is an estimate until it has measured itself there, and acting on the
 estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
 
+
 def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
     """Each stage's applied rounds as its majority announces them (policy.majority_digest): a
     backup of that many rounds is the stage's current state."""
