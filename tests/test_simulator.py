@@ -210,3 +210,33 @@ def test_bad_pinned_settings_are_refused() -> None:
         small(pinned_share=1.5)
     with pytest.raises(ValueError, match="pinned_stage 99"):
         simulate(small(pinned_share=0.1, pinned_stage=99))
+
+
+def _simulate_benchmark():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import simulate as bench
+    return bench
+
+
+def test_the_benchmark_pairs_variants_seed_by_seed_and_says_when_the_seeds_cannot_tell() -> None:
+    bench = _simulate_benchmark()
+    d, se = bench.paired([0.970, 0.965, 0.975], [0.972, 0.966, 0.978])
+    assert d == pytest.approx(0.002) and se == pytest.approx(0.000577, abs=1e-6)
+    assert bench.paired([0.97], [0.98]) == (pytest.approx(0.01), 0.0)
+    rows = bench.paired_rows(["a", "b", "c"], [[0.970, 0.965, 0.975], [0.972, 0.966, 0.978],
+                                               [0.975, 0.960, 0.976]])
+    assert rows[2].startswith("| b | +0.0020 ± 0.0006 | yes |")
+    assert rows[3].startswith("| c | +0.0003 ±") and rows[3].endswith("| no |")
+    with pytest.raises(ValueError):
+        bench.paired([0.97, 0.96], [0.97])  # not the same seeds
+
+
+def test_the_benchmark_runs_end_to_end_on_a_small_swarm(capsys) -> None:
+    bench = _simulate_benchmark()
+    assert bench.main(["--peers", "30", "--hours", "0.2", "--seeds", "0", "1", "--jobs", "1",
+                       "--only", "full", "full, no backups"]) == 0
+    out = capsys.readouterr().out
+    assert "| **full, mean** |" in out and "| **full, no backups, mean** |" in out
+    assert "| full, no backups | " in out and "Δ ratio vs full" in out
