@@ -11,9 +11,10 @@ shows LEAVING on its stage and JOINING on its target); peers act on that possibl
 A newcomer picks its stage with ``choose_stage_for_newcomer`` and serves after downloading the
 stage state and warming up. Every peer checks ``should_move`` at jittered intervals through its
 own ``Confirmation`` (``EMPTY_CHECK_SHARE`` times as often while the view has an empty stage, for
-at most ``EMPTY_QUICK_CHECKS`` checks that find nothing, as the daemon's rebalancer); a mover keeps serving its old stage while it downloads
-(make-before-break), serves nothing during warm-up, then serves the target. A share of peers may
-be pinned (``pinned_share``): they never check, and no plan picks them.
+at most ``EMPTY_QUICK_CHECKS`` checks that find nothing, as the daemon's rebalancer); a mover
+keeps serving its old stage while it downloads (make-before-break), serves nothing during
+warm-up, then serves the target. A share of peers may be pinned (``pinned_share``): they never
+check, and no plan picks them.
 
 Warm standbys (placement rule 7). Rounds end together every ``round_s``; every ``backup_every``
 rounds each stage pushes its committed state to its ``backup_copies`` holders (ONLINE peers of
@@ -58,9 +59,9 @@ import random
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, SWARM_POLICY, Confirmation, PeerFigures, Policy,
-                                      check_interval, choose_stage_for_newcomer, expected_tenure, should_move,
-                                      switch_time)
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, SWARM_POLICY,
+                                      Confirmation, PeerFigures, Policy, check_interval, choose_stage_for_newcomer,
+                                      expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement_optimum import fits, fluid_bound
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.policy import next_push_at
@@ -416,7 +417,8 @@ class Simulation:
                          reaction_limit_warm=1 - sum(self.unrepaired_warm) / max(len(self.unrepaired_warm), 1),
                          warm_moves=self.warm_moves,
                          paper_ratio=sum(self.paper) / max(len(self.paper), 1),
-                         pinned_bound_ratio=sum(self.pinned_bound) / len(self.pinned_bound) if self.pinned_bound else 1.0,
+                         pinned_bound_ratio=(sum(self.pinned_bound) / len(self.pinned_bound)
+                                             if self.pinned_bound else 1.0),
                          backup_bytes_per_round=self.backup_bytes / max(self.boundaries, 1),
                          averaging_bytes_per_round=self.averaging_bytes / max(self.boundaries, 1))
 

@@ -9,8 +9,9 @@ Placement (``placement.py``) needs three figures per stage, all derived from the
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
   momentum, the committed snapshot of both (served to joiners, read by evaluations), the copy of
   the weights evaluations run on (on an accelerator, or in another dtype; a CPU fp32 module's
-  evaluations read the snapshot in place, so there this overstates the need by one copy), AdamW's two moments (four buffers with inner.swarm_second_moment), gradients, the
-  error-feedback residual of the round codec (when enabled), the activations kept for backward of
+  evaluations read the snapshot in place, so there this overstates the need by one copy), AdamW's
+  two moments (four buffers with inner.swarm_second_moment), gradients, the error-feedback
+  residual of the round codec (when enabled), the activations kept for backward of
   ``pipeline.max_in_flight`` microbatches, and with ``pipeline.lookahead`` a stash of the
   weights. A peer offering less than M_s cannot serve the stage.
 - ``state_bytes``: what a mover or joiner downloads (θ_global + outer momentum, fp32).
