@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from swarmgrad.peer.cli_args import (address_arg, duration_arg, memory_arg, nonneg_float, nonneg_int, port_arg,
-                                     positive_int, slowdown_arg, stage_arg)
+from swarmgrad.peer.cli_args import (address_arg, duration_arg, fraction_arg, memory_arg, nonneg_float, nonneg_int,
+                                     port_arg, positive_int, slowdown_arg, stage_arg)
 from swarmgrad.peer.cli_peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
 from swarmgrad.peer.cli_private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
 
@@ -129,18 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     m = sub.add_parser("simulate", help="play the placement policy over a simulated swarm with churn")
-    m.add_argument("--peers", type=int, default=1000, help="mean number of peers")
-    m.add_argument("--hours", type=float, default=3.0, help="simulated hours")
+    m.add_argument("--peers", type=positive_int, default=1000, help="mean number of peers")
+    m.add_argument("--hours", type=nonneg_float, default=3.0, help="simulated hours")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--policy", choices=["full", "no-margin"], default="full",
                    help="no-margin: move on any improvement, at once (the ablation)")
-    m.add_argument("--link-mbit", type=float, default=100.0,
+    m.add_argument("--link-mbit", type=nonneg_float, default=100.0,
                    help="median link of a peer, Mbit/s (log-normal; state downloads and backups)")
-    m.add_argument("--hosted-link-mbit", type=float, default=1000.0,
+    m.add_argument("--hosted-link-mbit", type=nonneg_float, default=1000.0,
                    help="median link of the data-centre GPUs (T4, V100, A10, A100, H100); 0: as --link-mbit")
-    m.add_argument("--pinned-share", type=float, default=0.0, metavar="F",
+    m.add_argument("--pinned-share", type=fraction_arg, default=0.0, metavar="F",
                    help="share of peers that never move (--stage N, NAT clients): what pinning costs")
-    m.add_argument("--pinned-stage", type=int, default=None, metavar="N",
+    m.add_argument("--pinned-stage", type=nonneg_int, default=None, metavar="N",
                    help="the stage pinned peers serve (default: a newcomer's choice on arrival; 0: NAT clients)")
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")

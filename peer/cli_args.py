@@ -62,6 +62,13 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def fraction_arg(text: str) -> float:
+    value = nonneg_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in 0..1 (got {value})")
+    return value
+
+
 def duration_arg(text: str) -> float:
     from swarmgrad.peer.coordinator.credentials import parse_duration
     try:

@@ -3,11 +3,13 @@ one-line summary and ``swarmgrad simulate``'s entry point."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Sequence
 
 from swarmgrad.peer.png import Canvas
-from swarmgrad.peer.sim_config import SimConfig, SimResult
-from swarmgrad.peer.simulator import simulate
+from swarmgrad.peer.sim_config import SimConfig, SimResult, sim_manifest
+from swarmgrad.peer.simulator import Simulation
+from swarmgrad.peer.stage_cost import stage_costs
 
 
 def write_png(path: str, series: Sequence[tuple[float, float, float]], width: int = 900, height: int = 320) -> None:
@@ -47,9 +49,14 @@ def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plo
             pinned_stage: int | None = None) -> int:
     """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
     moves_per_peer_hour."""
-    result = simulate(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy, bandwidth_median_mbit=link_mbit,
-                                hosted_bandwidth_median_mbit=hosted_link_mbit, pinned_share=pinned_share,
-                                pinned_stage=pinned_stage))
+    try:  # what only the configuration can check (hours > 0, a stage that exists) is one line, not a traceback
+        sim = Simulation(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy, bandwidth_median_mbit=link_mbit,
+                                   hosted_bandwidth_median_mbit=hosted_link_mbit, pinned_share=pinned_share,
+                                   pinned_stage=pinned_stage), stage_costs(sim_manifest()))
+    except ValueError as e:
+        print(f"swarmgrad simulate: error: {e}", file=sys.stderr)
+        return 2
+    result = sim.run()
     if plot:
         write_png(plot, result.series)
     if as_json:

@@ -240,3 +240,18 @@ def test_the_benchmark_runs_end_to_end_on_a_small_swarm(capsys) -> None:
     out = capsys.readouterr().out
     assert "| **full, mean** |" in out and "| **full, no backups, mean** |" in out
     assert "| full, no backups | " in out and "Δ ratio vs full" in out
+
+
+def test_the_cli_refuses_bad_values_in_one_line(capsys) -> None:
+    from swarmgrad.peer.cli import main
+    for flags, says in ((["--pinned-share", "1.5"], "--pinned-share: must be a fraction in 0..1"),
+                        (["--peers", "0"], "--peers: must be >= 1"),
+                        (["--link-mbit", "-3"], "--link-mbit: must be a finite number >= 0")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", *flags])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    for flags, says in ((["--pinned-share", "0.5", "--pinned-stage", "9"], "pinned_stage 9 is outside 0..7"),
+                        (["--hours", "0"], "hours > 0")):
+        assert main(["simulate", "--peers", "20", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("swarmgrad simulate: error: ") and says in err and "Traceback" not in err
