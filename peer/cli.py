@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from swarmgrad.peer.cli_args import (address_arg, duration_arg, fraction_arg, memory_arg, nonneg_float, nonneg_int,
-                                     port_arg, positive_int, slowdown_arg, stage_arg)
+                                     port_arg, positive_float, positive_int, slowdown_arg, stage_arg)
 from swarmgrad.peer.cli_peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
 from swarmgrad.peer.cli_private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
 
@@ -122,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
     d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
-    d.add_argument("--rounds", type=int, default=14)
-    d.add_argument("--replicas", type=int, default=2, help="replicas per stage")
-    d.add_argument("--round-seconds", type=float, default=None, help="override rounds.round_seconds")
+    d.add_argument("--rounds", type=positive_int, default=14)
+    d.add_argument("--replicas", type=positive_int, default=2, help="replicas per stage")
+    d.add_argument("--round-seconds", type=positive_float, default=None, help="override rounds.round_seconds")
     d.add_argument("--workdir", default=None, help="keep logs and events here (default: a temp dir)")
     d.set_defaults(fn=cmd_demo)
 

@@ -62,6 +62,16 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {value})")
+    return value
+
+
 def fraction_arg(text: str) -> float:
     value = nonneg_float(text)
     if value > 1:
