@@ -96,7 +96,9 @@ def run_swarm(manifest: Manifest, workdir: Path, rounds: int, replicas: int = 2,
     n_peers = n_stages * replicas
     extra = ("--max-rounds", str(rounds))
     started = time.monotonic()
-    with LocalSwarm(path, workdir) as swarm:
+    # imported here: wan.py imports this module against other revisions of the package (--code)
+    from swarmgrad.peer.launcher import stop_on_signals
+    with stop_on_signals(), LocalSwarm(path, workdir) as swarm:
         swarm.start_first(0, *extra)
         for i in range(1, n_peers):
             swarm.start(i % n_stages, *extra)

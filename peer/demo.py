@@ -2,16 +2,13 @@
 model for a fixed number of rounds, prints progress, then a summary; leaves no process behind."""
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, stop_on_signals
 from swarmgrad.peer.manifest import dumps, load
 
 
@@ -31,7 +28,7 @@ def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | No
           f"{rounds} rounds of {manifest.rounds.round_seconds:g}s; logs in {workdir}", flush=True)
     started = time.monotonic()
     code = 1
-    with LocalSwarm(run_manifest, workdir) as swarm, _signals_interrupt():
+    with stop_on_signals(), LocalSwarm(run_manifest, workdir) as swarm:
         try:
             swarm.start_first(0, "--max-rounds", str(rounds))
             for i in range(1, n_peers):
@@ -46,23 +43,6 @@ def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | No
     if own_dir and code == 0 and summary_ok:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if code == 0 and summary_ok else 1
-
-
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP stop the demo as Ctrl-C does. The peers run in sessions of their own (so
-    that each can be stopped as a process group), so no signal to the demo reaches them: without
-    this, `kill PID` or a closed terminal ended the demo at once and left its 4 peers training."""
-    def interrupt(signum: int, _frame: object) -> None:
-        for s in previous:  # a second signal must not cut the swarm's shutdown short
-            signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _follow(swarm: LocalSwarm, budget: float) -> int:

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from swarmgrad.peer.events import read_events
 from swarmgrad.peer.manifest import Manifest, from_dict
@@ -197,6 +198,28 @@ class LocalSwarm:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self.env.pop("TMPDIR", None)
             self._tmp = None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does, in the block, so that a
+    LocalSwarm's close runs (off the main thread, where handlers cannot be set, it does nothing). Its peers run in sessions of their own (each is stopped as a
+    process group), so no signal to the program that started them reaches them: without this,
+    `kill PID` or a closed terminal ended `swarmgrad demo` at once and left its peers training."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        for s in previous:  # a second signal must not cut the swarm's shutdown short
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass
