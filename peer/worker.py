@@ -51,7 +51,8 @@ RATE_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu":
 """The seconds an announced rate divides by. "wall": elapsed time of each compute call, what the
 swarm gets from this peer. "cpu" (testing aid, --rate-clock cpu): the compute thread's CPU time, so
 that peers sharing one machine's cores, each with one torch thread, measure themselves rather than
-their neighbours' share of the cores (the 6-peer rebalancing test and benchmark on 2 cores)."""
+their neighbours' share of the cores (the 6-peer rebalancing test and benchmark on 2 cores).
+`StageWorker._timed` reads both once per call (the cpu one is also the core share's)."""
 
 
 class NotReady(Exception):
@@ -161,14 +162,14 @@ class StageWorker(CommitOnAck):
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run compute on this thread, measure it, and stretch it by the slowdown (testing aid)."""
-        wall = self.rate_clock is time.perf_counter  # one reading: two differ under load
-        cpu_started = time.thread_time()
+        wall = self.rate_clock is time.perf_counter  # one reading per clock: two differ under load
+        cpu_started = time.thread_time()  # the cpu rate clock's reading too (RATE_CLOCKS)
         started = time.perf_counter()
-        rate_started = started if wall else self.rate_clock()
         out = fn(*args)
         spent = time.perf_counter() - started
-        measured = spent if wall else self.rate_clock() - rate_started
-        self._core(cpu_started, spent)
+        cpu_spent = time.thread_time() - cpu_started
+        measured = spent if wall else cpu_spent
+        self._core(cpu_spent, spent)
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * spent)
             spent, measured = spent * self.slowdown, measured * self.slowdown
@@ -184,10 +185,10 @@ class StageWorker(CommitOnAck):
         finally:
             spent = time.perf_counter() - started
             self.compute_total += spent
-            self._core(cpu_started, spent)
+            self._core(time.thread_time() - cpu_started, spent)
 
-    def _core(self, cpu_started: float, spent: float) -> None:
-        self.core_time[0] += time.thread_time() - cpu_started
+    def _core(self, cpu_spent: float, spent: float) -> None:
+        self.core_time[0] += cpu_spent
         self.core_time[1] += spent
 
     # the overlapped round's rebase (peer/overlap.py) ---------------------------------------
