@@ -323,3 +323,22 @@ class Confirmation:
 
     def reset(self) -> None:
         self._last, self._count = None, 0
+
+
+class EmptyStageChecks:
+    """Whether a peer's next check comes soon (``EMPTY_CHECK_SHARE`` times as often): while the view
+    has an empty stage, for at most ``EMPTY_QUICK_CHECKS`` checks that found no move while the same
+    stages stayed empty; a change in which stages are empty starts them again. No I/O; one per peer
+    (the daemon's rebalancer and the simulator's peers)."""
+
+    def __init__(self) -> None:
+        self.empty: tuple[int, ...] = ()
+        self.left = EMPTY_QUICK_CHECKS
+
+    def observe(self, empty_stages: tuple[int, ...], moved: bool) -> bool:
+        """Feed this check's empty stages and whether it decided a move; True: check soon."""
+        if empty_stages != self.empty:
+            self.empty, self.left = empty_stages, EMPTY_QUICK_CHECKS
+        if self.empty and not moved:
+            self.left -= 1
+        return bool(self.empty) and self.left > 0

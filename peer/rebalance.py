@@ -9,7 +9,7 @@ import random
 import time
 from typing import Callable, Sequence
 
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, Confirmation, MoveDecision,
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, Confirmation, EmptyStageChecks, MoveDecision,
                                       PeerFigures, Policy, check_interval, estimate_rates, expected_tenure,
                                       should_move)
 from swarmgrad.peer.placement_plan import Snapshot
@@ -86,8 +86,7 @@ class Rebalancer:
             await asyncio.sleep(dwell)
         confirm = Confirmation(self.policy.confirmations)
         quick = self._dwell_until == 0.0  # at the start (a peer that moved dwelt first); then as seen
-        empty: tuple[int, ...] = ()
-        quick_left = EMPTY_QUICK_CHECKS
+        empties = EmptyStageChecks()
         while True:
             wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if quick else 3 if confirm.pending else 1),
                                   self.rng)
@@ -97,11 +96,7 @@ class Rebalancer:
             except Exception as e:  # a slow DHT: skip this check, never act on a partial view
                 logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
                 continue
-            if snap.empty_stages != empty:
-                empty, quick_left = snap.empty_stages, EMPTY_QUICK_CHECKS
-            if empty and decision is None:
-                quick_left -= 1
-            quick = bool(empty) and quick_left > 0
+            quick = empties.observe(snap.empty_stages, moved=decision is not None)
             confirmed = confirm.observe(decision)
             if confirmed is not None:
                 return confirmed

@@ -59,8 +59,8 @@ import random
 from typing import Sequence
 
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, SWARM_POLICY,
-                                      Confirmation, PeerFigures, Policy, check_interval, choose_stage_for_newcomer,
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, NO_MARGIN, SWARM_POLICY, Confirmation, EmptyStageChecks,
+                                      PeerFigures, Policy, check_interval, choose_stage_for_newcomer,
                                       expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement_optimum import fits, fluid_bound
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
@@ -71,7 +71,7 @@ from swarmgrad.peer.stage_cost import StageCost, stage_costs
 
 class _Peer:
     __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf",
-                 "copies", "pinned", "empty_seen", "quick_left")
+                 "copies", "pinned", "empties")
 
     def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
                  confirmations: int, pinned: bool = False) -> None:
@@ -79,9 +79,8 @@ class _Peer:
         self.joined = joined
         self.pinned = pinned
         """It never checks whether to move, and its records say so (SimConfig.pinned_share)."""
-        self.empty_seen: tuple[int, ...] = ()
-        self.quick_left = EMPTY_QUICK_CHECKS
-        """Quick checks left while ``empty_seen`` stays empty and none moves it (as the daemon's)."""
+        self.empties = EmptyStageChecks()
+        """When its next check comes soon, as the daemon's rebalancer decides it."""
         self.stage = self.target = -1
         self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
         self.token = 0
@@ -301,11 +300,7 @@ class Simulation:
         salt = int(self.now // 600)
         decision = p.conf.observe(should_move(self.snap, me, p.stage, salt=salt, policy=self.policy))
         base = self.cfg.confirm_s if p.conf.pending else self.cfg.check_s
-        if self.snap.empty_stages != p.empty_seen:
-            p.empty_seen, p.quick_left = self.snap.empty_stages, EMPTY_QUICK_CHECKS
-        if p.empty_seen and decision is None:
-            p.quick_left -= 1
-        if p.empty_seen and p.quick_left > 0:
+        if p.empties.observe(self.snap.empty_stages, moved=decision is not None):
             base = min(base, self.cfg.check_s / EMPTY_CHECK_SHARE)
         if self.cfg.fresh_check_s and self._fresh(p):
             base = min(base, self.cfg.fresh_check_s)

@@ -7,8 +7,9 @@ import pytest
 
 from swarmgrad.peer import placement_plan as P
 from swarmgrad.peer.manifest import from_dict, load
-from swarmgrad.peer.placement import (NO_MARGIN, Confirmation, MoveDecision, PeerFigures, Policy, check_interval,
-                                      choose_stage_for_newcomer, estimate_rates, should_move)
+from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, Confirmation, MoveDecision,
+                                      PeerFigures, Policy, check_interval, choose_stage_for_newcomer, estimate_rates,
+                                      should_move)
 from swarmgrad.peer.placement_optimum import brute_force_optimum, fluid_bound, optimum
 from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
 from swarmgrad.peer.stage_cost import stage_costs
@@ -473,60 +474,18 @@ def test_a_large_swarm_may_use_its_own_margin() -> None:
     assert decisions(few, Policy(q=0.8, q_bound=1.0)) == []
 
 
-def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_empty(monkeypatch) -> None:
-    """The daemon's side: a pinned record reaches the snapshot, and while a stage is empty (and at
-    the first check) the checks come EMPTY_CHECK_SHARE times as often, since filling it is
-    immediate; a full swarm is checked at the ordinary interval."""
+def _record(pid: str, stage: int, pinned: bool = False):
+    from swarmgrad.peer.swarm import PeerRecord
+    return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
+                      digest="d", manifest_hash="h", driver=stage == 0, pinned=pinned)
+
+
+def _rebalance_over(monkeypatch, views: list[dict], n_stages: int) -> tuple[MoveDecision, list[float]]:
+    """The daemon's Rebalancer for "me" on stage 1, reading `views` one per check (interval 10 s),
+    asyncio.sleep patched to record each wait: its decision and the waits before each check."""
     import asyncio
     from types import SimpleNamespace
     from swarmgrad.peer import rebalance as R
-    from swarmgrad.peer.swarm import PeerRecord
-
-    def rec(pid: str, stage: int, pinned: bool = False) -> PeerRecord:
-        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
-                          digest="d", manifest_hash="h", driver=stage == 0, pinned=pinned)
-    views = iter([{0: [rec("x", 0)], 1: [rec("me", 1)]},   # full: no move
-                  {0: [], 1: [rec("me", 1)]},                # empty, but we are stage 1's only replica
-                  {0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}])  # we fill it, not the pinned one
-
-    class Views:
-        async def swarm(self) -> dict:
-            return next(views)
-    waits: list[float] = []
-
-    async def sleep(s: float) -> None:
-        waits.append(s)
-    monkeypatch.setattr(R.asyncio, "sleep", sleep)
-    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2
-    reb = R.Rebalancer(swarm=Views(), peer_id="me", costs=costs, bench_rates=(1.0, 1.0), memory=0,
-                       interval_s=10.0, seed=0)
-    decision = asyncio.run(reb.next_move(1, lambda: 0.0, lambda: 0))
-    assert (decision.peer_id, decision.target, decision.reason) == ("me", 0, "fill-empty")
-    quick, ordinary = 10.0 / R.EMPTY_CHECK_SHARE, 10.0
-    assert len(waits) == 3
-    assert 0.5 * quick <= waits[0] <= 1.5 * quick  # the first check
-    assert 0.5 * ordinary <= waits[1] <= 1.5 * ordinary  # after a full snapshot
-    assert 0.5 * quick <= waits[2] <= 1.5 * quick  # after one with an empty stage
-    s = R.snapshot_from_view({0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}, costs)
-    assert [r.pinned for r in s.stages[1]] == [False, True]
-
-
-def test_the_quick_checks_stop_while_a_stage_stays_empty_that_this_peer_cannot_fill(monkeypatch) -> None:
-    """A stage no one can fill (here: stage 0 empty, and we are stage 1's only replica) would cost a
-    DHT read every few seconds for as long as it stays empty: after EMPTY_QUICK_CHECKS quick checks
-    that found nothing the rebalancer waits the ordinary interval; a change in which stages are
-    empty starts the quick checks again."""
-    import asyncio
-    from types import SimpleNamespace
-    from swarmgrad.peer import rebalance as R
-    from swarmgrad.peer.swarm import PeerRecord
-
-    def rec(pid: str, stage: int) -> PeerRecord:
-        return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
-                          digest="d", manifest_hash="h", driver=stage == 0)
-    stuck = {0: [], 1: [rec("me", 1)], 2: [rec("x", 2)]}
-    views = [stuck] * (R.EMPTY_QUICK_CHECKS + 3) + [{0: [], 1: [rec("me", 1)], 2: []}] \
-        + [{0: [], 1: [rec("me", 1), rec("y", 1)], 2: [rec("x", 2)]}]  # someone came: we fill stage 0
     feed = iter(views)
 
     class Views:
@@ -537,13 +496,47 @@ def test_the_quick_checks_stop_while_a_stage_stays_empty_that_this_peer_cannot_f
     async def sleep(s: float) -> None:
         waits.append(s)
     monkeypatch.setattr(R.asyncio, "sleep", sleep)
-    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 3
-    reb = R.Rebalancer(swarm=Views(), peer_id="me", costs=costs, bench_rates=(1.0, 1.0, 1.0), memory=0,
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * n_stages  # what from_records reads
+    reb = R.Rebalancer(swarm=Views(), peer_id="me", costs=costs, bench_rates=(1.0,) * n_stages, memory=0,
                        interval_s=10.0, seed=0)
-    decision = asyncio.run(reb.next_move(1, lambda: 0.0, lambda: 0))
+    return asyncio.run(reb.next_move(1, lambda: 0.0, lambda: 0)), waits
+
+
+def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_empty(monkeypatch) -> None:
+    """The daemon's side: a pinned record reaches the snapshot, and while a stage is empty (and at
+    the first check) the checks come EMPTY_CHECK_SHARE times as often, since filling it is
+    immediate; a full swarm is checked at the ordinary interval."""
+    from types import SimpleNamespace
+    from swarmgrad.peer import rebalance as R
+    rec = _record
+    views = [{0: [rec("x", 0)], 1: [rec("me", 1)]},   # full: no move
+             {0: [], 1: [rec("me", 1)]},                # empty, but we are stage 1's only replica
+             {0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}]  # we fill it, not the pinned one
+    decision, waits = _rebalance_over(monkeypatch, views, 2)
+    assert (decision.peer_id, decision.target, decision.reason) == ("me", 0, "fill-empty")
+    quick, ordinary = 10.0 / EMPTY_CHECK_SHARE, 10.0
+    assert len(waits) == 3
+    assert 0.5 * quick <= waits[0] <= 1.5 * quick  # the first check
+    assert 0.5 * ordinary <= waits[1] <= 1.5 * ordinary  # after a full snapshot
+    assert 0.5 * quick <= waits[2] <= 1.5 * quick  # after one with an empty stage
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2
+    s = R.snapshot_from_view({0: [], 1: [rec("me", 1), rec("pin", 1, pinned=True)]}, costs)
+    assert [r.pinned for r in s.stages[1]] == [False, True]
+
+
+def test_the_quick_checks_stop_while_a_stage_stays_empty_that_this_peer_cannot_fill(monkeypatch) -> None:
+    """A stage no one can fill (here: stage 0 empty, and we are stage 1's only replica) would cost a
+    DHT read every few seconds for as long as it stays empty: after EMPTY_QUICK_CHECKS quick checks
+    that found nothing the rebalancer waits the ordinary interval; a change in which stages are
+    empty starts the quick checks again."""
+    rec = _record
+    stuck = {0: [], 1: [rec("me", 1)], 2: [rec("x", 2)]}
+    views = [stuck] * (EMPTY_QUICK_CHECKS + 3) + [{0: [], 1: [rec("me", 1)], 2: []}] \
+        + [{0: [], 1: [rec("me", 1), rec("y", 1)], 2: [rec("x", 2)]}]  # someone came: we fill stage 0
+    decision, waits = _rebalance_over(monkeypatch, views, 3)
     assert (decision.target, decision.reason) == (0, "fill-empty")
-    quick = 1.5 * 10.0 / R.EMPTY_CHECK_SHARE
-    n = R.EMPTY_QUICK_CHECKS
+    quick = 1.5 * 10.0 / EMPTY_CHECK_SHARE
+    n = EMPTY_QUICK_CHECKS
     assert len(waits) == len(views)
     assert max(waits[:n]) <= quick  # the first check, then quick ones while stage 0 is empty
     assert min(waits[n:n + 4]) >= 5.0  # nothing found n times: the ordinary interval
