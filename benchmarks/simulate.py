@@ -76,7 +76,7 @@ def paired(base: list[float], other: list[float]) -> tuple[float, float]:
 
 def paired_rows(names: list[str], ratios: list[list[float]]) -> list[str]:
     """Markdown rows: each variant's throughput ratio against the first one's, seed by seed."""
-    rows = ["| variant | Δ ratio vs " + names[0] + " (mean ± se over seeds) | told apart (|Δ| > 2 se) |",
+    rows = ["| variant | Δ ratio vs " + names[0] + " (mean ± se over seeds) | told apart (\\|Δ\\| > 2 se) |",
             "| --- | --- | --- |"]
     for name, r in zip(names[1:], ratios[1:]):
         d, se = paired(ratios[0], r)

@@ -203,9 +203,10 @@ class LocalSwarm:
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does, in the block, so that a
-    LocalSwarm's close runs (off the main thread, where handlers cannot be set, it does nothing). Its peers run in sessions of their own (each is stopped as a
-    process group), so no signal to the program that started them reaches them: without this,
-    `kill PID` or a closed terminal ended `swarmgrad demo` at once and left its peers training."""
+    LocalSwarm's close runs (off the main thread, where handlers cannot be set, it does nothing).
+    Its peers run in sessions of their own (each is stopped as a process group), so no signal to
+    the program that started them reaches them: without this, `kill PID` or a closed terminal
+    ended `swarmgrad demo` at once and left its peers training."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -58,6 +58,11 @@ def bench_stage(model: StagedModel, stage: int, batch: int, device: torch.device
     return TIMED_ITERS * batch / max(1e-9, time.perf_counter() - started)
 
 
+def _cache_key(manifest: Manifest, device: str) -> str:
+    """The whole-device entry's key; a pinned peer's one-stage entry adds ``|stage N``."""
+    return f"{manifest.hash}|{device}|{torch.__version__}"
+
+
 def _read_cache(path: Path) -> dict[str, list[float]]:
     try:
         cached = json.loads(path.read_text())
@@ -85,8 +90,7 @@ def _valid(rates: object, n: int) -> bool:
 def stage_rates(manifest: Manifest, model: StagedModel, device: str, slowdown: float = 1.0,
                 use_cache: bool = True) -> tuple[float, ...]:
     """Samples/s on every stage for this device (divided by --slowdown), from the cache if there."""
-    key = f"{manifest.hash}|{device}|{torch.__version__}"
-    path = cache_dir() / "stage-rates.json"
+    key, path = _cache_key(manifest, device), cache_dir() / "stage-rates.json"
     rates = _read_cache(path).get(key) if use_cache else None
     if not _valid(rates, model.n_stages):
         vocab = manifest.model.vocab_size
@@ -104,8 +108,7 @@ def stage_rate(manifest: Manifest, model: StagedModel, device: str, stage: int, 
     reads its announced rate before its first round (0 there reads as a stage with no capacity
     and draws other peers to it). From the whole-device cache entry if there, else one stage's
     benchmark, cached on its own."""
-    key = f"{manifest.hash}|{device}|{torch.__version__}"
-    path = cache_dir() / "stage-rates.json"
+    key, path = _cache_key(manifest, device), cache_dir() / "stage-rates.json"
     cached = _read_cache(path) if use_cache else {}
     if _valid(cached.get(key), model.n_stages):
         return cached[key][stage] / slowdown
