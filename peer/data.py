@@ -202,8 +202,16 @@ class MicrobatchStream:
         return self
 
     def __next__(self) -> Batch:
+        return self.draw(self.batch_size)
+
+    def draw(self, size: int) -> Batch:
+        """The next microbatch, of `size` windows (a tapered step's: inner.microbatch_sizes). The
+        windows come from the stream's one generator in order, so any sizes give the same sequence
+        of windows cut differently."""
+        if size < 1:
+            raise ValueError(f"a microbatch needs >= 1 window, got {size}")
         n_starts = len(self.corpus) - self.seq_len  # a window needs seq_len + 1 bytes
-        starts = torch.randint(0, n_starts, (self.batch_size, 1), generator=self._gen)
+        starts = torch.randint(0, n_starts, (size, 1), generator=self._gen)
         self.batches_drawn += 1
         return _windows(self.corpus, starts + self._offsets)
 

@@ -19,6 +19,10 @@ last; in order, it computes on the first while the others are still arriving, an
 computes its next forward while the link carries this one. With pipeline.lookahead the window
 also runs on across inner steps: the next step's microbatches go out while this step drains
 (peer/lookahead.py).
+
+A lane draws its batch once its microbatch has a place in an inner step, at the size of that
+place (inner.microbatch_sizes: small first and last microbatches shorten each exact step's fill
+and drain), and keeps it for the microbatch's retries.
 """
 from __future__ import annotations
 
@@ -28,12 +32,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.data import MicrobatchStream
+from swarmgrad.peer.lookahead import Slot
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline import Downstream, Hop
 from swarmgrad.peer.routing import DeadlineEstimator
@@ -45,6 +51,14 @@ from swarmgrad.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Pending:
+    """One microbatch's batch: given (an evaluation, a caller's), or drawn by its first admitted
+    attempt (`Driver._draw`) and kept for its retries."""
+
+    def __init__(self, batch: Batch | None = None) -> None:
+        self.batch = batch
 
 
 @dataclass
@@ -62,7 +76,7 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: Iterator[Batch], emit: Callable[..., None], clock: RoundClock,
+                 n_stages: int, stream: MicrobatchStream | None, emit: Callable[..., None], clock: RoundClock,
                  memory_window: int | None = None):
         self.m = manifest
         self.worker = worker
@@ -70,6 +84,8 @@ class Driver:
         self.peer_id = peer_id
         self.n_stages = n_stages
         self.stream = stream
+        """Where lanes draw their training batches (None: a caller passes them, train_microbatch)."""
+        self.sizes = manifest.inner.step_sizes
         self.emit = emit
         self.clock = clock
         """The driver's round is sent with every microbatch, so later stages follow its rounds."""
@@ -130,8 +146,7 @@ class Driver:
                 await self._window_changed.wait_for(lambda: self._in_flight < self.window)
                 self._in_flight += 1
             try:
-                inputs, targets = next(self.stream)
-                await self.train_microbatch(inputs, targets, stop)
+                await self._train(Pending(), stop)
             finally:
                 self._in_flight -= 1
                 await asyncio.shield(self._rewindow())
@@ -221,10 +236,17 @@ class Driver:
                 "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
                 if self.worker.device.type == "cpu" and now[8] > el0 else None}
 
-    async def _attempt(self, mb: int, attempt: int, inputs: torch.Tensor, targets: torch.Tensor,
-                       eval_only: bool) -> tuple[int, float, str, str]:
+    def _draw(self, slot: Slot) -> Batch:
+        """A training batch of the size of the slot's place in its step."""
+        assert self.stream is not None, "a driver without a stream is given its batches"
+        return self.stream.draw(self.sizes[slot.position % len(self.sizes)])
+
+    async def _attempt(self, mb: int, attempt: int, pending: Pending, eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
         async with self.worker.admitted(wait=True, train=not eval_only, ahead=self._lookahead) as slot:
+            if pending.batch is None:
+                pending.batch = self._draw(slot)
+            inputs, targets = pending.batch
             if self.n_stages == 1:
                 try:
                     loss, _ = await self.worker.forward_loss(inputs, targets, train=not eval_only)
@@ -269,8 +291,7 @@ class Driver:
 
         task.add_done_callback(done)
 
-    async def _through(self, inputs: torch.Tensor, targets: torch.Tensor, eval_only: bool,
-                       stop: asyncio.Event | None) -> float | None:
+    async def _through(self, pending: Pending, eval_only: bool, stop: asyncio.Event | None) -> float | None:
         mb = next(self._ids)
         attempt = 0
         backoff = 0.2
@@ -281,7 +302,7 @@ class Driver:
         # (they stop with `stop`).
         wait_until = time.monotonic() + self.m.timeouts.microbatch
         while attempt < self.m.pipeline.max_retries:
-            status, loss, reason, failed = await self._attempt(mb, attempt, inputs, targets, eval_only)
+            status, loss, reason, failed = await self._attempt(mb, attempt, pending, eval_only)
             if status == pb.OK:
                 return loss
             if stop is not None and stop.is_set():
@@ -310,7 +331,11 @@ class Driver:
 
     async def train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor,
                                stop: asyncio.Event | None = None) -> float | None:
-        loss = await self._through(inputs, targets, eval_only=False, stop=stop)
+        """Train on this batch (retried like a lane's); its loss, or None if it was given up."""
+        return await self._train(Pending((inputs, targets)), stop)
+
+    async def _train(self, pending: Pending, stop: asyncio.Event | None) -> float | None:
+        loss = await self._through(pending, eval_only=False, stop=stop)
         if loss is not None:
             self.stats.completed += 1
             self._observe_compute()
@@ -321,7 +346,7 @@ class Driver:
         """Mean validation loss in nats over `batches`, forward only, through the live pipeline."""
         losses = []
         for inputs, targets in batches:
-            loss = await self._through(inputs, targets, eval_only=True, stop=None)
+            loss = await self._through(Pending((inputs, targets)), eval_only=True, stop=None)
             if loss is not None:
                 losses.append(loss)
         return sum(losses) / len(losses) if losses else math.nan

@@ -45,6 +45,9 @@ class Slot:
     """The worker's `steps_total` when the gradient joins the accumulation: the current step, or
     the next one for a microbatch admitted ahead."""
     stash: dict[str, torch.Tensor] | None = None
+    position: int = 0
+    """How many microbatches of its step had a place when it was admitted: its index in the step
+    (inner.microbatch_sizes gives a driver the size of the batch it then draws)."""
 
     @property
     def ahead(self) -> bool:

@@ -59,12 +59,31 @@ class InnerOptConfig:
     grad_clip: float = 1.0
     """Max L2 norm of a stage's gradient (per stage, not whole-model); 0 disables clipping."""
     microbatch_size: int = 8
+    """The most samples in one microbatch: what the wire accepts, and the activations' memory bound."""
     microbatches_per_step: int = 4
+    microbatch_sizes: tuple[int, ...] = ()
+    """One inner step's microbatches in order, when they differ (tapered): microbatches_per_step
+    entries, each at most microbatch_size, e.g. [2, 8, 8, 8, 8, 8, 8, 8, 4, 2]. A pipeline's exact
+    step waits for its first microbatch to fill the stages and its last to drain them, and both
+    take as long as those microbatches are big: small ones at the ends shorten the fill and the
+    drain, full ones in between keep the matmuls large. Every microbatch's gradient is weighted by
+    its samples, so a step is the whole step's mean gradient whatever the sizes. Empty: every
+    microbatch has microbatch_size samples."""
     swarm_second_moment: bool = False
     """Estimate AdamW's second moment for the batch of all the stage's replicas together, not this
     replica's alone (peer/swarm_adamw.py): subtracts the share of the gradient noise that averaging
     removes, measured from the spread between a step's microbatches (needs microbatches_per_step ≥ 2).
     Closes most of the per-sample gap between averaged replicas and data-parallel training."""
+
+    @property
+    def step_sizes(self) -> tuple[int, ...]:
+        """The samples of each of one inner step's microbatches, in order."""
+        return self.microbatch_sizes or (self.microbatch_size,) * self.microbatches_per_step
+
+    @property
+    def step_samples(self) -> int:
+        """The samples of one whole inner step."""
+        return sum(self.step_sizes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,14 @@ def check(m: Manifest) -> None:
         raise _fail("inner.grad_clip", f"must be >= 0, 0 disables clipping (got {inn.grad_clip})")
     _positive("inner.microbatch_size", inn.microbatch_size)
     _positive("inner.microbatches_per_step", inn.microbatches_per_step)
+    if inn.microbatch_sizes:
+        sizes = list(inn.microbatch_sizes)
+        if len(sizes) != inn.microbatches_per_step:
+            raise _fail("inner.microbatch_sizes", f"has {len(sizes)} entries but inner.microbatches_per_step is "
+                        f"{inn.microbatches_per_step} (one size per microbatch of a step)")
+        if any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= inn.microbatch_size for n in sizes):
+            raise _fail("inner.microbatch_sizes", f"entries must be integers in 1..inner.microbatch_size "
+                        f"({inn.microbatch_size}) (got {sizes})")
     if inn.swarm_second_moment and inn.microbatches_per_step < 2:
         raise _fail("inner.swarm_second_moment", "measures gradient noise from the spread between a step's "
                     f"microbatches: needs inner.microbatches_per_step >= 2 (got {inn.microbatches_per_step})")

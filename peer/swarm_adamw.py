@@ -17,6 +17,15 @@ One step's ĝ² is noisy and may be negative; the moment is an EMA of it, and th
 max(v̂, r̂ / M), where r̂ is the EMA of the plain ḡ²: the M·b batch's E[g²] is never below
 E[ḡ²] / M, so no coordinate's step grows more than √M times AdamW's.
 With M = 1 or K = 1 it is AdamW exactly (up to float rounding).
+
+Microbatches of different sizes (inner.microbatch_sizes) arrive weighted by their samples in
+units of a full microbatch (w_k = n_k / microbatch_size: the caller scaled their losses so) and
+ḡ is their weighted mean, Σ w_k g_k / W with W = Σ w_k. Then Σ w_k (g_k − ḡ)² / (K − 1) estimates
+the noise of one full microbatch, so the mean's noise is
+
+    s²/K  →  (Σ w_k g_k² − W ḡ²) / ((K − 1) · W)
+
+which is the formula above when every w_k is 1 (W = K).
 """
 from __future__ import annotations
 
@@ -37,11 +46,12 @@ class SwarmAdamW(torch.optim.Optimizer):
         self.replicas = 1
         """M: the replicas this one's steps are averaged with (the last round's group)."""
         self._squares: dict[torch.Tensor, torch.Tensor] = {}
-        """Σ over this step's microbatches of each parameter's gradient squared."""
+        """Σ over this step's microbatches of w_k g_k² (module docstring) for each parameter."""
 
     @torch.no_grad()
-    def observe(self, grads: Iterable[torch.Tensor | None]) -> None:
-        """One microbatch's gradients (parameter order of the groups; None for an unused one)."""
+    def observe(self, grads: Iterable[torch.Tensor | None], weight: float = 1.0) -> None:
+        """One microbatch's gradients (parameter order of the groups; None for an unused one), as
+        added to .grad: w_k g_k for a microbatch of `weight` w_k full ones."""
         params = [p for g in self.param_groups for p in g["params"]]
         first, first_g, more, more_g = [], [], [], []
         for p, g in zip(params, grads):
@@ -56,18 +66,23 @@ class SwarmAdamW(torch.optim.Optimizer):
         # batched tensor ops, as torch.optim's foreach implementations: the same arithmetic per
         # element; on the reference model no faster measurably (docs/measurements.md, "On a faster machine")
         if first_g:
-            self._squares.update(zip(first, torch._foreach_mul(first_g, first_g)))
+            squares = torch._foreach_mul(first_g, first_g)
+            if weight != 1.0:
+                torch._foreach_div_(squares, weight)
+            self._squares.update(zip(first, squares))
         if more:
-            torch._foreach_addcmul_(more, more_g, more_g)
+            torch._foreach_addcmul_(more, more_g, more_g, value=1.0 / weight)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._squares.clear()
 
     @torch.no_grad()
-    def step(self, closure: None = None, *, microbatches: int = 1, grad_scale: float = 1.0) -> None:  # type: ignore[override]
-        """One step on `.grad` (the mean over `microbatches`, already multiplied by `grad_scale`,
-        the clipping factor: the observed squares were not)."""
+    def step(self, closure: None = None, *, microbatches: int = 1, weight: float | None = None,  # type: ignore[override]
+             grad_scale: float = 1.0) -> None:
+        """One step on `.grad` (the weighted mean over `microbatches` whose weights sum to `weight`,
+        None: as many as there are microbatches; already multiplied by `grad_scale`, the clipping
+        factor: the observed squares were not)."""
         if closure is not None:
             raise ValueError("SwarmAdamW takes no closure")
         m = max(1, int(self.replicas))
@@ -86,10 +101,11 @@ class SwarmAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 by_step.setdefault(state["step"], []).append(p)
             for t, params in by_step.items():  # one batch per step count: normally all of them
-                self._update(group, params, t, m, share, microbatches, grad_scale)
+                self._update(group, params, t, m, share, microbatches,
+                             float(microbatches) if weight is None else weight, grad_scale)
 
     def _update(self, group: dict, params: list[torch.Tensor], t: int, m: int, share: float, microbatches: int,
-                grad_scale: float) -> None:
+                weight: float, grad_scale: float) -> None:
         """The step of the module docstring for `params`, whose step count is `t`, as batched tensor
         ops (the same elementwise arithmetic, in the same order, as one tensor at a time)."""
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -102,12 +118,12 @@ class SwarmAdamW(torch.optim.Optimizer):
         observed = list(plain)
         corrected = [i for i, p in enumerate(params) if p in self._squares] if share > 0 else []
         if corrected:
-            # s²/K of the unclipped mean, from Σg_k² and the mean itself; then clipped like ḡ
+            # s²/K of the unclipped mean, from Σ w_k g_k² and the mean itself; then clipped like ḡ
             mean_sq = torch._foreach_div([plain[i] for i in corrected], grad_scale * grad_scale)
-            torch._foreach_mul_(mean_sq, microbatches)
+            torch._foreach_mul_(mean_sq, weight)
             noise = torch._foreach_sub([self._squares[params[i]] for i in corrected], mean_sq)
             torch._foreach_clamp_min_(noise, 0)
-            torch._foreach_div_(noise, microbatches * (microbatches - 1))
+            torch._foreach_div_(noise, (microbatches - 1) * weight)
             torch._foreach_mul_(noise, share * grad_scale * grad_scale)
             for i, value in zip(corrected, torch._foreach_sub([plain[i] for i in corrected], noise)):
                 observed[i] = value

@@ -92,6 +92,8 @@ class StageWorker(CommitOnAck):
         """Set by `close`: the compute thread is gone; work that still arrives is refused."""
         self.accumulated = 0
         """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
+        self.step_samples = 0
+        """Their samples (the step divides the summed gradients by these, in microbatch_size units)."""
         self.inner_steps = 0
         """Inner steps since the last round boundary."""
         self.steps_total = 0
@@ -181,7 +183,7 @@ class StageWorker(CommitOnAck):
         cpu_started = time.thread_time()
         started = time.perf_counter()
         try:
-            return self.inner.step(self.accumulated, self.samples)
+            return self.inner.step(self.accumulated, self.samples, self.step_samples)
         finally:
             spent = time.perf_counter() - started
             self.compute_total += spent
@@ -248,13 +250,15 @@ class StageWorker(CommitOnAck):
                         slot = PLAIN
                         break
                     current_held = self._held.count(self.steps_total)
-                    if self.accumulated + current_held + self._in_flight_train < quota:
-                        slot = Slot(self.steps_total)
+                    taken = self.accumulated + current_held + self._in_flight_train
+                    if taken < quota:
+                        slot = Slot(self.steps_total, position=taken)
                         break
                     next_held = len(self._held) - current_held + self.lookahead.held
                     if ahead and self._in_flight_ahead + next_held < quota and \
                             not self.clock.steps_complete(self.inner_steps + 1):
-                        slot = Slot(self.steps_total + 1, self.lookahead.stash(self.steps_total + 1))
+                        slot = Slot(self.steps_total + 1, self.lookahead.stash(self.steps_total + 1),
+                                    position=self._in_flight_ahead + next_held)
                         break
                 await self._cond.wait()
             self._in_flight += 1
@@ -333,7 +337,7 @@ class StageWorker(CommitOnAck):
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor | None:
         if self.inner.per_microbatch:
             grads, grad_x = self._backward_held(x, y, grad_y, PLAIN)
-            self.inner.add([grads])
+            self.inner.add([grads], [x.shape[0]])
             return grad_x
         y.backward(grad_y.to(y.device, y.dtype))
         return None if x.grad is None else x.grad.detach().to("cpu", torch.float32)
@@ -358,7 +362,7 @@ class StageWorker(CommitOnAck):
         if slot.step > self.steps_total:  # checked after the compute: the step may have run meanwhile
             self.lookahead.hold(grads, batch)
         else:
-            await self.run(self.inner.add, [grads])
+            await self.run(self.inner.add, [grads], [batch])
             self._finished(batch)
         return grad_x
 
@@ -376,7 +380,7 @@ class StageWorker(CommitOnAck):
     def _forward_loss_held(self, x: torch.Tensor, targets: torch.Tensor, slot: Slot
                            ) -> tuple[float, list[torch.Tensor | None], torch.Tensor | None]:
         x, loss = self._loss(x, targets, True, slot)
-        grads, grad_x = self._grads_of(loss, x, None, slot)
+        grads, grad_x = self._grads_of(self.inner.weighted(loss, x.shape[0]), x, None, slot)
         return loss.detach().item(), grads, grad_x
 
     def _loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool, slot: Slot = PLAIN
@@ -394,10 +398,10 @@ class StageWorker(CommitOnAck):
         if not train:
             return loss.item(), None
         if self.inner.per_microbatch:
-            grads, grad_x = self._grads_of(loss, x, None, PLAIN)
-            self.inner.add([grads])
+            grads, grad_x = self._grads_of(self.inner.weighted(loss, x.shape[0]), x, None, PLAIN)
+            self.inner.add([grads], [x.shape[0]])
             return loss.detach().item(), grad_x
-        loss.backward()
+        self.inner.weighted(loss, x.shape[0]).backward()
         return loss.detach().item(), (None if x.grad is None else x.grad.detach().to("cpu", torch.float32))
 
     async def forward_loss(self, x: torch.Tensor, targets: torch.Tensor, train: bool = True
@@ -415,6 +419,7 @@ class StageWorker(CommitOnAck):
 
     def _finished(self, batch: int) -> None:
         self.accumulated += 1
+        self.step_samples += batch
         self.samples += batch
         self._samples_since_rate += batch
 
@@ -444,7 +449,7 @@ class StageWorker(CommitOnAck):
                         self.skipped_steps += 1
                         logger.warning("skipped an inner step: non-finite gradient (%d skipped so far)",
                                        self.skipped_steps)
-                    self.accumulated = 0
+                    self.accumulated = self.step_samples = 0
                     self.steps_total += 1
                     self._in_flight_train, self._in_flight_ahead = self._in_flight_train + self._in_flight_ahead, 0
                     await self._promote_ahead()
@@ -470,7 +475,7 @@ class StageWorker(CommitOnAck):
         gate closed, after a step or at a boundary)."""
         ahead = self.lookahead.take()
         if ahead:
-            await self.run(self.inner.add, [grads for grads, _ in ahead])
+            await self.run(self.inner.add, [grads for grads, _ in ahead], [batch for _, batch in ahead])
             for _, batch in ahead:
                 self._finished(batch)
 

@@ -75,7 +75,7 @@ class CommitOnAck:
             if h.step > self.steps_total:  # ran ahead and this step is not applied yet: the next one's
                 self.lookahead.hold(h.grads, h.batch)
         if now:  # after the holds above: a step that runs meanwhile promotes those
-            await self.run(self.inner.add, [h.grads for h in now])
+            await self.run(self.inner.add, [h.grads for h in now], [h.batch for h in now])
         self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, _ in popped)
         for h in now:
             self._finished(h.batch)

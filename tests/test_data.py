@@ -113,6 +113,20 @@ def test_stream_reproducible_and_seeded() -> None:
     assert not torch.equal(a[0][0], a[1][0])  # successive batches differ
 
 
+@pytest.mark.parametrize("sizes", [(2, 8, 8, 8, 8, 8, 8, 8, 4, 2), (1, 3), (5,)])
+def test_draws_of_any_sizes_cut_the_same_windows(sizes: tuple[int, ...]) -> None:
+    # a tapered step (inner.microbatch_sizes) draws the windows a stream of full batches would
+    corpus = _corpus()
+    whole = MicrobatchStream(corpus, 16, sum(sizes), seed=3).draw(sum(sizes))
+    tapered = MicrobatchStream(corpus, 16, 8, seed=3)
+    parts = [tapered.draw(n) for n in sizes]
+    assert [x.shape[0] for x, _ in parts] == list(sizes)
+    for got, want in zip((torch.cat([p[i] for p in parts]) for i in (0, 1)), whole):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="window"):
+        tapered.draw(0)
+
+
 def test_stream_edges() -> None:
     exact = ByteCorpus.from_bytes(bytes(range(17)))
     inputs, targets = next(MicrobatchStream(exact, seq_len=16, batch_size=2, seed=0))

@@ -1,5 +1,6 @@
 """The pipeline's math is exact: with one replica per stage, H = 1, outer lr 1 and no momentum, a
-round of the swarm equals one plain AdamW step of the whole model on the same microbatches."""
+round of the swarm equals one plain AdamW step of the whole model on the same microbatches, also
+when they differ in size (inner.microbatch_sizes: the step is the mean over its samples)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,13 @@ DATA_SEED = 1234
 
 
 @pytest.mark.timeout(180)
-def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sizes", [(), (1, 4, 2)], ids=["equal", "tapered"])
+def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path, sizes: tuple[int, ...]) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
     m = small_manifest(
-        inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 3},
+        inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 3,
+               "microbatch_sizes": list(sizes)},
         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
         rounds={"inner_steps": 1, "round_seconds": 0.0},
         averaging={"codec": "fp32"},
@@ -35,16 +38,24 @@ def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path) -> N
     swarm.start(1, *args)
     assert swarm.wait_exit(150) == [0, 0], "\n".join(p.log_tail() for p in swarm.peers)
 
-    # the reference: the whole model, the same first microbatches of the driver's shard, one AdamW step
+    # the reference: the whole model, the same first microbatches of the driver's shard (drawn in
+    # the order of their places in the step, each at its place's size), one AdamW step on the mean
+    # over their samples
     model = from_manifest(m)
     stages = [model.build_stage(s) for s in range(model.n_stages)]
     whole = torch.nn.Sequential(*stages)
     train, _ = load_corpora(m.data.source, m.data.paths, m.data.val_fraction, None)
     stream = MicrobatchStream(train, m.model.seq_len, m.inner.microbatch_size, DATA_SEED)
-    batches = [next(stream) for _ in range(m.inner.microbatches_per_step)]
+    batches = [stream.draw(n) for n in m.inner.step_sizes]
     opt = torch.optim.AdamW(whole.parameters(), lr=m.inner.lr, betas=m.inner.betas, weight_decay=m.inner.weight_decay)
-    loss = sum(model.loss_fn(whole(x), y) for x, y in batches) / len(batches)
+    # Σ n_i·loss_i / Σ n_i, in the pipeline's units of a full microbatch (exact factors for equal
+    # ones; for others the same rounding as the stages', since AdamW's first step amplifies the
+    # rounding of a gradient element near 0 up to lr)
+    full = m.inner.microbatch_size
+    loss = sum((x.shape[0] / full) * model.loss_fn(whole(x), y) for x, y in batches)
     loss.backward()
+    for p in whole.parameters():
+        p.grad.mul_(1.0 / (m.inner.step_samples / full))
     opt.step()
 
     for s, stage in enumerate(stages):

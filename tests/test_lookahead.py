@@ -28,7 +28,7 @@ def make_worker(h: int = 0) -> StageWorker:
     clock = RoundClock(RoundsConfig(inner_steps=h, round_seconds=0.0 if h else 10.0), counts_steps=True,
                        max_rounds=0, epoch=None)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
-    return StageWorker(module, InnerOptConfig(lr=0.05, microbatches_per_step=QUOTA), torch.device("cpu"),
+    return StageWorker(module, InnerOptConfig(lr=0.05, microbatch_size=3, microbatches_per_step=QUOTA), torch.device("cpu"),
                        None, clock, TrainingProgress(ScheduleConfig()))
 
 

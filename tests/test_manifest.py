@@ -35,8 +35,9 @@ PINNED = {
 # changed deliberately when [schedule], robust averaging, backups, timeouts.rebalance_check/move, timeouts.commit
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
-# averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators
-PINNED_HASH = "dfa2e14c39b5ae64f837e6c2882659b8"
+# averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
+# inner.microbatch_sizes
+PINNED_HASH = "3bfe67364858ff96b7d8467667f167df"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -250,6 +251,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "model.params": [{"params": {"width": 3}}],
         "stages.layers": [{"layers": [1, 3]}],
         "inner.betas": [{"betas": [0.8, 0.9]}],
+        "inner.microbatch_sizes": [{"microbatch_sizes": [1] * k} for k in range(1, 33)],  # one has the right length
         "data.source": [{"source": "files", "paths": ["a.txt"]}],
         "data.paths": [{"paths": ["a.txt"]}],
         "averaging.codec": [{"codec": "fp16"}],
@@ -385,10 +387,22 @@ def test_replace_validates() -> None:
     ("averaging", {"backup_link_share": 0.0}, "averaging.backup_link_share"),
     ("averaging", {"backup_link_share": 1.5}, "averaging.backup_link_share"),
     ("timeouts", {"announce_ttl": 200.0}, "timeouts.announce_ttl"),
+    ("inner", {"microbatch_sizes": [2, 8, 2]}, "inner.microbatch_sizes"),  # 3 entries, 4 per step
+    ("inner", {"microbatch_sizes": [2, 9, 8, 2]}, "inner.microbatch_sizes"),  # above microbatch_size 8
+    ("inner", {"microbatch_sizes": [2, 0, 8, 2]}, "inner.microbatch_sizes"),
+    ("inner", {"microbatch_sizes": [2, 4.5, 8, 2]}, "inner.microbatch_sizes"),
 ])
 def test_absurd_values_are_refused_naming_the_field(section: str, values: dict, field: str) -> None:
     with pytest.raises(ManifestError, match=re.escape(field)):
         from_dict({"run_id": "x", section: values})
+
+
+def test_tapered_step_sizes() -> None:
+    m = from_dict({"run_id": "x", "inner": {"microbatch_size": 8, "microbatches_per_step": 4,
+                                            "microbatch_sizes": [2, 8, 8, 4]}})
+    assert m.inner.step_sizes == (2, 8, 8, 4) and m.inner.step_samples == 22
+    plain = from_dict({"run_id": "x", "inner": {"microbatch_size": 8, "microbatches_per_step": 4}})
+    assert plain.inner.step_sizes == (8, 8, 8, 8) and plain.inner.step_samples == 32
 
 
 def test_params_must_be_plain_values() -> None:

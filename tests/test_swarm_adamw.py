@@ -58,6 +58,44 @@ def test_noise_correction_arithmetic_and_its_floor() -> None:
     torch.testing.assert_close(p.detach(), expected)
 
 
+def test_weighted_microbatches_noise_arithmetic() -> None:
+    # microbatches of 2 and 6 samples of full ones of 4 (inner.microbatch_sizes): weights 0.5 and
+    # 1.5, added to .grad as w_k g_k. g = (3, 1, 3) and (1, 1, 1): Σ w g = (3, 2, 3), W = 2, so
+    # ḡ = (1.5, 1, 1.5); Σ w g² = (6, 2, 6); noise (Σ w g² − W ḡ²) / ((K − 1) W) = (0.75, 0, 0.75);
+    # observed with M = 2: ḡ² − noise / 2 = (1.875, 1, 1.875), above the floor ḡ² / 2
+    p = torch.zeros(3, requires_grad=True)
+    opt = SwarmAdamW([p], lr=1.0, betas=(0.0, 0.0), eps=0.0)
+    opt.replicas = 2
+    grads = [(torch.tensor([3.0, 1.0, 3.0]), 0.5), (torch.tensor([1.0, 1.0, 1.0]), 1.5)]
+    for g, w in grads:
+        opt.observe([w * g], weight=w)
+    p.grad = sum(w * g for g, w in grads) / 2.0
+    opt.step(microbatches=2, weight=2.0)
+    expected = -torch.tensor([1.5 / math.sqrt(1.875), 1.0, 1.5 / math.sqrt(1.875)])
+    torch.testing.assert_close(p.detach(), expected)
+
+
+def test_second_moment_estimates_the_swarm_batch_from_unequal_microbatches() -> None:
+    # weights 0.25, 0.75 and 1 (W = 2): a microbatch of weight w has noise s² / w, the replica's
+    # weighted mean s² / W, the M = 2 swarm's batch s² / (2W): the moment should find μ² + s²/4
+    torch.manual_seed(4)
+    mu, s, n, weights = 0.5, 2.0, 4000, (0.25, 0.75, 1.0)
+    p = torch.zeros(200, requires_grad=True)
+    opt = SwarmAdamW([p], lr=0.0, betas=(0.9, 0.999))
+    opt.replicas = 2
+    for _ in range(n):
+        grads = [(mu + s / math.sqrt(w) * torch.randn(200), w) for w in weights]
+        for g, w in grads:
+            opt.observe([w * g], weight=w)
+        p.grad = sum(w * g for g, w in grads) / sum(weights)
+        opt.step(microbatches=len(weights), weight=sum(weights))
+        opt.zero_grad()
+    state = opt.state[p]
+    bias = 1 - 0.999 ** n
+    assert float(state["exp_avg_sq"].mean()) / bias == pytest.approx(mu * mu + s * s / 4, rel=0.05)
+    assert float(state["exp_avg_sq_plain"].mean()) / bias == pytest.approx(mu * mu + s * s / 2, rel=0.05)
+
+
 def test_more_replicas_remove_more_noise() -> None:
     def update(replicas: int) -> float:
         p = torch.zeros(1, requires_grad=True)

@@ -203,3 +203,43 @@ def test_evaluations_score_the_committed_snapshot_while_training_moves_the_live_
         assert (await w.forward_loss(x, t, train=False))[0] == live
         w.close()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("swarm", [False, True], ids=["adamw", "swarm_adamw"])
+def test_microbatches_of_different_sizes_step_on_the_mean_over_samples(swarm: bool) -> None:
+    # sizes 1 and 3 (inner.microbatch_sizes, microbatch_size 4): each step must be the step of the
+    # 4 samples at once, as the whole model would take it; several steps, because AdamW's first
+    # moves each weight by ±lr whatever the gradient's size (SwarmAdamW with one replica: AdamW)
+    async def main() -> nn.Module:
+        clock = RoundClock(RoundsConfig(inner_steps=0, round_seconds=10.0), counts_steps=True, max_rounds=0,
+                           epoch=None)
+        inner = InnerOptConfig(lr=0.05, microbatch_size=4, microbatches_per_step=2, microbatch_sizes=(1, 3),
+                               swarm_second_moment=swarm)
+        torch.manual_seed(0)
+        w = StageWorker(nn.Linear(4, 4), inner, torch.device("cpu"), lambda y, t: nn.functional.mse_loss(y, t),
+                        clock, TrainingProgress(ScheduleConfig()))
+        positions = []
+        for x, t in data:
+            for n, lo in zip(inner.step_sizes, (0, 1)):
+                async with w.admitted(wait=False) as slot:
+                    positions.append(slot.position)
+                    await w.forward_loss(x[lo:lo + n], t[lo:lo + n])
+            assert w.step_samples == 4
+            assert await w.maybe_step() and w.step_samples == 0
+        assert positions == [0, 1] * len(data)
+        w.close()
+        return w.module
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)) for _ in range(6)]
+    got = asyncio.run(main())
+    torch.manual_seed(0)
+    want = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(want.parameters(), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+    for x, t in data:
+        nn.functional.mse_loss(want(x), t).backward()
+        torch.nn.utils.clip_grad_norm_(want.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
