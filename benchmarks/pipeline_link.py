@@ -10,7 +10,7 @@ namespace on one veth pair (benchmarks/netns.py, namespaces named `window-<pid>-
 puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends' egress. The task is the reference
 model (examples/reference.toml: byte-level GPT d 128, 4 layers, seq 128) split in two stages, fp16
 activations and gradients, microbatches of 16, 4 per inner step, pipeline.max_in_flight 4 (issue 9
-item 5's configuration; --shape and --max-in-flight change it), rounds of H = 10 inner steps.
+item 5's configuration; --codecs, --shape and --max-in-flight change it), rounds of H = 10 inner steps.
 
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
 window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
@@ -18,7 +18,9 @@ with `pipeline.lookahead = true` (the next inner step's microbatches go out whil
 peer/lookahead.py). `unpaced` pushes each stage's backup after every round
 (`averaging.backup_link_share` 1, as before pacing), `paced` keeps the pushes to 5 % of the time
 (0.05; the default, 0.2, still pushes every round of this configuration) and `no-backups` never
-(`backup_every` 0). Each runs until the driver has reported 1 + N rounds; the first (start-up, the
+(`backup_every` 0). `tapered` runs the working tree with `inner.microbatch_sizes` = --taper (default
+2,8,8,8,8,8,8,8,4,2: the same 64 samples per step as 4 x 16 or 16 x 4, small microbatches where a
+step fills and drains the pipeline, full ones between); the others run --shape. Each runs until the driver has reported 1 + N rounds; the first (start-up, the
 first evaluation) is not counted. The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
@@ -61,7 +63,8 @@ from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 BEFORE = "6b832a8"
 """The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
-VARIANTS = ("before", "after", "lookahead", "unpaced", "paced", "no-backups")
+VARIANTS = ("before", "after", "lookahead", "unpaced", "paced", "no-backups", "tapered")
+TAPER = "2,8,8,8,8,8,8,8,4,2"
 CHANGES: dict[str, dict[str, Any]] = {
     "lookahead": {"pipeline": {"lookahead": True}},
     "unpaced": {"averaging": {"backup_link_share": 1.0}},
@@ -74,11 +77,17 @@ NS_PREFIX = "window-"
 SAMPLE_S = 0.1
 
 
-def manifest(inner_steps: int, per_step: int, size: int, cap: int) -> Manifest:
+def tapered(sizes: list[int]) -> dict[str, Any]:
+    """The manifest change of the `tapered` variant: one step's microbatches of these sizes."""
+    return {"inner": {"microbatch_size": max(sizes), "microbatches_per_step": len(sizes), "microbatch_sizes": sizes}}
+
+
+def manifest(inner_steps: int, per_step: int, size: int, cap: int, codecs: tuple[str, str] = ("fp16", "fp16")
+             ) -> Manifest:
     return load(REPO / "examples" / "reference.toml").replace(
         run_id="pipeline-link", stages={"count": 2},
         inner={"microbatch_size": size, "microbatches_per_step": per_step},
-        pipeline={"activation_codec": "fp16", "gradient_codec": "fp16", "max_in_flight": cap},
+        pipeline={"activation_codec": codecs[0], "gradient_codec": codecs[1], "max_in_flight": cap},
         rounds={"inner_steps": inner_steps, "max_rounds": 0},
         data={"eval_every": 0, "eval_batches": 2})
 
@@ -270,12 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
     p.add_argument("--variants", default="before,after,lookahead",
-                   help="comma-separated, of before,after,lookahead,unpaced,paced,no-backups (ratios are to the first)")
+                   help="comma-separated, of before,after,lookahead,unpaced,paced,no-backups,tapered "
+                        "(ratios are to the first)")
     p.add_argument("--before", default=BEFORE, help=f"git revision the `before` variant runs (default {BEFORE})")
     p.add_argument("--rounds", type=int, default=4, help="rounds counted per run (after one start-up round)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per round")
     p.add_argument("--shape", default="4x16", help="microbatches per step x samples per microbatch (default 4x16)")
+    p.add_argument("--taper", default=TAPER, help=f"the tapered variant's microbatch sizes per step (default {TAPER})")
     p.add_argument("--max-in-flight", type=int, default=4, help="pipeline.max_in_flight (default 4)")
+    p.add_argument("--codecs", default="fp16;fp16", help="activation and gradient codecs, ';' between them (default "
+                   "fp16;fp16; the demo's: 'lowrank:rank=32;hadamard:bits=4,stochastic=true')")
     p.add_argument("--backup-every", type=int, default=None,
                    help="averaging.backup_every (default: the reference manifest's, 1; 0: no backups)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each variant per link, alternating (default 1)")
@@ -293,7 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.inner_steps)
     per_step, size = (int(x) for x in args.shape.split("x"))
-    m = manifest(steps, per_step, size, args.max_in_flight)
+    try:
+        taper = [int(x) for x in args.taper.split(",")]
+    except ValueError:
+        p.error(f"--taper: comma-separated integers (got {args.taper!r})")
+    changes = {**CHANGES, "tapered": tapered(taper)}
+    codecs = args.codecs.split(";")
+    if len(codecs) != 2:
+        p.error(f"--codecs: two codec specs with ';' between them (got {args.codecs!r})")
+    m = manifest(steps, per_step, size, args.max_in_flight, (codecs[0], codecs[1]))
     if args.backup_every is not None:
         m = m.replace(averaging={"backup_every": args.backup_every})
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
@@ -301,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree, lookahead = "
           f"working tree with pipeline.lookahead; "
           f"{rounds} rounds of {steps} steps of {per_step} x {size} samples per run, max_in_flight "
-          f"{args.max_in_flight}", flush=True)
+          f"{args.max_in_flight}, boundaries {codecs[0]} / {codecs[1]}" + (f"; tapered = {taper}" if "tapered" in variants else ""), flush=True)
     rows: list[Row] = []
     try:
         for li, link in enumerate(links):
@@ -311,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 for vi, variant in enumerate(variants):
                     print(f"--- {variant} over {link} ({rep + 1}/{args.repeats})", flush=True)
                     try:
-                        vm = m.replace(**CHANGES.get(variant, {}))
+                        vm = m.replace(**changes.get(variant, {}))
                         row = run_one(variant, link, code if variant == "before" else None, rounds, vm,
                                       tmp / f"{link}-{variant}-{rep}", subnet=200 + len(VARIANTS) * li + vi,
                                       timeout_s=120 + 60 * rounds)
