@@ -195,7 +195,7 @@ class Driver:
         self.estimator.observe_trip(request_bytes=timing.request_bytes, response_bytes=timing.response_bytes,
                                     trip_s=timing.done - timing.started, request_s=hop.request_s,
                                     response_s=timing.done - timing.first_byte if timing.first_byte else 0.0,
-                                    serve_s=hop.serve_s)
+                                    serve_s=hop.serve_s, answered_at=timing.first_byte or timing.done)
         self._trips += 1
         self._up_bytes += timing.request_bytes
         self._down_bytes += timing.response_bytes

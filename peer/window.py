@@ -14,8 +14,11 @@ one for jitter, within the manifest's cap (`pipeline.max_in_flight`) and what me
 The driver measures (peer/driver.py): bytes per request and answer and the time each took on the
 link (the next stage reports how long our request took to arrive, first frame to last, and how
 long it took to answer once it had it; we time the answer's arrival), and its own compute per
-microbatch. A link's rate is the upper quartile of recent per-message rates: overlapping
-messages share the link and each sees less than its capacity. The next stage's time per
+microbatch. A link's rate is the bytes of recent messages over the time that direction was busy
+with at least one of them (the union of their spans, on our clock), not a per-message rate:
+overlapping messages share the link and each sees a part of it, while a small message that
+waited whole in the daemons' buffers is read in a blink and would claim more than the link
+carries (tapered steps' 2-sample microbatches did: 4.7 MB/s over 2.5). The next stage's time per
 microbatch is a low quantile of its answer times: an answer also counts the wait behind the
 microbatches ahead of it there, which is queueing, not service.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LINK, COMPUTE = "link", "compute"
@@ -118,6 +122,20 @@ def utilisation(*, wall_s: float, up_bytes: float, down_bytes: float, up_rate: f
     return Utilisation(link, compute, LINK if link > compute else COMPUTE)
 
 
+def busy_rate(transfers: Iterable[tuple[float, float, float]]) -> float | None:
+    """Bytes per second over the time at least one transfer was under way: `transfers` are
+    (start, end, bytes) on one clock. Overlapping transfers share a link, so their union, not
+    the sum of their spans, is the time the bytes took; the gaps between them were idle, not
+    slow. None for no transfer or no time."""
+    total, busy, reach = 0.0, 0.0, -math.inf
+    for start, end, size in sorted(transfers):
+        total += size
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return total / busy if busy > 0 else None
+
+
 def _quantile(values: deque, q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -125,9 +143,9 @@ def _quantile(values: deque, q: float) -> float:
 
 @dataclass
 class PipelineEstimator:
-    """Recent per-microbatch samples, summarised as a PipelineMeasure (medians; link rates at the
-    upper quartile, the next stage's service at the 10th percentile). `window` samples are kept of
-    each figure."""
+    """Recent per-microbatch samples, summarised as a PipelineMeasure (medians; link rates over
+    their busy time, see busy_rate; the next stage's service at the 10th percentile). `window`
+    samples are kept of each figure."""
     window: int = 32
     min_transfer_s: float = 1e-3
     """A transfer shorter than this says nothing about a rate (an unshaped link): not sampled."""
@@ -149,11 +167,16 @@ class PipelineEstimator:
         return len(self._latency)
 
     def observe_trip(self, *, request_bytes: int, response_bytes: int, trip_s: float, request_s: float,
-                     response_s: float, serve_s: float) -> None:
+                     response_s: float, serve_s: float, answered_at: float) -> None:
         """One answered microbatch: bytes each way, the whole trip (request started to answer
         read), the request's arrival span as the next stage reported it, the answer's arrival
-        span as we read it, and the next stage's answer time. Reported times are clamped to the
-        trip (a peer's claim cannot make a trip longer than we saw)."""
+        span as we read it, the next stage's answer time, and when the answer's first frame
+        reached us (our monotonic clock). Reported times are clamped to the trip (a peer's claim
+        cannot make a trip longer than we saw).
+
+        The request's span is placed on our clock just before the serving that preceded the
+        answer; that omits the answer's one-way latency, which shifts every request alike and so
+        leaves the overlaps, and the busy time, as they were."""
         if not trip_s > 0:
             return
         request_s, serve_s = min(max(0.0, request_s), trip_s), min(max(0.0, serve_s), trip_s)
@@ -161,9 +184,10 @@ class PipelineEstimator:
         self._add(self._request, float(request_bytes))
         self._add(self._response, float(response_bytes))
         if request_s >= self.min_transfer_s:
-            self._add(self._up, request_bytes / request_s)
+            read_at = answered_at - serve_s
+            self._add(self._up, (read_at - request_s, read_at, float(request_bytes)))
         if response_s >= self.min_transfer_s:
-            self._add(self._down, response_bytes / response_s)
+            self._add(self._down, (answered_at, answered_at + response_s, float(response_bytes)))
         self._add(self._remote, serve_s)
         self._add(self._latency, max(0.0, trip_s - request_s - serve_s - response_s))
 
@@ -175,8 +199,7 @@ class PipelineEstimator:
         med = lambda d: _quantile(d, 0.5) if d else 0.0  # noqa: E731
         return PipelineMeasure(
             request_bytes=med(self._request), response_bytes=med(self._response),
-            up_rate=_quantile(self._up, 0.75) if self._up else None,
-            down_rate=_quantile(self._down, 0.75) if self._down else None,
+            up_rate=busy_rate(self._up), down_rate=busy_rate(self._down),
             latency=med(self._latency), local_compute=med(self._local),
             remote_compute=_quantile(self._remote, 0.1) if self._remote else 0.0)
 

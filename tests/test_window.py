@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, StepGaps, choose_window,
+from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, StepGaps, busy_rate, choose_window,
                                    memory_window, utilisation)
 
 MB = 1 << 20
@@ -61,15 +61,15 @@ def test_without_measurements_the_cap_probes() -> None:
     assert c.size == 5 and c.limited_by == "cap" and math.isinf(c.needed)
 
 
-def test_estimator_takes_medians_and_an_upper_quartile_rate() -> None:
+def test_estimator_takes_medians_and_rates_over_busy_time() -> None:
     est = PipelineEstimator(window=8)
     for i in range(8):
-        # request_s varies: two transfers overlapping halve each one's rate; the capacity is the faster
-        request_s = 0.2 if i % 4 else 0.4
-        est.observe_trip(request_bytes=500_000, response_bytes=250_000, trip_s=1.0, request_s=request_s,
-                         response_s=0.1, serve_s=0.3)
+        # one microbatch a second, each request taking 0.2 s of a 2.5 MB/s link and its answer 0.1 s
+        est.observe_trip(request_bytes=500_000, response_bytes=250_000, trip_s=1.0, request_s=0.2,
+                         response_s=0.1, serve_s=0.3, answered_at=10.0 + i)
         est.observe_compute(0.05 + 0.01 * i)
     m = est.measure()
+    # the idle time between microbatches is not slowness
     assert m.up_rate == pytest.approx(500_000 / 0.2) and m.down_rate == pytest.approx(2.5e6)
     assert m.request_bytes == 500_000 and m.response_bytes == 250_000 and m.remote_compute == pytest.approx(0.3)
     assert m.latency == pytest.approx(1.0 - 0.2 - 0.3 - 0.1)
@@ -77,25 +77,62 @@ def test_estimator_takes_medians_and_an_upper_quartile_rate() -> None:
     assert est.samples == 8
 
 
+def test_overlapping_messages_share_the_link_and_buffered_ones_claim_no_more_than_it() -> None:
+    """A link of 2.5 MB/s. Two 500 kB answers, the second starting 0.1 s after the first: they
+    share the link while both are under way, and each takes 0.3 s (1.67 MB/s each). Then a 1 MB
+    answer that shares its 0.5 s with a 250 kB one that waited whole in the buffers and is read
+    in 20 ms (2 and 12.5 MB/s). Per message, a quantile said anything from 1.67 to 12.5 MB/s; over
+    the busy time both say 2.5."""
+    est = PipelineEstimator(window=32)
+    for i in range(4):
+        for offset in (0.0, 0.1):
+            est.observe_trip(request_bytes=1000, response_bytes=500_000, trip_s=1.0, request_s=0.0,
+                             response_s=0.3, serve_s=0.1, answered_at=i + offset)
+    assert est.measure().down_rate == pytest.approx(2.5e6)
+    est = PipelineEstimator(window=32)
+    for i in range(4):
+        est.observe_trip(request_bytes=1000, response_bytes=1_000_000, trip_s=1.0, request_s=0.0,
+                         response_s=0.5, serve_s=0.1, answered_at=float(i))
+        est.observe_trip(request_bytes=1000, response_bytes=250_000, trip_s=1.0, request_s=0.0,
+                         response_s=0.02, serve_s=0.1, answered_at=i + 0.45)
+    assert est.measure().down_rate == pytest.approx(2.5e6)
+
+
+def test_request_spans_are_placed_before_the_serving_on_our_clock() -> None:
+    """Requests sent back to back over one uplink, each reported read in 0.4 s: their spans,
+    placed from the answers' arrival less the serving, do not overlap, so each one's rate is the
+    link's; stacked on one another they would halve it."""
+    est = PipelineEstimator()
+    for i in range(6):
+        serve = 0.05 + 0.1 * (i % 3)  # answers that took longer to serve arrived later
+        est.observe_trip(request_bytes=1_000_000, response_bytes=1000, trip_s=2.0, request_s=0.4,
+                         response_s=0.0, serve_s=serve, answered_at=0.4 * (i + 1) + serve)
+    assert est.measure().up_rate == pytest.approx(2.5e6)
+    assert busy_rate([]) is None and busy_rate([(1.0, 1.0, 10.0)]) is None
+    assert busy_rate([(0.0, 1.0, 1.0), (0.2, 0.5, 1.0), (3.0, 4.0, 2.0)]) == pytest.approx(2.0)
+
+
 def test_estimator_keeps_only_its_window_and_distrusts_claims_beyond_the_trip() -> None:
     est = PipelineEstimator(window=4)
     for _ in range(10):
         est.observe_trip(request_bytes=1000, response_bytes=1000, trip_s=1.0, request_s=0.5, response_s=0.2,
-                         serve_s=0.1)
+                         serve_s=0.1, answered_at=0.0)
     assert est.samples == 4
     # a peer claiming hours of serving cannot push the latency below 0 or the compute past the trip
     for _ in range(4):
         est.observe_trip(request_bytes=1000, response_bytes=1000, trip_s=1.0, request_s=0.0, response_s=0.0,
-                         serve_s=3600.0)
+                         serve_s=3600.0, answered_at=0.0)
     m = est.measure()
     assert m.remote_compute == pytest.approx(1.0) and m.latency == 0.0
-    est.observe_trip(request_bytes=1, response_bytes=1, trip_s=0.0, request_s=0.0, response_s=0.0, serve_s=0.0)
+    est.observe_trip(request_bytes=1, response_bytes=1, trip_s=0.0, request_s=0.0, response_s=0.0, serve_s=0.0,
+                     answered_at=0.0)
     assert est.samples == 4  # a trip of no length is no sample
 
 
 def test_instant_transfers_do_not_claim_a_rate() -> None:
     est = PipelineEstimator()
-    est.observe_trip(request_bytes=MB, response_bytes=MB, trip_s=0.01, request_s=1e-5, response_s=1e-5, serve_s=0.005)
+    est.observe_trip(request_bytes=MB, response_bytes=MB, trip_s=0.01, request_s=1e-5, response_s=1e-5, serve_s=0.005,
+                     answered_at=0.0)
     m = est.measure()
     assert m.up_rate is None and m.down_rate is None and m.up_s == 0.0
     assert choose_window(m, cap=4).bottleneck == COMPUTE
