@@ -21,8 +21,8 @@ also runs on across inner steps: the next step's microbatches go out while this 
 (peer/lookahead.py).
 
 A lane draws its batch once its microbatch has a place in an inner step, at the size of that
-place (inner.microbatch_sizes: small first and last microbatches shorten each exact step's fill
-and drain), and keeps it for the microbatch's retries.
+place (inner.microbatch_sizes, when a step's microbatches differ in size), and keeps it for the
+microbatch's retries.
 """
 from __future__ import annotations
 

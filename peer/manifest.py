@@ -63,12 +63,13 @@ class InnerOptConfig:
     microbatches_per_step: int = 4
     microbatch_sizes: tuple[int, ...] = ()
     """One inner step's microbatches in order, when they differ (tapered): microbatches_per_step
-    entries, each at most microbatch_size, e.g. [2, 8, 8, 8, 8, 8, 8, 8, 4, 2]. A pipeline's exact
-    step waits for its first microbatch to fill the stages and its last to drain them, and both
-    take as long as those microbatches are big: small ones at the ends shorten the fill and the
-    drain, full ones in between keep the matmuls large. Every microbatch's gradient is weighted by
-    its samples, so a step is the whole step's mean gradient whatever the sizes. Empty: every
-    microbatch has microbatch_size samples."""
+    entries, each at most microbatch_size, e.g. [2, 8, 8, 8, 8, 8, 8, 8, 4, 2]. Every microbatch's
+    gradient is weighted by its samples, so a step is the whole step's mean gradient whatever the
+    sizes. Small first and last microbatches shorten an exact step's fill and drain, but a step
+    whose resources (uplink, compute, downlink) are balanced loses its largest microbatch's time
+    wherever it sits, so there uniform small microbatches are faster (docs/measurements.md,
+    "Tapered steps do not shorten it"); a taper pays where one resource is much slower than the
+    rest. Empty: every microbatch has microbatch_size samples."""
     swarm_second_moment: bool = False
     """Estimate AdamW's second moment for the batch of all the stage's replicas together, not this
     replica's alone (peer/swarm_adamw.py): subtracts the share of the gradient noise that averaging
