@@ -20,8 +20,9 @@ peer/lookahead.py). `unpaced` pushes each stage's backup after every round
 (0.05; the default, 0.2, still pushes every round of this configuration) and `no-backups` never
 (`backup_every` 0). `tapered` runs the working tree with `inner.microbatch_sizes` = --taper (default
 2,8,8,8,8,8,8,8,4,2: the same 64 samples per step as 4 x 16 or 16 x 4, small microbatches where a
-step fills and drains the pipeline, full ones between); the others run --shape. Each runs until the driver has reported 1 + N rounds; the first (start-up, the
-first evaluation) is not counted. The ratio column divides by the first variant listed.
+step fills and drains the pipeline, full ones between); the others run --shape. Each runs until
+the driver has reported 1 + N rounds; the first (start-up, the first evaluation) is not counted.
+The ratio column divides by the first variant listed.
 
 Figures, over the counted rounds (from the driver's round events): samples/s; MB/s each way and
 link utilisation (bytes of the `wan0` interface counters, all traffic, over the link's rate; unshaped
@@ -322,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = working tree, lookahead = "
           f"working tree with pipeline.lookahead; "
           f"{rounds} rounds of {steps} steps of {per_step} x {size} samples per run, max_in_flight "
-          f"{args.max_in_flight}, boundaries {codecs[0]} / {codecs[1]}" + (f"; tapered = {taper}" if "tapered" in variants else ""), flush=True)
+          f"{args.max_in_flight}, boundaries {codecs[0]} / {codecs[1]}"
+          + (f"; tapered = {taper}" if "tapered" in variants else ""), flush=True)
     rows: list[Row] = []
     try:
         for li, link in enumerate(links):
