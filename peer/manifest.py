@@ -68,8 +68,9 @@ class InnerOptConfig:
     sizes. Small first and last microbatches shorten an exact step's fill and drain, but a step
     whose resources (uplink, compute, downlink) are balanced loses its largest microbatch's time
     wherever it sits, so there uniform small microbatches are faster (docs/measurements.md,
-    "Tapered steps do not shorten it"); a taper pays where one resource is much slower than the
-    rest. Empty: every microbatch has microbatch_size samples."""
+    "Tapered steps do not shorten it"). Where one resource dominates a taper beats the full
+    microbatches it was cut from, but on CPU cores not uniform small ones; it can pay where small
+    microbatches are expensive per sample. Empty: every microbatch has microbatch_size samples."""
     swarm_second_moment: bool = False
     """Estimate AdamW's second moment for the batch of all the stage's replicas together, not this
     replica's alone (peer/swarm_adamw.py): subtracts the share of the gradient noise that averaging
