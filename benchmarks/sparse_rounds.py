@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, parse_codec_spec, reduce_codec
+from swarmgrad.peer import overlap
 from swarmgrad.peer.aggregate import reduce_part
 from swarmgrad.peer.averaging_group import partition
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
@@ -65,6 +66,12 @@ class Variant:
     """The codec of tensors below averaging.small_tensor_threshold."""
     swarm_moment: bool = False
     """inner.swarm_second_moment: SwarmAdamW, each step's batch as two microbatches of half the size."""
+    overlap: str = ""
+    """rounds.overlap as the swarm runs it (peer/overlap.py): "" plain rounds; "delayed" each
+    replica resumes from its own θ_local while the mean travels; "eager" it resumes from
+    `overlap.eager_estimate`'s outer step (rounds.eager). The mean lands after `lands_after` inner
+    steps of the next round, and θ_local is moved onto θ_global_new there (the worker's rebase)."""
+    lands_after: int = 1
 
 
 VARIANTS = {v.name: v for v in [
@@ -106,6 +113,15 @@ VARIANTS = {v.name: v for v in [
     Variant("int8+ef/sgd1/swarm-moment", "int8", outer_lr=1.0, outer_momentum=0.0, swarm_moment=True),
     Variant("fp32/nag1/m0.5/swarm-moment", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5,
             swarm_moment=True),
+    # averaging overlapped with the next round's compute (rounds.overlap, rounds.eager)
+    Variant("int4+ef/gather/sgd1/swarm-moment/overlap", "int4", exchange="gather", outer_lr=1.0,
+            outer_momentum=0.0, swarm_moment=True, overlap="delayed"),
+    Variant("int4+ef/gather/sgd1/swarm-moment/eager", "int4", exchange="gather", outer_lr=1.0,
+            outer_momentum=0.0, swarm_moment=True, overlap="eager"),
+    Variant("int8+ef/sgd1/overlap", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="delayed"),
+    Variant("int8+ef/sgd1/eager", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="eager"),
+    Variant("int8+ef/overlap", "int8", overlap="delayed"),
+    Variant("int8+ef/eager", "int8", overlap="eager"),
     # fewer averaging bytes at few steps per round, where the round's exchange is what costs time
     Variant("int4+ef/gather/sgd1/swarm-moment", "int4", exchange="gather", outer_lr=1.0, outer_momentum=0.0,
             swarm_moment=True),
@@ -159,12 +175,12 @@ def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor
     if opt.per_microbatch:
         half = x.shape[0] // 2
         for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
-            opt.add([torch.autograd.grad(model.loss_fn(mod(xs), ys), opt.params())])
-        microbatches = 2
-    else:
+            loss = opt.weighted(model.loss_fn(mod(xs), ys), half)
+            opt.add([torch.autograd.grad(loss, opt.params())], [half])
+        opt.step(2, since_boundary, x.shape[0])
+    else:  # the batch's mean loss: its gradient is the step's mean already (weight 1)
         model.loss_fn(mod(x), y).backward()
-        microbatches = 1
-    opt.step(microbatches, since_boundary)
+        opt.step(1, since_boundary, opt.cfg.microbatch_size)
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -204,14 +220,26 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
     H = m.rounds.inner_steps
     samples = 0
     sent = 0
+    shifts: list[dict[str, torch.Tensor] | None] = [None] * replicas  # overlapped: θ_global_new − anchor
+    anchors: list[dict[str, torch.Tensor] | None] = [None] * replicas
+    pending: tuple[dict[str, torch.Tensor], float, float] | None = None  # overlapped: the mean in flight
+    last_mean: dict[str, torch.Tensor] | None = None
     for rnd in range(rounds):
         progress.trained = samples
+        if pending is not None:  # the mean lands: one outer step, then each replica's shift
+            state.apply_outer(*pending)
+            last_mean, pending = pending[0], None
+            shifts = [overlap.into_shift(a, state.params) if a is not None else None for a in anchors]
         deltas = []
         for r, (mod, opt) in enumerate(zip(modules, opts)):
-            state.copy_to(mod)
+            if not v.overlap or rnd == 0:
+                state.copy_to(mod)
             mod.train()
             for step in range(H):
                 inner_step(model, mod, opt, *next(streams[r]), replicas * step * batch)
+                if shifts[r] is not None and step + 1 >= min(H, v.lands_after):
+                    overlap.rebase(mod, shifts[r], state.params, moved=True)
+                    shifts[r] = None
             deltas.append(state.pseudo_gradient(mod))
         encoded = []
         for r, delta in enumerate(deltas):
@@ -233,7 +261,16 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
         else:
             sent += (replicas - 1) * sum(payload(e) for enc in encoded for e in enc.values())
         samples += replicas * H * batch
-        state.apply_outer(mean, replicas * H * batch, lr_multiplier(m.schedule, samples) if m.schedule.outer else 1.0)
+        outer_mult = lr_multiplier(m.schedule, samples) if m.schedule.outer else 1.0
+        if not v.overlap or rnd == rounds - 1:  # the swarm's last round is a plain one
+            state.apply_outer(mean, replicas * H * batch, outer_mult)
+            continue
+        pending = (mean, replicas * H * batch, outer_mult)
+        for r, mod in enumerate(modules):  # resume at once: from θ_local, or from the eager estimate
+            if v.overlap == "eager":
+                estimate = overlap.eager_estimate(deltas[r], last_mean, 1.0 / replicas)
+                overlap.move_to(mod, state.preview_outer(estimate, outer_mult))
+            anchors[r] = overlap.snapshot_local(mod)
     state.copy_to(modules[0])
     params = sum(t.numel() for t in state.params.values())
     return {"val": evaluate(model, modules[0], val_batches), "bytes_per_sample": sent / samples,
