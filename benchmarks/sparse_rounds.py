@@ -305,6 +305,9 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,int8+ef,ctk64b2+ef",
                     help="names from --list, or ddp (one model on every replica's batches: the baseline)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lands-after", type=int, default=None,
+                    help="overlapped variants: the mean lands after this many inner steps of the next round "
+                         "(default 1; over a slow link or shared cores it lands later)")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
     if args.list:
@@ -325,7 +328,8 @@ def main() -> None:
     d = m.data
     train, val = load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None)
     val_batches = validation_batches(val, m.model.seq_len, m.inner.microbatch_size, d.eval_batches, seed=m.seed)
-    print(f"{args.replicas} replicas, {rounds} rounds of H={m.rounds.inner_steps}, manifest {args.manifest.name}",
+    print(f"{args.replicas} replicas, {rounds} rounds of H={m.rounds.inner_steps}, manifest {args.manifest.name}"
+          + (f", overlapped means land after {args.lands_after} steps" if args.lands_after is not None else ""),
           flush=True)
     print("| variant | val bits/byte | gap | payload bytes/sample | DDP / that | s |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -335,7 +339,10 @@ def main() -> None:
         if name == "ddp":
             res = run_ddp(m, rounds * m.rounds.inner_steps, args.replicas, train, val_batches)
         else:
-            res = run_variant(m, VARIANTS[name], rounds, args.replicas, train, val_batches)
+            v = VARIANTS[name]
+            if args.lands_after is not None:
+                v = dataclasses.replace(v, lands_after=args.lands_after)
+            res = run_variant(m, v, rounds, args.replicas, train, val_batches)
         first = res["val"] if first is None else first
         gap = 100.0 * (res["val"] / first - 1.0)
         ratio = res["ddp"] / res["bytes_per_sample"] if res["bytes_per_sample"] else math.inf

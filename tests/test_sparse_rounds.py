@@ -1,0 +1,58 @@
+"""benchmarks/sparse_rounds.py, the one-process harness the pseudo-gradient and overlap figures
+come from, on a tiny model: every kind of variant runs (it had stopped running when the inner
+optimiser's signature changed, and nothing noticed), overlapped rounds change the result only
+from their second round on, and the eager start differs from the delayed one."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from sparse_rounds import VARIANTS, run_ddp, run_variant  # noqa: E402
+
+from swarmgrad.peer.data import load_corpora, validation_batches  # noqa: E402
+from swarmgrad.peer.manifest import from_dict  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+MANIFEST = from_dict({
+    "run_id": "t", "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}, "stages": {"count": 1},
+    "inner": {"microbatch_size": 4, "microbatches_per_step": 2},
+    "rounds": {"inner_steps": 2, "round_seconds": 0.0, "max_rounds": 3},
+    "data": {"eval_batches": 2},
+})
+
+
+@pytest.fixture(scope="module")
+def data():
+    train, val = load_corpora("stdlib", max_bytes=200_000)
+    return train, validation_batches(val, MANIFEST.model.seq_len, MANIFEST.inner.microbatch_size, 2)
+
+
+def run(name: str, rounds: int, data, **change) -> dict:
+    return run_variant(MANIFEST, dataclasses.replace(VARIANTS[name], **change), rounds, 2, *data)
+
+
+def test_every_kind_of_variant_runs(data) -> None:
+    for name in ("fp32", "int8+ef/sgd1/overlap", "int8+ef/sgd1/eager", "int4+ef/gather/sgd1/swarm-moment/eager",
+                 "ctk64b2+ef/reduce-ef"):
+        res = run(name, 3, data)
+        assert math.isfinite(res["val"]) and res["bytes_per_sample"] > 0, name
+        assert res["samples"] == 3 * 2 * 2 * 8
+    assert math.isfinite(run_ddp(MANIFEST, 6, 2, *data)["val"])
+
+
+def test_overlap_changes_nothing_in_a_run_of_one_round_and_eager_differs_from_delayed(data) -> None:
+    # the swarm's last round is a plain one, so one round overlaps nothing
+    assert run("int8+ef/sgd1/overlap", 1, data)["val"] == run("int8+ef/sgd1", 1, data)["val"]
+    plain, delayed, eager = (run(n, 3, data)["val"] for n in ("int8+ef/sgd1", "int8+ef/sgd1/overlap",
+                                                               "int8+ef/sgd1/eager"))
+    assert delayed != plain and eager != delayed
+    # a later landing changes the delayed run (more steps from the un-averaged point)
+    assert run("int8+ef/sgd1/overlap", 3, data, lands_after=2)["val"] != delayed
