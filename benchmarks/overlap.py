@@ -1,6 +1,6 @@
 """Overlapped averaging (`[rounds] overlap`) against plain rounds, side by side in one run.
 
-    python benchmarks/overlap.py [--link 20mbit|unshaped] [--steps 500] [--modes off,on,eager]
+    python benchmarks/overlap.py [--link 20mbit|unshaped] [--steps 500] [--modes off,on]
         [--manifest PATH] [--inner-steps H] [--out DIR]
 
 2 peers, each holding the whole model (the swarmgrad row of benchmarks/wan.py: the reference task
@@ -10,8 +10,7 @@ one veth pair; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms` on both e
 budget is steps x 64 sequences and the lr schedule is scaled with it (warmup 10 %, cosine to
 10 % at the budget), as in wan.py. `--manifest` runs another manifest in its place (its codec,
 inner and outer optimisers; H from `--inner-steps`). Modes: `off` plain rounds, `on`
-`rounds.overlap` (each replica resumes from its own θ_local), `eager` `rounds.overlap` and
-`rounds.eager` (it resumes from the eager estimate of the coming θ_global).
+`rounds.overlap`.
 
 Per mode it prints:
 - utilisation per peer: the `utilisation` of its round events (compute seconds of the replica's
@@ -61,8 +60,7 @@ def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task
              ) -> tuple[dict, Callable[[bool], None]]:
     """Train; returns the figures and a scoring step to run once the peers (and the namespaces)
     are gone, so that scoring does not share the cores with training."""
-    manifest = manifest_for("swarmgrad", budget, task).replace(
-        rounds={"overlap": mode in ("on", "eager"), "eager": mode == "eager"})
+    manifest = manifest_for("swarmgrad", budget, task).replace(rounds={"overlap": mode == "on"})
     workdir.mkdir(parents=True)
     (workdir / "manifest.toml").write_text(dumps(manifest))
     t0 = time.time()
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", choices=tuple(LINKS), default="20mbit")
     p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
     p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--modes", default="off,on", help="comma-separated, of off, on (overlap), eager (overlap + eager)")
+    p.add_argument("--modes", default="off,on", help="comma-separated, of off (plain rounds) and on (rounds.overlap)")
     p.add_argument("--manifest", default=None, type=Path,
                    help="the manifest the peers run (default examples/reference.toml; H from --inner-steps)")
     p.add_argument("--score", choices=("every-round", "final"), default="every-round",
@@ -123,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIP: benchmarks/overlap.py needs network namespaces: {why}")
         return 0
     modes = args.modes.split(",")
-    if any(m not in ("off", "on", "eager") for m in modes):
-        p.error(f"--modes: each of off, on, eager (got {args.modes!r})")
+    if any(m not in ("off", "on") for m in modes):
+        p.error(f"--modes: each of off, on (got {args.modes!r})")
     budget = Budget(steps=args.steps, inner_steps=args.inner_steps, timeout_s=1800.0)
     if args.manifest:
         budget = replace(budget, reference=args.manifest.resolve())

@@ -67,10 +67,11 @@ class Variant:
     swarm_moment: bool = False
     """inner.swarm_second_moment: SwarmAdamW, each step's batch as two microbatches of half the size."""
     overlap: str = ""
-    """rounds.overlap as the swarm runs it (peer/overlap.py): "" plain rounds; "delayed" each
-    replica resumes from its own θ_local while the mean travels; "eager" it resumes from
-    `overlap.eager_estimate`'s outer step (rounds.eager). The mean lands after `lands_after` inner
-    steps of the next round, and θ_local is moved onto θ_global_new there (the worker's rebase)."""
+    """Overlapped rounds: "" plain rounds; "delayed" as the swarm runs rounds.overlap
+    (peer/overlap.py: each replica resumes from its own θ_local while the mean travels); "eager"
+    it resumes from `eager_start` instead (measured here only, not in the daemon: it lost more
+    than it saved, docs/measurements.md). The mean lands after `lands_after` inner steps of the
+    next round, and θ_local is moved onto θ_global_new + its progress there (the worker's rebase)."""
     lands_after: int = 1
 
 
@@ -113,15 +114,13 @@ VARIANTS = {v.name: v for v in [
     Variant("int8+ef/sgd1/swarm-moment", "int8", outer_lr=1.0, outer_momentum=0.0, swarm_moment=True),
     Variant("fp32/nag1/m0.5/swarm-moment", "fp32", error_feedback=False, outer_lr=1.0, outer_momentum=0.5,
             swarm_moment=True),
-    # averaging overlapped with the next round's compute (rounds.overlap, rounds.eager)
+    # averaging overlapped with the next round's compute (rounds.overlap), and an eager start
     Variant("int4+ef/gather/sgd1/swarm-moment/overlap", "int4", exchange="gather", outer_lr=1.0,
             outer_momentum=0.0, swarm_moment=True, overlap="delayed"),
     Variant("int4+ef/gather/sgd1/swarm-moment/eager", "int4", exchange="gather", outer_lr=1.0,
             outer_momentum=0.0, swarm_moment=True, overlap="eager"),
     Variant("int8+ef/sgd1/overlap", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="delayed"),
     Variant("int8+ef/sgd1/eager", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="eager"),
-    Variant("int8+ef/overlap", "int8", overlap="delayed"),
-    Variant("int8+ef/eager", "int8", overlap="eager"),
     # fewer averaging bytes at few steps per round, where the round's exchange is what costs time
     Variant("int4+ef/gather/sgd1/swarm-moment", "int4", exchange="gather", outer_lr=1.0, outer_momentum=0.0,
             swarm_moment=True),
@@ -181,6 +180,25 @@ def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor
     else:  # the batch's mean loss: its gradient is the step's mean already (weight 1)
         model.loss_fn(mod(x), y).backward()
         opt.step(1, since_boundary, opt.cfg.microbatch_size)
+
+
+def eager_start(state: StageState, outer, own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
+                share: float, lr_multiplier: float) -> dict[str, torch.Tensor]:
+    """Where an eager overlapped round resumes: θ_global after the outer step that the mean would
+    take if it were our own Δ at our share of the samples plus the last mean for the others'
+    (the eager update of Kale et al. 2025, applied only to the next round's start point, so that
+    θ_global stays one for all replicas), without taking it: torch's SGD step written out. Without
+    a last mean our own Δ stands for everyone's."""
+    est = own if last_mean is None else {n: own[n] * share + last_mean[n] * (1.0 - share) for n in own}
+    lr, mu, momentum = outer.lr * lr_multiplier, outer.momentum, state.momentum()
+    start = {}
+    for name, g in est.items():
+        if mu > 0:
+            buf = momentum.get(name)
+            buf = g.clone() if buf is None else buf * mu + g
+            g = g + mu * buf if outer.nesterov else buf
+        start[name] = state.params[name].detach() - lr * g
+    return start
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -268,8 +286,10 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
         pending = (mean, replicas * H * batch, outer_mult)
         for r, mod in enumerate(modules):  # resume at once: from θ_local, or from the eager estimate
             if v.overlap == "eager":
-                estimate = overlap.eager_estimate(deltas[r], last_mean, 1.0 / replicas)
-                overlap.move_to(mod, state.preview_outer(estimate, outer_mult))
+                start = eager_start(state, outer, deltas[r], last_mean, 1.0 / replicas, outer_mult)
+                with torch.no_grad():
+                    for n, p in mod.named_parameters():
+                        p.copy_(start[n])
             anchors[r] = overlap.snapshot_local(mod)
     state.copy_to(modules[0])
     params = sum(t.numel() for t in state.params.values())

@@ -123,12 +123,6 @@ class RoundsConfig:
     """Average in the background while the next round trains (peer/overlap.py): the outer step
     lands one round late, θ_local keeps the progress made meanwhile. Off: the worker waits for
     each round's averaging (the exact DiLoCo round)."""
-    eager: bool = False
-    """With overlap: resume each round from an estimate of the coming θ_global (the outer step of
-    our own Δ at our share of the group's samples, the others' part estimated by the last mean:
-    the eager update of Kale et al. 2025) instead of from θ_local, so the overlapped steps are
-    computed near where the mean will put them. θ_global stays bit-identical on every replica;
-    only the point the next round's steps start from changes (peer/overlap.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

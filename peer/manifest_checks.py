@@ -84,8 +84,6 @@ def check(m: Manifest) -> None:
         raise _fail("rounds", "inner_steps, round_seconds and max_rounds must be >= 0")
     if r.inner_steps == 0 and r.round_seconds == 0:
         raise _fail("rounds", "needs inner_steps > 0 or round_seconds > 0 (or both) to know when a round ends")
-    if r.eager and not r.overlap:
-        raise _fail("rounds.eager", "only applies to overlapped rounds: set rounds.overlap = true, or remove it")
     _check_codec("averaging.codec", m.averaging.codec)
     _check_codec("pipeline.activation_codec", m.pipeline.activation_codec)
     _check_codec("pipeline.gradient_codec", m.pipeline.gradient_codec)

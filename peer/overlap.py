@@ -74,38 +74,12 @@ class InFlight:
     """θ_local (fp32, CPU) at the boundary; turned in place into the shift once the mean lands."""
     steps_at_snapshot: int
     report: RoundReport
-    undo: dict[str, torch.Tensor] | None = None
-    """With an eager start: θ_local before the move − the eager start, added back if no replica
-    applies the round (θ_local must then hold this round's own work again, which the next Δ carries)."""
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
 def snapshot_local(module: nn.Module) -> dict[str, torch.Tensor]:
     """θ_local as fp32 CPU copies (the anchor)."""
     return {n: p.detach().to("cpu", torch.float32).clone() for n, p in module.named_parameters()}
-
-
-def eager_estimate(own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
-                   share: float) -> dict[str, torch.Tensor]:
-    """The mean Δ this round will most likely bring: our own Δ at our share of the group's samples,
-    and the others' part estimated by the last mean that landed (their Δ of this round is not known
-    yet; at a few steps per round consecutive means point the same way). This is the eager update
-    of Kale et al. 2025, used only to choose where θ_local resumes. Without a last mean our own Δ
-    stands for everyone's: for plain averaging that resumes from θ_local, the delayed start."""
-    if last_mean is None or share >= 1.0:
-        return own
-    return {n: own[n] * share + last_mean[n] * (1.0 - share) for n in own}
-
-
-def move_to(module: nn.Module, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Set θ_local to `start`; return θ_local_before − start (fp32, CPU), what `rebase` adds back
-    to undo the move."""
-    undo = {}
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            undo[name] = p.detach().to("cpu", torch.float32) - start[name]
-            p.copy_(start[name].to(p.device, p.dtype))
-    return undo
 
 
 def into_shift(anchor: dict[str, torch.Tensor], new_global: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

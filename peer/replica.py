@@ -170,7 +170,7 @@ class Replica:
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
                                   save_dir=ctx.save_dir, peer_id=ctx.peer_id,
                                   after_round=self.driving.after_round if self.driving else None,
-                                  byzantine=ctx.byzantine, overlap=m.rounds.overlap, eager=m.rounds.eager,
+                                  byzantine=ctx.byzantine, overlap=m.rounds.overlap,
                                   backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
                                                        m.averaging.backup_every, t.state_download, self.tasks,
                                                        link_share=m.averaging.backup_link_share,

@@ -43,15 +43,10 @@ class RoundRunner:
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
                  save_dir: str | None, peer_id: str,
                  after_round: Callable[[int, RoundResult], Awaitable[None]] | None = None,
-                 backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False,
-                 eager: bool = False):
+                 backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False):
         self.stage = stage
         self.overlap = overlap
         """rounds.overlap: average in the background while the next round trains (peer/overlap.py)."""
-        self.eager = eager
-        """rounds.eager: an overlapped round resumes from the eager estimate of θ_global, not θ_local."""
-        self._last_mean: dict[str, torch.Tensor] | None = None
-        """With `eager`: the mean Δ of the last round applied (the estimate of the others' next one)."""
         self.byzantine = byzantine
         """TESTING AID (--byzantine): corrupt this replica's pseudo-gradient before it is sent
         (benchmarks/byzantine.py measures what robust averaging makes of it)."""
@@ -220,7 +215,6 @@ class RoundRunner:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(state.apply_outer, result.mean_delta, result.total_weight, outer_mult)
                 self.progress.completed_round(result.total_weight, float(samples))
-                self._remember_mean(result)
             self._carried = 0
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
@@ -229,7 +223,6 @@ class RoundRunner:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            self._last_mean = None
             if await self._resync(round, result):
                 await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
@@ -267,11 +260,10 @@ class RoundRunner:
         """Snapshot Δ and θ_local, move the clock on, resume, and average in the background."""
         worker, state = self.worker, self.state
         delta = await self._pseudo_gradient(round, report)
-        undo = await worker.run(self._eager_start, delta) if self.eager else None
         anchor = await worker.run(overlap.snapshot_local, worker.module)
         weight = float(report.samples)
         report.overlapped = True
-        flight = overlap.InFlight(round, weight, anchor, worker.steps_total, report, undo)
+        flight = overlap.InFlight(round, weight, anchor, worker.steps_total, report)
         self._carried = 0
         self.progress.pending = report.samples  # ours until the mean lands (peer/schedule.py)
         self.clock.advance(self.clock.next_round(get_dht_time()))
@@ -304,19 +296,14 @@ class RoundRunner:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
             logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            self._last_mean = None
             if await self._resync(round, result, overlapped=True):
                 overlap.into_shift(flight.anchor, state.params)
                 self.averager.reset_feedback()
                 moved = True
             else:
                 # nobody applied it: θ_global is unchanged everywhere and θ_local still holds this
-                # round's work (once an eager start is undone), which the next round's Δ carries
-                # (with its samples, as its weight)
+                # round's work, which the next round's Δ carries (with its samples, as its weight)
                 self._carried += int(flight.weight)
-                if flight.undo is not None:
-                    undo = flight.undo
-                    await worker.rebase(lambda: overlap.rebase(worker.module, undo, {}, moved=True))
             await worker.run(state.commit, self.clock.current)
         if moved:
             await worker.rebase(overlap.rebase_fn(worker.module, flight.anchor, state.params, flight.steps_at_snapshot,
@@ -332,20 +319,8 @@ class RoundRunner:
         assert result.mean_delta is not None
         self.state.apply_outer(result.mean_delta, result.total_weight, outer_mult)
         self.progress.completed_round(result.total_weight, flight.weight)
-        self._remember_mean(result)
         self.state.commit(self.clock.current)
         overlap.into_shift(flight.anchor, self.state.params)
-
-    def _eager_start(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """On the compute thread, worker paused: move θ_local to the outer step of the eager
-        estimate of this round's mean (peer/overlap.py); returns the move's undo."""
-        estimate = overlap.eager_estimate(delta, self._last_mean, self.progress.share)
-        outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
-        return overlap.move_to(self.worker.module, self.state.preview_outer(estimate, outer_mult))
-
-    def _remember_mean(self, result: RoundResult) -> None:
-        if self.eager:
-            self._last_mean = result.mean_delta
 
     async def _finish_in_flight(self) -> None:
         """At a boundary (worker paused): wait for the overlapped round in flight, if any, and move

@@ -98,25 +98,6 @@ class StageState:
         self.applied_rounds += 1
         self.trained_samples += int(round(total_weight))
 
-    def preview_outer(self, mean_delta: dict[str, torch.Tensor], lr_multiplier: float = 1.0) -> dict[str, torch.Tensor]:
-        """θ_global after the outer step `apply_outer(mean_delta)` would take, without taking it
-        (θ_global, the momentum and the round are untouched): torch's SGD update, written out.
-        Used for an estimate (overlapped rounds' eager start), so it need not match `apply_outer`
-        to the last bit."""
-        cfg = self._outer_cfg
-        lr, mu = cfg.lr * lr_multiplier, cfg.momentum
-        momentum = self.momentum()
-        out = {}
-        with torch.no_grad():
-            for name in self.names:
-                g = mean_delta[name].to(torch.float32)
-                if mu > 0:
-                    buf = momentum.get(name)
-                    buf = g.clone() if buf is None else buf * mu + g
-                    g = g + mu * buf if cfg.nesterov else buf
-                out[name] = self.params[name].detach() - lr * g
-        return out
-
     def copy_to(self, module: nn.Module) -> None:
         with torch.no_grad():
             for name, p in module.named_parameters():

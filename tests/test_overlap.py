@@ -65,43 +65,6 @@ def test_the_last_round_and_a_leaving_replica_wait_for_their_mean() -> None:
     assert not overlap.is_last_round(leaving=False, max_rounds=0, rounds_done=100)
 
 
-def test_preview_outer_is_the_step_apply_outer_takes_and_changes_nothing() -> None:
-    torch.manual_seed(0)
-    state = StageState(nn.Linear(3, 2), OuterOptConfig(lr=0.7, momentum=0.9, nesterov=True))
-    for _ in range(3):  # without a momentum buffer yet, then with one
-        mean = {n: torch.randn_like(p) for n, p in state.params.items()}
-        state.commit(0)
-        digest = state.digest
-        preview = state.preview_outer(mean, lr_multiplier=0.5)
-        state.commit(0)
-        assert state.digest == digest, "a preview leaves θ_global and the momentum as they were"
-        state.apply_outer(mean, lr_multiplier=0.5)
-        for n, p in state.params.items():
-            torch.testing.assert_close(preview[n], p.detach())
-            assert not torch.equal(preview[n], mean[n])
-
-
-def test_eager_estimate_weighs_our_delta_by_our_share_and_the_last_mean_for_the_rest() -> None:
-    own = {"w": torch.tensor([1.0, 2.0])}
-    last = {"w": torch.tensor([3.0, -2.0])}
-    est = overlap.eager_estimate(own, last, 0.25)
-    torch.testing.assert_close(est["w"], 0.25 * own["w"] + 0.75 * last["w"])
-    assert overlap.eager_estimate(own, None, 0.25) is own, "no last mean: our Δ stands for everyone's"
-    assert overlap.eager_estimate(own, last, 1.0) is own, "alone in the group: our Δ is the mean"
-
-
-def test_move_to_returns_what_undoes_it() -> None:
-    torch.manual_seed(0)
-    module = nn.Linear(3, 2)
-    before = overlap.snapshot_local(module)
-    start = {n: torch.randn_like(a) for n, a in before.items()}
-    undo = overlap.move_to(module, start)
-    assert all(torch.equal(p.detach(), start[n]) for n, p in module.named_parameters())
-    overlap.rebase(module, undo, {}, moved=True)
-    for n, p in module.named_parameters():
-        torch.testing.assert_close(p.detach(), before[n])
-
-
 # --- the runner with an in-memory group ----------------------------------------------------------
 class Group:
     """Two replicas' averaging in memory: the weighted mean of both Δ once both have sent, handed
@@ -184,10 +147,9 @@ class FakePresence:
 
 
 class Replica:
-    def __init__(self, group: Group, overlapped: bool, seed: int, schedule: ScheduleConfig = ScheduleConfig(),
-                 eager: bool = False):
-        self.clock = RoundClock(RoundsConfig(inner_steps=H, round_seconds=0.0, overlap=overlapped, eager=eager),
-                                counts_steps=True, max_rounds=0, epoch=None)
+    def __init__(self, group: Group, overlapped: bool, seed: int, schedule: ScheduleConfig = ScheduleConfig()):
+        self.clock = RoundClock(RoundsConfig(inner_steps=H, round_seconds=0.0, overlap=overlapped), counts_steps=True,
+                                max_rounds=0, epoch=None)
         torch.manual_seed(0)  # the same initial θ on every replica, as the manifest's seed gives
         module = nn.Linear(4, 4)
         self.progress = TrainingProgress(schedule)
@@ -202,7 +164,7 @@ class Replica:
                                   averager=self.averager, sync=self.sync, presence=FakePresence(),  # type: ignore[arg-type]
                                   swarm=None, progress=self.progress, traffic=Traffic(),  # type: ignore[arg-type]
                                   events=EventLog(None, sink=self.events.append), schedule_outer=False, save_dir=None,
-                                  peer_id=f"peer-{seed}", overlap=overlapped, eager=eager)
+                                  peer_id=f"peer-{seed}", overlap=overlapped)
         self.data = torch.Generator().manual_seed(100 + seed)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,70 +358,4 @@ def test_utilisation_counts_a_plain_rounds_wait_and_not_an_overlapped_ones() -> 
                 else:
                     assert ev["round_s"] >= 0.6 and ev["utilisation"] <= compute / 0.6 + 1e-3
                 r.worker.close()
-    asyncio.run(main())
-
-
-def test_an_eager_round_resumes_from_the_estimate_and_lands_on_one_global() -> None:
-    """rounds.eager: after a round whose mean has landed, the next boundary resumes θ_local from
-    the outer step of (our share × our Δ + the rest × the last mean), not from θ_local; θ_global
-    stays bit-identical on both replicas and θ_local lands on it + the progress since the start."""
-    async def main() -> None:
-        group = Group()
-        reps = [Replica(group, True, seed, eager=True) for seed in (1, 2)]
-        await run_boundary(reps)  # round 0: no mean yet, so our own Δ stands for the mean
-        group.release[0].set()
-        for r in reps:
-            await r.runner._in_flight.task
-            await r.runner._finish_in_flight()
-        last = reps[0].runner._last_mean
-        assert last is not None and all(r.progress.share == 0.5 for r in reps)
-        for r in reps:
-            while not r.worker.paused:
-                await r.train_one()
-        at_boundary = [r.local() for r in reps]
-        await asyncio.gather(*(r.runner.run_round(1) for r in reps))  # round 1: the eager start
-        for r, pre in zip(reps, at_boundary):
-            delta = {n: r.state.params[n].detach() - pre[n] for n in pre}
-            expected = r.state.preview_outer(overlap.eager_estimate(delta, last, 0.5))
-            for n, t in r.local().items():
-                torch.testing.assert_close(t, expected[n])
-                assert not torch.allclose(t, pre[n]), "not the delayed start (θ_local)"
-        anchors = [{n: a.clone() for n, a in r.runner._in_flight.anchor.items()} for r in reps]
-        for r in reps:
-            await r.train_one()
-        before = [r.local() for r in reps]
-        group.release[1].set()
-        for r in reps:
-            await r.runner._in_flight.task
-        assert reps[0].state.digest == reps[1].state.digest, "θ_global stays bit-identical"
-        for r, anchor, pre in zip(reps, anchors, before):
-            for n, t in r.local().items():
-                torch.testing.assert_close(t, r.state.params[n].detach() + (pre[n] - anchor[n]))
-            r.worker.close()
-    asyncio.run(main())
-
-
-def test_an_eager_round_that_applies_nothing_gives_theta_local_its_own_work_back() -> None:
-    async def main() -> None:
-        group = Group(hold=False)
-        group.fail.add(1)
-        reps = [Replica(group, True, seed, eager=True) for seed in (1, 2)]
-        await run_boundary(reps)
-        for r in reps:
-            await r.runner._in_flight.task
-            await r.runner._finish_in_flight()
-        for r in reps:
-            while not r.worker.paused:
-                await r.train_one()
-        at_boundary = [r.local() for r in reps]
-        await asyncio.gather(*(r.runner.run_round(1) for r in reps))  # starts eagerly, comes back incomplete
-        for r, pre in zip(reps, at_boundary):
-            assert not torch.allclose(r.runner._in_flight.anchor["weight"], pre["weight"]), "it did move"
-            await r.runner._in_flight.task
-            await r.runner._finish_in_flight()
-            for n, t in r.local().items():  # no step since the boundary: θ_local is back where it was
-                torch.testing.assert_close(t, pre[n])
-            assert r.runner._last_mean is None, "a failed round leaves no mean to estimate from"
-            assert r.runner._carried == H * 3
-            r.worker.close()
     asyncio.run(main())

@@ -10,14 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sparse_rounds import VARIANTS, run_ddp, run_variant  # noqa: E402
+from sparse_rounds import VARIANTS, eager_start, run_ddp, run_variant  # noqa: E402
 
 from swarmgrad.peer.data import load_corpora, validation_batches  # noqa: E402
-from swarmgrad.peer.manifest import from_dict  # noqa: E402
+from swarmgrad.peer.manifest import OuterOptConfig, from_dict  # noqa: E402
+from swarmgrad.peer.state import StageState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,3 +59,24 @@ def test_overlap_changes_nothing_in_a_run_of_one_round_and_eager_differs_from_de
     assert delayed != plain and eager != delayed
     # a later landing changes the delayed run (more steps from the un-averaged point)
     assert run("int8+ef/sgd1/overlap", 3, data, lands_after=2)["val"] != delayed
+
+
+def test_the_eager_start_is_the_outer_step_its_estimate_would_take_and_takes_none() -> None:
+    torch.manual_seed(0)
+    outer = OuterOptConfig(lr=0.7, momentum=0.9, nesterov=True)
+    state = StageState(nn.Linear(3, 2), outer)
+    last = {n: torch.randn_like(p) for n, p in state.params.items()}
+    for _ in range(3):  # without a momentum buffer yet, then with one
+        own = {n: torch.randn_like(p) for n, p in state.params.items()}
+        state.commit(0)
+        digest = state.digest
+        start = eager_start(state, outer, own, last, 0.25, 0.5)
+        state.commit(0)
+        assert state.digest == digest, "θ_global and the outer momentum are untouched"
+        state.apply_outer({n: 0.25 * own[n] + 0.75 * last[n] for n in own}, lr_multiplier=0.5)
+        for n, p in state.params.items():
+            torch.testing.assert_close(start[n], p.detach())
+    alone = eager_start(state, outer, own, None, 0.25, 1.0)
+    state.apply_outer(own)
+    for n, p in state.params.items():  # no last mean: our own Δ stands for the mean
+        torch.testing.assert_close(alone[n], p.detach())
