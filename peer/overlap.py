@@ -11,7 +11,7 @@ mean Δ_r), as in a plain round, and moves θ_local to
 i.e. onto the new global point, keeping the progress it made since the snapshot. The next
 pseudo-gradient Δ_{r+1} = θ_global_new − θ_local is then exactly the work of round r + 1, each
 sample counted once. The move happens right after an inner step (nothing in flight, nothing held,
-no gradient accumulated: `StageWorker.set_rebase`), or at the next boundary if no step comes
+no gradient accumulated: `StageWorker.rebase`), or at the next boundary if no step comes
 first; a boundary always waits for the previous round's mean, so at most one round is in flight
 and the error-feedback residuals are used by one encode at a time.
 
@@ -29,8 +29,13 @@ on every replica, with the merge made so that the local work of the overlapped s
 whole rather than mixed in (the eager update's purpose, reached through θ_local instead of
 through the outer optimiser): θ_global stays bit-identical, and the only delay is that round
 r's outer step (and the other replicas' work in it) reaches θ_local during round r + 1 rather
-than at its start. Fragments (streaming) are not used: the whole-model exchange of a small
-model is one message per part anyway, and one delayed round already hides it.
+than at its start. Resuming instead from the outer step of an eager estimate (our Δ at our
+share, the last mean for the others'), which keeps θ_global one, was measured and lost more per
+sample than resuming from θ_local: at a few steps per round a replica's own point is nearer the
+coming mean than the estimate is (docs/measurements.md, "Overlapped averaging"). What the delay
+costs is set by how many steps run before the mean lands. Fragments (streaming) are not used:
+the whole-model exchange of a small model is one message per part anyway, and one delayed round
+already hides it.
 
 What stays exact: a boundary with no inner step between the snapshot and the mean's arrival
 (a fast link, or a replica that got no work) copies θ_global_new into the module, exactly what
