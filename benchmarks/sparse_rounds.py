@@ -27,6 +27,7 @@ gap to the first variant.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import time
@@ -182,23 +183,17 @@ def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor
         opt.step(1, since_boundary, opt.cfg.microbatch_size)
 
 
-def eager_start(state: StageState, outer, own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
+def eager_start(state: StageState, own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
                 share: float, lr_multiplier: float) -> dict[str, torch.Tensor]:
     """Where an eager overlapped round resumes: θ_global after the outer step that the mean would
     take if it were our own Δ at our share of the samples plus the last mean for the others'
     (the eager update of Kale et al. 2025, applied only to the next round's start point, so that
-    θ_global stays one for all replicas), without taking it: torch's SGD step written out. Without
-    a last mean our own Δ stands for everyone's."""
+    θ_global stays one for all replicas), taken on a copy of the stage state. Without a last mean
+    our own Δ stands for everyone's."""
     est = own if last_mean is None else {n: own[n] * share + last_mean[n] * (1.0 - share) for n in own}
-    lr, mu, momentum = outer.lr * lr_multiplier, outer.momentum, state.momentum()
-    start = {}
-    for name, g in est.items():
-        if mu > 0:
-            buf = momentum.get(name)
-            buf = g.clone() if buf is None else buf * mu + g
-            g = g + mu * buf if outer.nesterov else buf
-        start[name] = state.params[name].detach() - lr * g
-    return start
+    preview = copy.deepcopy(state)
+    preview.apply_outer(est, lr_multiplier=lr_multiplier)
+    return {n: p.detach() for n, p in preview.params.items()}
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -286,7 +281,7 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
         pending = (mean, replicas * H * batch, outer_mult)
         for r, mod in enumerate(modules):  # resume at once: from θ_local, or from the eager estimate
             if v.overlap == "eager":
-                start = eager_start(state, outer, deltas[r], last_mean, 1.0 / replicas, outer_mult)
+                start = eager_start(state, deltas[r], last_mean, 1.0 / replicas, outer_mult)
                 with torch.no_grad():
                     for n, p in mod.named_parameters():
                         p.copy_(start[n])
