@@ -184,7 +184,7 @@ def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor
 
 
 def eager_start(state: StageState, own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
-                share: float, lr_multiplier: float) -> dict[str, torch.Tensor]:
+                share: float, lr_multiplier: float) -> StageState:
     """Where an eager overlapped round resumes: θ_global after the outer step that the mean would
     take if it were our own Δ at our share of the samples plus the last mean for the others'
     (the eager update of Kale et al. 2025, applied only to the next round's start point, so that
@@ -193,7 +193,7 @@ def eager_start(state: StageState, own: dict[str, torch.Tensor], last_mean: dict
     est = own if last_mean is None else {n: own[n] * share + last_mean[n] * (1.0 - share) for n in own}
     preview = copy.deepcopy(state)
     preview.apply_outer(est, lr_multiplier=lr_multiplier)
-    return {n: p.detach() for n, p in preview.params.items()}
+    return preview
 
 
 def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
@@ -281,10 +281,7 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
         pending = (mean, replicas * H * batch, outer_mult)
         for r, mod in enumerate(modules):  # resume at once: from θ_local, or from the eager estimate
             if v.overlap == "eager":
-                start = eager_start(state, deltas[r], last_mean, 1.0 / replicas, outer_mult)
-                with torch.no_grad():
-                    for n, p in mod.named_parameters():
-                        p.copy_(start[n])
+                eager_start(state, deltas[r], last_mean, 1.0 / replicas, outer_mult).copy_to(mod)
             anchors[r] = overlap.snapshot_local(mod)
     state.copy_to(modules[0])
     params = sum(t.numel() for t in state.params.values())

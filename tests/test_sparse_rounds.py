@@ -70,13 +70,13 @@ def test_the_eager_start_is_the_outer_step_its_estimate_would_take_and_takes_non
         own = {n: torch.randn_like(p) for n, p in state.params.items()}
         state.commit(0)
         digest = state.digest
-        start = eager_start(state, own, last, 0.25, 0.5)
+        start = eager_start(state, own, last, 0.25, 0.5).params
         state.commit(0)
         assert state.digest == digest, "θ_global and the outer momentum are untouched"
         state.apply_outer({n: 0.25 * own[n] + 0.75 * last[n] for n in own}, lr_multiplier=0.5)
         for n, p in state.params.items():
-            assert torch.equal(start[n], p.detach())
-    alone = eager_start(state, own, None, 0.25, 1.0)
+            assert torch.equal(start[n].detach(), p.detach())
+    alone = eager_start(state, own, None, 0.25, 1.0).params
     state.apply_outer(own)
     for n, p in state.params.items():  # no last mean: our own Δ stands for the mean
-        assert torch.equal(alone[n], p.detach())
+        assert torch.equal(alone[n].detach(), p.detach())
