@@ -10,7 +10,8 @@ one veth pair; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms` on both e
 budget is steps x 64 sequences and the lr schedule is scaled with it (warmup 10 %, cosine to
 10 % at the budget), as in wan.py. `--manifest` runs another manifest in its place (its codec,
 inner and outer optimisers; H from `--inner-steps`). Modes: `off` plain rounds, `on`
-`rounds.overlap`.
+`rounds.overlap`, `on:N` overlap with `rounds.overlap_steps = N` (a replica waits for the mean
+after N steps of the next round).
 
 Per mode it prints:
 - utilisation per peer: the `utilisation` of its round events (compute seconds of the replica's
@@ -18,7 +19,9 @@ Per mode it prints:
   first (the first includes start-up and the wait for the other peer);
 - samples/s per peer over the same rounds (its own samples over their wall time);
 - val bits/byte of θ_global at equal samples (the budget), scored here as wan.py scores it, and
-  at every complete round (written to results.json with --out).
+  at every complete round (written to results.json with --out), and the time to reach 3.0 and
+  2.7 (with `--score every-round`);
+- the seconds a replica waited for overlapped means (`mean_wait_s` of its round events), per round.
 """
 from __future__ import annotations
 
@@ -53,14 +56,35 @@ def peer_figures(events: list[dict]) -> dict[str, float]:
     return {"rounds": len(rounds), "utilisation": sum(e["utilisation"] * e["round_s"] for e in rounds) / wall,
             "samples_per_s": sum(e["samples"] for e in rounds) / wall,
             "averaging_s": sum(e["averaging_s"] for e in rounds) / len(rounds),
-            "round_s": wall / len(rounds)}
+            "round_s": wall / len(rounds),
+            "mean_wait_s": sum(e.get("mean_wait_s") or 0.0 for e in rounds) / len(rounds)}
+
+
+def parse_mode(mode: str) -> dict:
+    """A mode's [rounds] fields: off, on, or on:N."""
+    if mode == "off":
+        return {"overlap": False}
+    if mode == "on":
+        return {"overlap": True}
+    head, _, steps = mode.partition(":")
+    if head != "on" or not steps.isdigit() or int(steps) < 1:
+        raise ValueError(f"a mode is off, on or on:N with N >= 1 (got {mode!r})")
+    return {"overlap": True, "overlap_steps": int(steps)}
+
+
+def time_to(points: list[tuple[float, int, float]], target: float) -> float:
+    """First crossing of `target` by the scored points, linear between them (wan.py's rule)."""
+    for (t0, _, v0), (t1, _, v1) in zip(points, points[1:]):
+        if v1 <= target:
+            return t1 if v0 <= target or v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
+    return math.nan
 
 
 def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path
              ) -> tuple[dict, Callable[[bool], None]]:
     """Train; returns the figures and a scoring step to run once the peers (and the namespaces)
     are gone, so that scoring does not share the cores with training."""
-    manifest = manifest_for("swarmgrad", budget, task).replace(rounds={"overlap": mode == "on"})
+    manifest = manifest_for("swarmgrad", budget, task).replace(rounds=parse_mode(mode))
     workdir.mkdir(parents=True)
     (workdir / "manifest.toml").write_text(dumps(manifest))
     t0 = time.time()
@@ -108,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", choices=tuple(LINKS), default="20mbit")
     p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
     p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--modes", default="off,on", help="comma-separated, of off (plain rounds) and on (rounds.overlap)")
+    p.add_argument("--modes", default="off,on",
+                   help="comma-separated, of off (plain rounds), on (rounds.overlap) and on:N (overlap_steps N)")
     p.add_argument("--manifest", default=None, type=Path,
                    help="the manifest the peers run (default examples/reference.toml; H from --inner-steps)")
     p.add_argument("--score", choices=("every-round", "final"), default="every-round",
@@ -121,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIP: benchmarks/overlap.py needs network namespaces: {why}")
         return 0
     modes = args.modes.split(",")
-    if any(m not in ("off", "on") for m in modes):
-        p.error(f"--modes: each of off, on (got {args.modes!r})")
+    for m in modes:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            p.error(f"--modes: {e}")
     budget = Budget(steps=args.steps, inner_steps=args.inner_steps, timeout_s=1800.0)
     if args.manifest:
         budget = replace(budget, reference=args.manifest.resolve())
@@ -145,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for name, f in sorted(r["peers"].items()):
             rows.append([f"overlap {r['mode']}", r["link"], name, fmt(f["utilisation"], 3), fmt(f["samples_per_s"], 1),
-                         fmt(f.get("round_s", math.nan), 1), fmt(f["averaging_s"], 2), str(f["rounds"]),
-                         fmt(r["val_bpb"], 3), f"{r['samples_scored']:,}", fmt(r["wall_s"], 0)])
+                         fmt(f.get("round_s", math.nan), 1), fmt(f["averaging_s"], 2),
+                         fmt(f.get("mean_wait_s", math.nan), 2), str(f["rounds"]),
+                         fmt(r["val_bpb"], 3), f"{r['samples_scored']:,}",
+                         fmt(time_to(r.get("points", []), 3.0), 0), fmt(time_to(r.get("points", []), 2.7), 0),
+                         fmt(r["wall_s"], 0)])
     print()
     print(markdown_table(["mode", "link", "peer", "utilisation", "samples/s", "round (s)", "averaging (s)",
-                          "rounds", "val bits/byte", "at samples", "wall (s)"], rows))
+                          "mean wait (s)", "rounds", "val bits/byte", "at samples", "to 3.0 (s)", "to 2.7 (s)",
+                          "wall (s)"], rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

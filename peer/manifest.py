@@ -123,6 +123,12 @@ class RoundsConfig:
     """Average in the background while the next round trains (peer/overlap.py): the outer step
     lands one round late, θ_local keeps the progress made meanwhile. Off: the worker waits for
     each round's averaging (the exact DiLoCo round)."""
+    overlap_steps: int = 0
+    """With overlap: the most inner steps a replica trains from its own point before the last
+    round's mean must have landed; after that many it waits for the mean (Streaming DiLoCo's τ).
+    What an overlapped round costs per sample grows with the steps taken before its mean lands
+    (docs/measurements.md, "Overlapped averaging"): a bound of 1 keeps it within ~1 % of plain
+    rounds while the exchange still hides behind a step. 0: no bound (the next boundary waits)."""
 
 
 @dataclass(frozen=True, kw_only=True)

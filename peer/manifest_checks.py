@@ -80,8 +80,10 @@ def check(m: Manifest) -> None:
     if not 0 <= sc.min_lr_ratio <= 1:
         raise _fail("schedule.min_lr_ratio", f"must be in [0, 1] (got {sc.min_lr_ratio})")
     r = m.rounds
-    if r.inner_steps < 0 or r.round_seconds < 0 or r.max_rounds < 0:
-        raise _fail("rounds", "inner_steps, round_seconds and max_rounds must be >= 0")
+    if r.inner_steps < 0 or r.round_seconds < 0 or r.max_rounds < 0 or r.overlap_steps < 0:
+        raise _fail("rounds", "inner_steps, round_seconds, max_rounds and overlap_steps must be >= 0")
+    if r.overlap_steps and not r.overlap:
+        raise _fail("rounds.overlap_steps", "bounds overlapped rounds: it needs rounds.overlap = true")
     if r.inner_steps == 0 and r.round_seconds == 0:
         raise _fail("rounds", "needs inner_steps > 0 or round_seconds > 0 (or both) to know when a round ends")
     _check_codec("averaging.codec", m.averaging.codec)

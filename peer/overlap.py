@@ -67,6 +67,10 @@ class RoundReport:
     avg_sent0: int
     avg_recv0: int
     overlapped: bool = False
+    mean_wait0: float = 0.0
+    """The worker's mean_wait_total when the round's mean went in flight."""
+    mean_wait_s: float = 0.0
+    """How long the worker's gate stayed closed for this round's mean (rounds.overlap_steps)."""
 
 
 @dataclass

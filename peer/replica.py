@@ -171,6 +171,7 @@ class Replica:
                                   save_dir=ctx.save_dir, peer_id=ctx.peer_id,
                                   after_round=self.driving.after_round if self.driving else None,
                                   byzantine=ctx.byzantine, overlap=m.rounds.overlap,
+                                  overlap_steps=m.rounds.overlap_steps,
                                   backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
                                                        m.averaging.backup_every, t.state_download, self.tasks,
                                                        link_share=m.averaging.backup_link_share,

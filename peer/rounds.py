@@ -43,10 +43,13 @@ class RoundRunner:
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
                  save_dir: str | None, peer_id: str,
                  after_round: Callable[[int, RoundResult], Awaitable[None]] | None = None,
-                 backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False):
+                 backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False,
+                 overlap_steps: int = 0):
         self.stage = stage
         self.overlap = overlap
         """rounds.overlap: average in the background while the next round trains (peer/overlap.py)."""
+        self.overlap_steps = overlap_steps
+        """rounds.overlap_steps: inner steps after which the worker waits for the mean in flight (0: none)."""
         self.byzantine = byzantine
         """TESTING AID (--byzantine): corrupt this replica's pseudo-gradient before it is sent
         (benchmarks/byzantine.py measures what robust averaging makes of it)."""
@@ -269,6 +272,8 @@ class RoundRunner:
         self.clock.advance(self.clock.next_round(get_dht_time()))
         self.sync.begin_averaging()
         await self.presence.announce()
+        report.mean_wait0 = worker.mean_wait_total
+        worker.expect_mean(self.overlap_steps)
         flight.task = asyncio.create_task(self._average_in_flight(flight, delta, state.digest, state.applied_rounds),
                                           name=f"overlapped-round-{self.stage}-{round}")
         self._in_flight = flight
@@ -277,6 +282,14 @@ class RoundRunner:
 
     async def _average_in_flight(self, flight: overlap.InFlight, delta: dict[str, torch.Tensor], digest: str,
                                  applied_rounds: int) -> None:
+        try:
+            await self._land(flight, delta, digest, applied_rounds)
+        finally:  # a cancelled or failed round must not leave the worker waiting for its mean
+            await asyncio.shield(self.worker.mean_settled())
+
+    async def _land(self, flight: overlap.InFlight, delta: dict[str, torch.Tensor], digest: str,
+                    applied_rounds: int) -> None:
+        """Average Δ, apply the mean (or re-sync), move θ_local, report the round."""
         worker, state, round = self.worker, self.state, flight.round
         try:
             result = await self.averager.run_round(round, delta, flight.weight, digest, applied_rounds)
@@ -308,6 +321,8 @@ class RoundRunner:
         if moved:
             await worker.rebase(overlap.rebase_fn(worker.module, flight.anchor, state.params, flight.steps_at_snapshot,
                                                 lambda: worker.steps_total))
+        await worker.mean_settled()  # before the report, which counts the time the worker waited for it
+        flight.report.mean_wait_s = worker.mean_wait_total - flight.report.mean_wait0
         self.clock.count(result.complete and result.total_weight > 0)
         self.sync.end_averaging()
         await self.presence.announce()
@@ -364,7 +379,7 @@ class RoundRunner:
                          digest=self.state.digest, applied_rounds=self.state.applied_rounds,
                          samples_per_s=samples_per_s, round_s=round_ms(r.round_s),
                          averaging_s=round_ms(time.monotonic() - r.boundary), utilisation=round_ms(r.utilisation),
-                         overlapped=r.overlapped,
+                         overlapped=r.overlapped, mean_wait_s=round_ms(r.mean_wait_s) if r.overlapped else None,
                          **{f"{k}_s": round_ms(result.phases[k]) if k in result.phases else None
                             for k in ("matchmaking", "exchange", "vote")},
                          lr=r.lr, lr_start=r.lr_start, swarm_samples=self.state.trained_samples,

@@ -122,6 +122,14 @@ class StageWorker(CommitOnAck):
         thread got while it ran. Below 1 on a CPU device, other processes shared its core, and the
         time this replica waits is theirs to use (the driver reports it, `core_share`)."""
         self._rebase: Callable[[], None] | None = None
+        self._mean_due: int | None = None
+        """`steps_total` after which the worker stops for the overlapped round's mean in flight
+        (rounds.overlap_steps); None: no bound, or no mean in flight."""
+        self._awaiting_mean = False
+        """The gate is closed until that mean lands (or its round ends without one)."""
+        self._awaiting_since = 0.0
+        self.mean_wait_total = 0.0
+        """Seconds the gate stayed closed for overlapped means, ever (round events report its growth)."""
         self.eval_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None
         """Where evaluations (train=False) take their weights. The replica points it at θ_global's
         committed snapshot, so a validation loss scores the model the stage group agreed on at its
@@ -194,15 +202,57 @@ class StageWorker(CommitOnAck):
         self.core_time[1] += spent
 
     # the overlapped round's rebase (peer/overlap.py) ---------------------------------------
+    def expect_mean(self, within_steps: int) -> None:
+        """An overlapped round's mean is in flight: after `within_steps` more inner steps (0: no
+        bound) the gate closes until it lands (rounds.overlap_steps)."""
+        self._mean_due = self.steps_total + within_steps if within_steps > 0 else None
+
+    async def mean_settled(self) -> None:
+        """The mean in flight has landed (its move ran or waits for the next step) or will not
+        come (a failed round, a cancelled one): no more waiting for it."""
+        async with self._cond:
+            self._mean_landed()
+            self._cond.notify_all()
+
+    def _mean_landed(self) -> None:
+        self._mean_due = None
+        if self._awaiting_mean:
+            self._awaiting_mean = False
+            self.mean_wait_total += time.monotonic() - self._awaiting_since
+
+    def _maybe_await_mean(self) -> None:
+        """After an inner step that took no move: close the gate if the bound is reached."""
+        if self._mean_due is not None and self.steps_total >= self._mean_due and not self._awaiting_mean:
+            self._awaiting_mean = True
+            self._awaiting_since = time.monotonic()
+
     async def rebase(self, fn: Callable[[], None]) -> None:
         """Run `fn` (which moves the parameters) on the compute thread when nothing is in flight,
         nothing held and no gradient accumulated, so that it changes no gradient already computed:
         now if the worker is idle so, else right after the next inner step, inside its critical
         section. If no step comes first, the round runner takes it back (`take_rebase`) at the
-        boundary, with the worker paused."""
+        boundary, with the worker paused.
+
+        With the gate closed for this mean (rounds.overlap_steps) no step may come, so the move
+        waits only for what was admitted before the gate closed, then runs and opens the gate
+        (gradients of microbatches admitted ahead that already joined the accumulation stay, as
+        they do when the move follows a step). Returns once the move has run."""
         assert self._rebase is None, "one rebase at a time: the boundary flushes the last one first"
         async with self._cond:
-            if self._stepping or self._in_flight or self._held or self.accumulated:
+            if self._awaiting_mean:
+                self._rebase = fn
+                try:
+                    await self._cond.wait_for(lambda: self._rebase is None or (
+                        not self._stepping and self._in_flight == 0 and not self._held))
+                except BaseException:  # the round was dropped (shutdown): its move must not run later
+                    if self._rebase is fn:
+                        self._rebase = None
+                    raise
+                taken = self.take_rebase()
+                if taken is None:
+                    return  # a step that the admitted microbatches filled took the move
+                fn = taken
+            elif self._stepping or self._in_flight or self._held or self.accumulated:
                 self._rebase = fn
                 return
             self._stepping = True  # closes the gate to newcomers while the parameters move
@@ -210,6 +260,7 @@ class StageWorker(CommitOnAck):
                 await self.run(fn)
             finally:
                 self._stepping = False
+                self._mean_landed()
                 self._cond.notify_all()
 
     def take_rebase(self) -> Callable[[], None] | None:
@@ -245,7 +296,7 @@ class StageWorker(CommitOnAck):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._cond.wait(), left)  # resume() notifies
                     continue
-                if not (self._paused or self._stepping):
+                if not (self._paused or self._stepping or self._awaiting_mean):
                     if not train:
                         slot = PLAIN
                         break
@@ -456,6 +507,9 @@ class StageWorker(CommitOnAck):
                     rebase = self.take_rebase()
                     if rebase is not None:
                         await self.run(rebase)
+                        self._mean_landed()
+                    else:
+                        self._maybe_await_mean()
                     self.inner_steps += 1
                     self._update_rate()
                     if self.clock.steps_complete(self.inner_steps):

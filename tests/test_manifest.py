@@ -36,8 +36,8 @@ PINNED = {
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
-# inner.microbatch_sizes
-PINNED_HASH = "3bfe67364858ff96b7d8467667f167df"
+# inner.microbatch_sizes, and rounds.overlap_steps
+PINNED_HASH = "b053c536dd5546e6e8df7135ea89f163"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -127,6 +127,8 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("count zero", with_section("stages", count=0), ["stages.count"]),
     ("rounds both 0", with_section("rounds", inner_steps=0, round_seconds=0.0), ["rounds", "inner_steps"]),
     ("rounds negative", with_section("rounds", max_rounds=-1), ["rounds"]),
+    ("overlap_steps negative", with_section("rounds", overlap=True, overlap_steps=-1), ["rounds", "overlap_steps"]),
+    ("overlap_steps without overlap", with_section("rounds", overlap_steps=1), ["rounds.overlap_steps", "rounds.overlap"]),
     ("momentum 1", with_section("outer", momentum=1.0), ["outer.momentum"]),
     ("unknown field", with_section("inner", foo=1), ["inner.foo", "not a known field"]),
     ("unknown section", {"run_id": "t", "optimizer": {"lr": 1.0}}, ["optimizer", "not a known field or section"]),
@@ -265,6 +267,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.gather_up_to": [{"gather_up_to": 2}],
         "averaging.feedback_decay": [{"feedback_decay": 0.95}],
         "averaging.backup_link_share": [{"backup_link_share": 0.5}],
+        "rounds.overlap_steps": [{"overlap": True, "overlap_steps": 1}],
     }
     if key in special:
         return [{section: c} for c in special[key]]

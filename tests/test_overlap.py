@@ -5,7 +5,8 @@ What must hold: the worker trains while the mean travels; both replicas end each
 same θ_global, the plain round's θ_global; θ_local lands on θ_global_new + the progress since
 the snapshot; a mean that arrives before any inner step gives the plain round's result bit for
 bit; a round that applied nothing carries its samples; a re-sync keeps the progress; the lr
-schedule counts the samples in flight; utilisation is reported in both modes.
+schedule counts the samples in flight; utilisation is reported in both modes; with
+rounds.overlap_steps the worker trains that many steps and then waits for the mean.
 """
 from __future__ import annotations
 
@@ -147,9 +148,10 @@ class FakePresence:
 
 
 class Replica:
-    def __init__(self, group: Group, overlapped: bool, seed: int, schedule: ScheduleConfig = ScheduleConfig()):
-        self.clock = RoundClock(RoundsConfig(inner_steps=H, round_seconds=0.0, overlap=overlapped), counts_steps=True,
-                                max_rounds=0, epoch=None)
+    def __init__(self, group: Group, overlapped: bool, seed: int, schedule: ScheduleConfig = ScheduleConfig(),
+                 inner_steps: int = H, overlap_steps: int = 0):
+        self.clock = RoundClock(RoundsConfig(inner_steps=inner_steps, round_seconds=0.0, overlap=overlapped,
+                                             overlap_steps=overlap_steps), counts_steps=True, max_rounds=0, epoch=None)
         torch.manual_seed(0)  # the same initial θ on every replica, as the manifest's seed gives
         module = nn.Linear(4, 4)
         self.progress = TrainingProgress(schedule)
@@ -164,7 +166,7 @@ class Replica:
                                   averager=self.averager, sync=self.sync, presence=FakePresence(),  # type: ignore[arg-type]
                                   swarm=None, progress=self.progress, traffic=Traffic(),  # type: ignore[arg-type]
                                   events=EventLog(None, sink=self.events.append), schedule_outer=False, save_dir=None,
-                                  peer_id=f"peer-{seed}", overlap=overlapped)
+                                  peer_id=f"peer-{seed}", overlap=overlapped, overlap_steps=overlap_steps)
         self.data = torch.Generator().manual_seed(100 + seed)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,4 +360,93 @@ def test_utilisation_counts_a_plain_rounds_wait_and_not_an_overlapped_ones() -> 
                 else:
                     assert ev["round_s"] >= 0.6 and ev["utilisation"] <= compute / 0.6 + 1e-3
                 r.worker.close()
+    asyncio.run(main())
+
+
+# --- rounds.overlap_steps: how many steps may run before the mean lands -------------------------
+async def gate_closed(r: Replica, seconds: float = 0.3) -> bool:
+    """Does a training microbatch wait (for `seconds`) instead of being admitted?"""
+    try:
+        await asyncio.wait_for(r.train_one(), seconds)
+    except asyncio.TimeoutError:
+        return True
+    return False
+
+
+def test_a_bound_on_overlap_waits_for_the_mean_after_that_many_steps() -> None:
+    async def main() -> None:
+        group = Group()
+        reps = [Replica(group, True, seed, inner_steps=4, overlap_steps=2) for seed in (1, 2)]
+        await run_boundary(reps)
+        anchors = [{n: a.clone() for n, a in r.runner._in_flight.anchor.items()} for r in reps]
+        for r in reps:
+            await r.train_one()
+            steps = r.worker.steps_total
+            await r.train_one()  # the second step of the bound: taken, and then the gate closes
+            assert r.worker.steps_total == steps + 1
+        before = [r.local() for r in reps]
+        for r, pre in zip(reps, before):
+            steps = r.worker.steps_total
+            assert await gate_closed(r), "a third step ran before the mean landed"
+            assert r.worker.steps_total == steps
+            assert all(torch.equal(t, pre[n]) for n, t in r.local().items()), "θ_local moved with the gate closed"
+        group.release[0].set()
+        for r in reps:
+            await r.runner._in_flight.task
+        for r, anchor, pre in zip(reps, anchors, before):
+            # the move ran once the mean landed: θ_global_new + the two steps' progress
+            assert r.worker.take_rebase() is None
+            for n, t in r.local().items():
+                torch.testing.assert_close(t, r.state.params[n].detach() + (pre[n] - anchor[n]))
+            ev = r.rounds()[0]
+            assert ev["complete"] and ev["overlapped"] and ev["mean_wait_s"] >= 0.25, ev
+            assert not await gate_closed(r, 5.0), "the gate opened with the move"
+            r.worker.close()
+    asyncio.run(main())
+
+
+def test_a_mean_that_lands_within_the_bound_is_not_waited_for() -> None:
+    async def main() -> None:
+        group = Group()
+        reps = [Replica(group, True, seed, inner_steps=4, overlap_steps=2) for seed in (1, 2)]
+        await run_boundary(reps)
+        for r in reps:
+            await r.train_one()
+        group.release[0].set()
+        for r in reps:
+            await r.runner._in_flight.task
+            for _ in range(2):  # the bound was for that mean only: the rest of the round trains on
+                assert not await gate_closed(r, 5.0)
+            assert r.rounds()[0]["mean_wait_s"] == 0.0
+            r.worker.close()
+    asyncio.run(main())
+
+
+def test_a_failed_round_or_a_dropped_one_opens_the_gate_without_a_move() -> None:
+    async def main() -> None:
+        group = Group()
+        group.fail.add(0)
+        reps = [Replica(group, True, seed, inner_steps=4, overlap_steps=1) for seed in (1, 2)]
+        await run_boundary(reps)
+        for r in reps:
+            await r.train_one()
+            assert await gate_closed(r)
+        before = [r.local() for r in reps]
+        group.release[0].set()
+        for r, pre in zip(reps, before):
+            await r.runner._in_flight.task
+            assert r.worker.take_rebase() is None and r.runner._carried == 4 * 3
+            assert all(torch.equal(t, pre[n]) for n, t in r.local().items()), "nothing applied: θ_local kept"
+            assert not await gate_closed(r, 5.0)
+        # a round dropped while the gate is closed (the runner stops) opens it and leaves no move behind
+        await run_boundary(reps)
+        r = reps[0]
+        await r.train_one()
+        assert await gate_closed(r)
+        await r.runner._drop_in_flight()
+        assert r.worker.take_rebase() is None
+        assert not await gate_closed(r, 5.0)
+        for x in reps:
+            await x.runner._drop_in_flight()
+            x.worker.close()
     asyncio.run(main())

@@ -1,7 +1,8 @@
 """Overlapped rounds with real peer processes through hivemind on 127.0.0.1: two whole-model
 replicas average in the background and still hold one θ_global after every round; a joiner
 takes a state between rounds (never one whose averaging is in flight) and averages with them,
-and every replica's noise-corrected AdamW (inner.swarm_second_moment) follows the group's size."""
+every replica's noise-corrected AdamW (inner.swarm_second_moment) follows the group's size, and
+with rounds.overlap_steps = 1 a replica waits for each mean after one step of the next round."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_swarm) -> None:
-    manifest = small_manifest(stages={"count": 1}, rounds={"round_seconds": 2.5, "overlap": True},
+    manifest = small_manifest(stages={"count": 1}, rounds={"round_seconds": 2.5, "overlap": True, "overlap_steps": 1},
                               inner={"lr": 3e-3, "microbatch_size": 4, "microbatches_per_step": 2,
                                      "swarm_second_moment": True})
     swarm: LocalSwarm = local_swarm(manifest)
@@ -32,6 +33,9 @@ def test_overlapped_replicas_agree_after_every_round_and_a_joiner_fits_in(local_
     rounds = complete_rounds(swarm.peers, 0)
     overlapped = [r for r, events in rounds.items() if len(events) >= 2 and all(e["overlapped"] for e in events)]
     assert len(overlapped) >= 2, f"too few overlapped rounds averaged together: {sorted(rounds)}\n{history}"
+    # a mean over hivemind takes longer than one step of this tiny model: the bound made replicas wait
+    waits = [e["mean_wait_s"] for p in swarm.peers for e in p.events("round") if e["overlapped"]]
+    assert all(w >= 0 for w in waits) and any(w > 0 for w in waits), waits
     for peer in swarm.peers:
         events = peer.events("round")
         assert all(0.0 <= e["utilisation"] <= 1.0 for e in events)
