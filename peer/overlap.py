@@ -33,7 +33,9 @@ than at its start. Resuming instead from the outer step of an eager estimate (ou
 share, the last mean for the others'), which keeps θ_global one, was measured and lost more per
 sample than resuming from θ_local: at a few steps per round a replica's own point is nearer the
 coming mean than the estimate is (docs/measurements.md, "Overlapped averaging"). What the delay
-costs is set by how many steps run before the mean lands. Fragments (streaming) are not used:
+costs is set by how many steps run before the mean lands, so `rounds.overlap_steps` bounds them
+as Streaming DiLoCo's τ does: after that many steps the worker waits for the mean
+(`StageWorker.expect_mean`; the move then opens its gate). Fragments (streaming) are not used:
 the whole-model exchange of a small model is one message per part anyway, and one delayed round
 already hides it.
 
