@@ -271,6 +271,7 @@ class StageWorker(CommitOnAck):
     async def admitted(self, wait: bool, train: bool = True, ahead: bool = False, hold: float = 0.0,
                        round: int | None = None) -> AsyncIterator[Slot]:
         """Hold a place in flight. If paused: wait (wait=True, the driver's own stage) or raise NotReady.
+        A replica waiting for an overlapped round's mean (rounds.overlap_steps) counts as paused.
         With `hold` > 0 a caller that does not wait still waits that many seconds for the replica to
         resume before NotReady; with `round`, it is admitted only once the clock has reached that
         round (a request of the next round arriving while this replica ends the current one).
@@ -287,12 +288,15 @@ class StageWorker(CommitOnAck):
         async with self._cond:
             while True:
                 early = round is not None and self.clock.current < round
-                if (self._paused or early) and not wait:
+                # a replica waiting for an overlapped round's mean is refused as between rounds: the
+                # driver tries another replica or comes back, its request is not held past its deadline
+                if (self._paused or early or self._awaiting_mean) and not wait:
                     left = give_up - time.monotonic()
                     if self.leaving:
                         raise NotReady("leaving this stage")
                     if left <= 0:
-                        raise NotReady(f"still in a round before {round}; ending it" if early else "between rounds")
+                        raise NotReady(f"still in a round before {round}; ending it" if early else
+                                       "between rounds" if self._paused else "waiting for the last round's mean")
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._cond.wait(), left)  # resume() notifies
                     continue

@@ -27,7 +27,7 @@ from swarmgrad.peer.rounds import RoundRunner
 from swarmgrad.peer.rpc import Traffic
 from swarmgrad.peer.schedule import TrainingProgress
 from swarmgrad.peer.state import StageState
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.worker import NotReady, StageWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -386,6 +386,9 @@ def test_a_bound_on_overlap_waits_for_the_mean_after_that_many_steps() -> None:
             assert r.worker.steps_total == steps + 1
         before = [r.local() for r in reps]
         for r, pre in zip(reps, before):
+            with pytest.raises(NotReady, match="mean"):  # a later stage's caller: refused, not held
+                async with r.worker.admitted(wait=False):
+                    pass
             steps = r.worker.steps_total
             assert await gate_closed(r), "a third step ran before the mean landed"
             assert r.worker.steps_total == steps
