@@ -122,6 +122,12 @@ VARIANTS = {v.name: v for v in [
             outer_momentum=0.0, swarm_moment=True, overlap="eager"),
     Variant("int8+ef/sgd1/overlap", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="delayed"),
     Variant("int8+ef/sgd1/eager", "int8", outer_lr=1.0, outer_momentum=0.0, overlap="eager"),
+    # the 2-bit pair of examples/reference-h3-2bit-swarm.toml, plain and overlapped (rounds.overlap_steps
+    # bounds how late the mean lands: --lands-after)
+    Variant("ctk256x256b2+ef/gather/sgd1/swarm-moment", "chunktopk:chunk=256,k=256,bits=2", exchange="gather",
+            outer_lr=1.0, outer_momentum=0.0, swarm_moment=True),
+    Variant("ctk256x256b2+ef/gather/sgd1/swarm-moment/overlap", "chunktopk:chunk=256,k=256,bits=2",
+            exchange="gather", outer_lr=1.0, outer_momentum=0.0, swarm_moment=True, overlap="delayed"),
     # fewer averaging bytes at few steps per round, where the round's exchange is what costs time
     Variant("int4+ef/gather/sgd1/swarm-moment", "int4", exchange="gather", outer_lr=1.0, outer_momentum=0.0,
             swarm_moment=True),
