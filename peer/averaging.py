@@ -49,7 +49,7 @@ import torch
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
 from swarmgrad.peer.averaging_group import Group, partition
-from swarmgrad.peer import outcome, policy
+from swarmgrad.peer import outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.deadline import within
 from swarmgrad.peer.gather import aggregate_gathered, gather_answer, gathers
@@ -80,9 +80,6 @@ class RoundResult:
     """Samples the whole group trained on this round; 0 means nobody trained, so nobody steps."""
     unreachable: tuple[str, ...] = ()
     """Members that did not answer at all (dead or cut off): a re-sync does not wait for them."""
-    held: bool = False
-    """Nobody applied the round on purpose: we were alone in it while another replica of the
-    stage downloads θ_global (policy.catching_up). Not stale: our work is carried to the next round."""
     voted_digest: bool = False
     """This member voted for the mean (or may have: its vote's write failed). A failed round with a
     digest vote may have been applied by members that read every vote; otherwise (we voted
@@ -119,8 +116,6 @@ class Averager:
         """Groups this small exchange the members' own parts instead of a mean (peer/gather.py)."""
         self._last_members: tuple[str, ...] = ()
         """The members of our last round if it completed: this round's parts go to them early."""
-        self._joining_since: dict[str, float] = {}
-        """Other replicas of the stage seen JOINING, and since when (policy.joining_seen)."""
 
     @property
     def patience(self) -> float:
@@ -146,18 +141,6 @@ class Averager:
         """peer/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
                                self.reducer.slot(round).knock)
-
-    async def _catching_up(self) -> list[str]:
-        """Replicas of the stage downloading its θ_global, that a round we are alone in must not
-        move (policy.catching_up). A failed read holds for nobody: the round goes on as before."""
-        try:
-            records = await within(self.swarm.stage_records(self.stage), self.m.timeouts.dht)
-        except Exception as e:
-            logger.debug("stage %d: could not read records for joiners: %s", self.stage, e)
-            return []
-        now = time.monotonic()
-        self._joining_since = policy.joining_seen(records, self.peer_id, self._joining_since, now)
-        return policy.catching_up(self._joining_since, now, self.m.timeouts.state_download)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -206,12 +189,6 @@ class Averager:
         try:
             group, weights, superseded = await self.matchmake(round, registration)
             phases["matchmaking"] = time.monotonic() - started
-            if group is not None and group.members == (self.peer_id,):
-                catching = await self._catching_up()
-                if catching:
-                    result = RoundResult(False, f"held: alone while {', '.join(p[-8:] for p in catching)} downloads "
-                                                f"the stage's state", (), None, held=True)
-                    return dataclasses.replace(result, phases=phases)
             if group is None or self.peer_id not in group.members:
                 result = RoundResult(False, superseded or "our θ_global is not the group's reference",
                                      group.members if group else (), None, stale=True)

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 from swarmgrad.peer.outcome import FAILED
-from swarmgrad.peer.swarm import JOINING, ONLINE, PeerRecord
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
 
 
 def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
@@ -90,25 +90,6 @@ def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRe
     announced = {r.peer_id: r.applied_rounds for r in records}
     return sorted(p for p in members if p != self_id and p in registrations and p in announced
                   and announced[p] > int(registrations[p].get("applied_rounds", 0)))
-
-
-def joining_seen(records: Sequence[PeerRecord], self_id: str, since: dict[str, float], now: float
-                 ) -> dict[str, float]:
-    """When each other replica of the stage that is JOINING now (a joiner, a mover, a replica
-    re-syncing: each downloads the stage's θ_global) was first seen so, carried over from `since`;
-    replicas no longer JOINING are forgotten (seen again later, they start a new count)."""
-    return {r.peer_id: since.get(r.peer_id, now) for r in records if r.state == JOINING and r.peer_id != self_id}
-
-
-def catching_up(joining_since: dict[str, float], now: float, limit: float) -> list[str]:
-    """Replicas a replica that is alone in its round holds θ_global for: it does not apply the
-    round (it carries its work into the next one) while one of them downloads, so the state they
-    download is still the stage's when they come to average. Applying alone instead moved θ_global
-    on under every download that took longer than a round, and the replica found itself stale
-    again at its first boundary: measured over 20 Mbit with 2 s rounds and a 6.7 MB state, two
-    replicas failed 12-45 rounds in turn before they happened to pair. A replica seen JOINING for
-    `limit` seconds (timeouts.state_download: its download has failed by then) is held for no longer."""
-    return sorted(p for p, t in joining_since.items() if now - t < limit)
 
 
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],

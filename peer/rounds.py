@@ -225,8 +225,8 @@ class RoundRunner:
             if self.backups is not None and result.total_weight > 0:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
-            self._log_incomplete(round, result)
-            if not result.held and await self._resync(round, result):
+            logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
+            if await self._resync(round, result):
                 await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
                 self._carried = 0
@@ -241,11 +241,6 @@ class RoundRunner:
         await self.presence.announce()
         await self._after(round, result, report)
         return result
-
-    def _log_incomplete(self, round: int, result: RoundResult) -> None:
-        # a held round is the plan (a joiner is downloading our state), not a fault
-        (logger.info if result.held else logger.warning)("stage %d round %d incomplete: %s", self.stage, round,
-                                                          result.reason)
 
     async def _resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
         """StateSync.resync, announced as JOINING while it runs when our θ_global was stale.
@@ -313,8 +308,8 @@ class RoundRunner:
             if self.backups is not None and result.total_weight > 0:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
-            self._log_incomplete(round, result)
-            if not result.held and await self._resync(round, result, overlapped=True):
+            logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
+            if await self._resync(round, result, overlapped=True):
                 overlap.into_shift(flight.anchor, state.params)
                 self.averager.reset_feedback()
                 moved = True

@@ -4,7 +4,6 @@ of where a sleep hopes they land."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, Awaitable, Callable
 
 import pytest
@@ -18,7 +17,7 @@ from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.policy import nobody_applied
 from swarmgrad.peer.rpc import RPCFailed
-from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.swarm import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
@@ -73,8 +72,6 @@ class FakeSwarm:
         self.checks: dict[tuple[int, int], dict[str, str]] = {}
         self.applied: dict[str, int] = {}
         """applied_rounds a member's record announces (0 unless set)."""
-        self.states: dict[str, str] = {}
-        """A member's record's state (ONLINE unless set)."""
 
     async def register_round(self, stage: int, round: int, peer_id: str, value: dict) -> bool:
         self.regs.setdefault((stage, round), {})[peer_id] = dict(value)
@@ -84,7 +81,7 @@ class FakeSwarm:
         return {p: dict(v) for p, v in self.regs.get((stage, round), {}).items()}
 
     async def stage_records(self, stage: int) -> list[PeerRecord]:
-        return [PeerRecord(peer_id=p, stage=stage, state=self.states.get(p, ONLINE), throughput=1.0, round=0,
+        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=1.0, round=0,
                            applied_rounds=self.applied.get(p, 0),
                            digest="d", manifest_hash="h", driver=False) for p in self.members]
 
@@ -468,33 +465,4 @@ def test_a_member_that_voted_its_digest_but_could_not_read_the_votes_looks_for_d
         assert not results[1].complete and results[1].voted_digest
         votes = await real_checks(1, 0)
         assert not nobody_applied(votes, blind.peer_id, group_hash(results[1].group), results[1].voted_digest)
-    asyncio.run(main())
-
-
-def test_a_lone_member_holds_its_round_while_another_replica_downloads_the_state() -> None:
-    """Alone in a round while another replica of the stage is JOINING (downloading θ_global), a
-    member does not apply the round: the state being downloaded stays the stage's. Its residuals
-    are as before the round (its Δ is carried, not spent). Held for at most timeouts.state_download."""
-    async def main() -> None:
-        m = manifest(codec="int8", ef=True)
-        _, swarm, avgs = group(1, m)
-        lone, joiner = avgs[0], PEERS[1]
-        swarm.members.append(joiner)
-        swarm.states[joiner] = JOINING
-        before = {k: v.clone() for k, v in lone.feedback.state_dict().items()}
-        held = await lone.run_round(0, deltas(0), 10.0, "digest", 0)
-        assert not held.complete and held.held and not held.stale and held.group == (), held
-        assert joiner[-8:] in held.reason and held.mean_delta is None
-        after = lone.feedback.state_dict()
-        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-        # a joiner seen JOINING for timeouts.state_download is held for no longer: the round applies alone
-        lone._joining_since[joiner] = time.monotonic() - m.timeouts.state_download - 1.0
-        alone = await lone.run_round(1, deltas(0), 10.0, "digest", 0)
-        assert alone.complete and alone.group == (PEERS[0],) and not alone.held, alone.reason
-        # a replica on its way out is held for by nobody, and one JOINING again starts a new count
-        swarm.states[joiner] = LEAVING
-        gone = await lone.run_round(2, deltas(0), 10.0, "digest", 0)
-        assert gone.complete and not gone.held and joiner not in lone._joining_since
-        swarm.states[joiner] = JOINING
-        assert (await lone.run_round(3, deltas(0), 10.0, "digest", 0)).held
     asyncio.run(main())

@@ -79,8 +79,6 @@ class Group:
         self.ready: dict[int, asyncio.Event] = {}
         self.release: dict[int, asyncio.Event] = {}
         self.fail: set[int] = set()
-        self.held: set[int] = set()
-        """Rounds that come back held (alone while another replica downloads the state)."""
 
     def _events(self, round: int) -> tuple[asyncio.Event, asyncio.Event]:
         ready = self.ready.setdefault(round, asyncio.Event())
@@ -98,8 +96,6 @@ class Group:
         await release.wait()
         if round in self.fail:
             return RoundResult(False, "failed on purpose", ("a", "b"), None)
-        if round in self.held:
-            return RoundResult(False, "held: alone while x downloads the stage's state", (), None, held=True)
         total = sum(w for w, _ in self.sent[round])
         mean = {n: sum(w * d[n] for w, d in self.sent[round]) / total for n in delta}
         return RoundResult(True, "", ("a", "b"), mean, total_weight=total)
@@ -456,36 +452,4 @@ def test_a_failed_round_or_a_dropped_one_opens_the_gate_without_a_move() -> None
         for x in reps:
             await x.runner._drop_in_flight()
             x.worker.close()
-    asyncio.run(main())
-
-
-def test_a_held_round_carries_its_work_and_looks_for_no_donor() -> None:
-    """A round held for a replica that downloads the state (RoundResult.held) applies nothing and
-    re-syncs from nobody, in plain and in overlapped rounds: its samples weigh in the next round."""
-    async def main() -> None:
-        for overlapped in (False, True):
-            group = Group(hold=False)
-            group.held.add(0)
-            reps = [Replica(group, overlapped, seed) for seed in (1, 2)]
-            donor = StageState(nn.Linear(4, 4), OuterOptConfig())
-            donor.commit(0)
-            g0 = reps[0].state.digest
-            for r in reps:
-                r.sync.donor = donor  # a re-sync would adopt it
-            await run_boundary(reps)
-            for r in reps:
-                if overlapped:
-                    await r.runner._in_flight.task
-                # plain: the worker keeps counting the round's samples; overlapped: the runner carries them
-                carried = r.runner._carried if overlapped else r.worker.samples
-                assert r.state.digest == g0 and carried == H * 3 and r.averager.resets == 0
-                ev = r.rounds()[0]
-                assert not ev["complete"] and ev["reason"].startswith("held")
-            await run_boundary(reps)
-            assert [w for w, _ in group.sent[1]] == [2 * H * 3, 2 * H * 3], "round 1 weighs both rounds' samples"
-            for r in reps:
-                if overlapped:
-                    await r.runner._in_flight.task
-                assert r.state.applied_rounds == 1 and r.state.digest != donor.digest
-                r.worker.close()
     asyncio.run(main())

@@ -214,18 +214,3 @@ def test_a_resumed_swarm_clock_goes_on_at_the_checkpoint_round() -> None:
     clock.adopt(10, now)  # the restored state's round: no wait of ten rounds for the clock
     assert clock.current == 10
     assert resume_epoch(now, 0, 4.0) == now and resume_epoch(now, -3, 4.0) == now
-
-
-def test_a_lone_replica_holds_theta_global_for_replicas_downloading_it_until_the_download_limit() -> None:
-    records = [rec("me", state=ONLINE), rec("a", state=JOINING), rec("b", state=ONLINE), rec("c", state=LEAVING)]
-    since = policy.joining_seen(records, "me", {}, now=100.0)
-    assert since == {"a": 100.0}, "only other replicas that are JOINING"
-    since = policy.joining_seen(records, "me", since, now=130.0)
-    assert since == {"a": 100.0}, "first seen stays first seen"
-    assert policy.catching_up(since, now=130.0, limit=60.0) == ["a"]
-    assert policy.catching_up(since, now=160.0, limit=60.0) == [], "held no longer than the download limit"
-    online = [rec("me"), rec("a", state=ONLINE)]
-    assert policy.joining_seen(online, "me", since, now=161.0) == {}, "ONLINE again: forgotten"
-    again = policy.joining_seen(records, "me", {}, now=170.0)
-    assert policy.catching_up(again, now=170.0, limit=60.0) == ["a"], "JOINING again: a new count"
-    assert policy.joining_seen([rec("me", state=JOINING)], "me", {}, now=0.0) == {}, "never itself"
