@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
 from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from  # noqa: E402
+from swarmgrad.peer.launcher import stop_on_signals  # noqa: E402
 from swarmgrad.peer.manifest import dumps  # noqa: E402
 
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         budget = replace(budget, reference=args.manifest.resolve())
     torch.set_num_threads(2)
     results = []
-    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+    # SIGTERM and SIGHUP stop it as Ctrl-C does: the peers (sessions of their own) and the
+    # namespaces are closed by the context managers, not left training
+    with stop_on_signals(), tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
         if args.workdir:
             tmp = args.workdir
             Path(tmp).mkdir(parents=True, exist_ok=False)
