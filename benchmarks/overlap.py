@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
-from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from  # noqa: E402
+from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from, time_to  # noqa: E402
 from swarmgrad.peer.launcher import stop_on_signals  # noqa: E402
 from swarmgrad.peer.manifest import dumps  # noqa: E402
 
@@ -72,13 +72,6 @@ def parse_mode(mode: str) -> dict:
         raise ValueError(f"a mode is off, on or on:N with N >= 1 (got {mode!r})")
     return {"overlap": True, "overlap_steps": int(steps)}
 
-
-def time_to(points: list[tuple[float, int, float]], target: float) -> float:
-    """First crossing of `target` by the scored points, linear between them (wan.py's rule)."""
-    for (t0, _, v0), (t1, _, v1) in zip(points, points[1:]):
-        if v1 <= target:
-            return t1 if v0 <= target or v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-    return math.nan
 
 
 def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path

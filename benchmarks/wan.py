@@ -46,7 +46,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -72,6 +72,14 @@ BASELINES = ("ddp", "hm-sync", "hm-local")
 SYSTEMS = SWARMGRAD + BASELINES
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
 TARGETS = (3.0, 2.7)
+
+
+def time_to(points: Sequence[tuple[float, int, float]], target: float) -> float:
+    """First crossing of `target` by scored (time, samples, value) points, linear between them."""
+    for (t0, _, v0), (t1, _, v1) in zip(points, points[1:]):
+        if v1 <= target:
+            return t1 if v0 <= target or v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
+    return math.nan
 
 
 @dataclass(frozen=True)
@@ -134,11 +142,7 @@ class Result:
         return self.points[-1][2] if self.trained >= self.samples else math.nan
 
     def time_to(self, target: float) -> float:
-        """First crossing of `target`, linear between scored points."""
-        for (t0, _, v0), (t1, _, v1) in zip(self.points, self.points[1:]):
-            if v1 <= target:
-                return t1 if v0 <= target or v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-        return math.nan
+        return time_to(self.points, target)
 
     def kb_per_sample(self) -> float:
         return self.bytes_sent / self.trained / 1e3 if self.trained else math.nan
