@@ -223,6 +223,11 @@ class TimeoutsConfig:
     matchmaking: float = 5.0
     allreduce: float = 20.0
     state_download: float = 60.0
+    join_hold: float = 30.0
+    """How long a replica whose state a peer downloaded holds its next round boundary (worker
+    paused, state served, nothing averaged) for that peer to land the download and come ONLINE,
+    counted from its first request. Over a link slower than a round, a download that a round
+    supersedes is never current (policy.join_hold). 0: never hold. Not with wall-clock rounds."""
     announce_ttl: float = 15.0
     """DHT records live this long unless refreshed; a silent peer disappears after it."""
     heartbeat: float = 3.0

@@ -128,10 +128,11 @@ def check(m: Manifest) -> None:
                                       f"({md.seq_len + 1}): one training window needs that many bytes")
     _positive("data.eval_batches", d.eval_batches)
     for f in dataclasses.fields(m.timeouts):
-        if f.name != "between_rounds":  # 0 turns the hold off
+        if f.name not in ("between_rounds", "join_hold"):  # 0 turns these holds off
             _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))
-    if not m.timeouts.between_rounds >= 0:  # also refuses NaN
-        raise _fail("timeouts.between_rounds", f"must be ≥ 0 (got {m.timeouts.between_rounds})")
+    for name in ("between_rounds", "join_hold"):
+        if not getattr(m.timeouts, name) >= 0:  # also refuses NaN
+            raise _fail(f"timeouts.{name}", f"must be ≥ 0 (got {getattr(m.timeouts, name)})")
     if m.timeouts.min_microbatch > m.timeouts.microbatch:
         raise _fail("timeouts.min_microbatch", "must not exceed timeouts.microbatch")
     if m.timeouts.announce_ttl * 4 > 600:

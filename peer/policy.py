@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 from swarmgrad.peer.outcome import FAILED
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.swarm import JOINING, ONLINE, PeerRecord
 
 
 def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
@@ -76,6 +76,32 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
     donors = join_donors(records, self_id)
     moved = any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
     return donors if moved else []
+
+
+def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
+              hold: float) -> tuple[list[str], list[str]]:
+    """(the peers a replica waits for at its round boundary, the peers it may forget).
+
+    At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
+    that downloaded its state (`served`: peer id -> when their first request arrived) less than
+    `hold` seconds ago and do not serve it yet. A peer serves it when its record is ONLINE with
+    our digest; one whose record is gone or LEAVING never will: both are forgotten. One whose hold
+    ran out is neither waited for nor forgotten, so asking again does not start a new hold.
+
+    Over a slow link a download outlasts a short round: before, the donor (alone, or with the
+    stage's other replicas) applied the round meanwhile, the state arrived superseded, the joiner
+    downloaded again or failed its first round as stale, and two replicas took 23-52 rounds to pair
+    over 20 Mbit. A round held until the download lands costs the donors that wait once."""
+    by_id = {r.peer_id: r for r in records}
+    waiting, settled = [], []
+    for peer, since in served.items():
+        record = by_id.get(peer)
+        if record is None or record.state not in (JOINING, ONLINE) or (
+                record.state == ONLINE and record.digest == own_digest):
+            settled.append(peer)
+        elif now - since < hold:
+            waiting.append(peer)
+    return sorted(waiting), sorted(settled)
 
 
 def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRecord], self_id: str,

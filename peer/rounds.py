@@ -22,6 +22,7 @@ from swarmgrad.peer import overlap, policy
 from swarmgrad.peer.averaging import Averager, RoundResult
 from swarmgrad.peer.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.deadline import within
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.presence import Presence
 from swarmgrad.peer.rpc import Traffic
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 BOUNDARY_POLL_SECONDS = 1.0
 """How often a waiting boundary re-reads the drivers' records (events wake it sooner)."""
+JOIN_HOLD_POLL_SECONDS = 0.25
+"""How often a boundary held for joiners re-reads the stage's records."""
 
 
 class RoundRunner:
@@ -159,13 +162,49 @@ class RoundRunner:
         worker = self.worker
         await worker.pause()
         await self._finish_in_flight()  # the previous overlapped round's mean, applied before Δ is taken
+        last = overlap.is_last_round(leaving=self.leave_after_round, max_rounds=self.clock.max_rounds,
+                                     rounds_done=self.clock.rounds_done)
+        if not last:
+            await self._hold_for_joiners(round)
         report = self._boundary_report(boundary)
-        if self.overlap and not overlap.is_last_round(leaving=self.leave_after_round,
-                                                      max_rounds=self.clock.max_rounds,
-                                                      rounds_done=self.clock.rounds_done):
+        if self.overlap and not last:
             await self._start_overlapped(round, report)
             return None
         return await self._plain_round(round, report)
+
+    async def _hold_for_joiners(self, round: int) -> None:
+        """Hold the boundary (worker paused, state served, nothing averaged) while peers that
+        downloaded this replica's state have not landed it (policy.join_hold), at most
+        `timeouts.join_hold` from each one's first request. Not with wall-clock rounds: a joiner
+        adopts the wall's round, which holding cannot change."""
+        hold, sync = self.averager.m.timeouts.join_hold, self.sync
+        if hold <= 0 or not sync.served or self.clock.epoch is not None or self.presence.status != ONLINE:
+            return
+        started, waited = time.monotonic(), set()
+        sync.holding = True
+        try:
+            while True:
+                try:
+                    records = await within(self.swarm.stage_records(self.stage), self.averager.m.timeouts.dht)
+                except Exception as e:  # unknown: averaging now is what happened before the hold
+                    logger.info("stage %d: could not read the stage's records to hold for joiners: %s: %s",
+                                self.stage, type(e).__name__, e)
+                    break
+                waiting, settled = policy.join_hold(dict(sync.served), records, self.state.digest,
+                                                    time.monotonic(), hold)
+                sync.forget_served(settled)
+                if not waiting:
+                    break
+                waited.update(waiting)
+                await asyncio.sleep(JOIN_HOLD_POLL_SECONDS)
+        finally:
+            sync.holding = False
+        if waited:
+            joined = [p for p in sorted(waited) if p not in sync.served]
+            held_s = time.monotonic() - started
+            self.events.emit("join_hold", round=round, joiners=sorted(waited), joined=joined, held_s=round_ms(held_s))
+            logger.info("stage %d round %d: held the boundary %.1f s for %d joiner(s) downloading its state "
+                        "(%d landed)", self.stage, round, held_s, len(waited), len(joined))
 
     def _boundary_report(self, boundary: float) -> overlap.RoundReport:
         """The round's counters, taken with the worker paused. Its wall time and utilisation are

@@ -148,6 +148,12 @@ class StateSync:
         """Clear while an overlapped round averages in the background (the worker trains meanwhile,
         so `paused` does not say it): a joiner must not take the state that round replaces."""
         self._settled.set()
+        self.served: dict[str, float] = {}
+        """Peers that downloaded this replica's state -> when (monotonic) their first request
+        arrived: the round runner holds its boundary for them (policy.join_hold)."""
+        self.holding = False
+        """Set while the round runner holds its boundary for them: the worker is paused, but the
+        state is committed and nothing averages, so it is served."""
 
     # serving ------------------------------------------------------------------------------------
     @property
@@ -172,12 +178,18 @@ class StateSync:
                 await within(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
             except asyncio.TimeoutError:
                 raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change") from None
-        elif self.worker.paused:
+        elif self.worker.paused and not self.holding:
             raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
         snap = self.state.snapshot
         if snap is None or not self.serving:
             raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
+        self.served.setdefault(str(caller), time.monotonic())
         return state_response(snap, names)
+
+    def forget_served(self, peers: Sequence[str]) -> None:
+        """Drop peers the runner no longer holds for (they serve, left, or their hold ran out)."""
+        for peer in peers:
+            self.served.pop(peer, None)
 
     # fetching -----------------------------------------------------------------------------------
     async def download(self, peers: Sequence[str]) -> bool:

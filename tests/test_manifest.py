@@ -36,8 +36,8 @@ PINNED = {
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
-# inner.microbatch_sizes, and rounds.overlap_steps
-PINNED_HASH = "b053c536dd5546e6e8df7135ea89f163"
+# inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold
+PINNED_HASH = "48346989b7fe44c84c6a1ad4f1adecbf"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -129,6 +129,8 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("rounds negative", with_section("rounds", max_rounds=-1), ["rounds"]),
     ("overlap_steps negative", with_section("rounds", overlap=True, overlap_steps=-1), ["rounds", "overlap_steps"]),
     ("overlap_steps without overlap", with_section("rounds", overlap_steps=1), ["rounds.overlap_steps", "rounds.overlap"]),
+    ("join_hold negative", with_section("timeouts", join_hold=-1.0), ["timeouts.join_hold", "≥ 0"]),
+    ("join_hold NaN", with_section("timeouts", join_hold=float("nan")), ["timeouts.join_hold"]),
     ("momentum 1", with_section("outer", momentum=1.0), ["outer.momentum"]),
     ("unknown field", with_section("inner", foo=1), ["inner.foo", "not a known field"]),
     ("unknown section", {"run_id": "t", "optimizer": {"lr": 1.0}}, ["optimizer", "not a known field or section"]),

@@ -122,6 +122,8 @@ class FakeSync:
     averaging: bool = False
     donor: StageState | None = None
     """If set, a failed round re-syncs to this state."""
+    served: dict[str, float] = field(default_factory=dict)
+    """Nobody downloads: no boundary is held for joiners (tests/test_join_hold.py)."""
 
     def begin_averaging(self) -> None:
         self.averaging = True

@@ -51,6 +51,21 @@ def test_a_join_download_is_superseded_when_its_donors_applied_a_round_since() -
     assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=5, state=LEAVING)], "me", 3)
 
 
+def test_a_boundary_holds_for_downloaders_until_they_serve_our_state_or_their_hold_runs_out() -> None:
+    served = {"j": 100.0, "r": 100.0, "done": 90.0, "late": 60.0, "gone": 100.0, "left": 100.0, "mover": 100.0}
+    records = [rec("me", digest="ours"), rec("j", state=JOINING, digest="seed"),
+               rec("r", digest="old"),  # ONLINE but re-syncing: not yet on our state
+               rec("done", digest="ours"), rec("late", state=JOINING), rec("left", state=LEAVING),
+               rec("mover", state=JOINING, digest="ours")]
+    waiting, settled = policy.join_hold(served, records, "ours", now=105.0, hold=30.0)
+    assert waiting == ["j", "mover", "r"]
+    # serving our state, its record gone, or LEAVING: forgotten; "late" ran out: neither
+    assert settled == ["done", "gone", "left"]
+    assert policy.join_hold(served, records, "ours", now=131.0, hold=30.0)[0] == []
+    assert policy.join_hold(served, records, "ours", now=105.0, hold=0.0)[0] == []
+    assert policy.join_hold({}, records, "ours", now=105.0, hold=30.0) == ([], [])
+
+
 def test_a_group_member_that_applied_the_round_already_finished_it_without_us() -> None:
     regs = {"me": {"applied_rounds": 4}, "a": {"applied_rounds": 4}, "b": {"applied_rounds": 4}}
     # a finished round 4 in a group without us (its record announces 5); b is still matching with us
