@@ -79,14 +79,17 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
 
 
 def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
-              hold: float) -> tuple[list[str], list[str]]:
+              hold: float, connected: set[str] | None = None) -> tuple[list[str], list[str]]:
     """(the peers a replica waits for at its round boundary, the peers it may forget).
 
     At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
     that downloaded its state (`served`: peer id -> when their first request arrived) less than
     `hold` seconds ago and do not serve it yet. A peer serves it when its record is ONLINE with
-    our digest; one whose record is gone or LEAVING never will: both are forgotten. One whose hold
-    ran out is neither waited for nor forgotten, so asking again does not start a new hold.
+    our digest; one whose record is gone or LEAVING never will: both are forgotten, and so is one
+    that `connected` (the peers our p2p daemon holds a connection to; None: not known) lacks: a
+    joiner killed mid-download keeps its JOINING record until it expires (`announce_ttl`), and the
+    stage would wait that long for nobody. One whose hold ran out is neither waited for nor
+    forgotten, so asking again does not start a new hold.
 
     Over a slow link a download outlasts a short round: before, the donor (alone, or with the
     stage's other replicas) applied the round meanwhile, the state arrived superseded, the joiner
@@ -97,7 +100,8 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
     for peer, since in served.items():
         record = by_id.get(peer)
         if record is None or record.state not in (JOINING, ONLINE) or (
-                record.state == ONLINE and record.digest == own_digest):
+                record.state == ONLINE and record.digest == own_digest) or (
+                connected is not None and peer not in connected):
             settled.append(peer)
         elif now - since < hold:
             waiting.append(peer)

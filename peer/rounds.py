@@ -191,7 +191,7 @@ class RoundRunner:
                                 self.stage, type(e).__name__, e)
                     break
                 waiting, settled = policy.join_hold(dict(sync.served), records, self.state.digest,
-                                                    time.monotonic(), hold)
+                                                    time.monotonic(), hold, await self._connected())
                 sync.forget_served(settled)
                 if not waiting:
                     break
@@ -205,6 +205,14 @@ class RoundRunner:
             self.events.emit("join_hold", round=round, joiners=sorted(waited), joined=joined, held_s=round_ms(held_s))
             logger.info("stage %d round %d: held the boundary %.1f s for %d joiner(s) downloading its state "
                         "(%d landed)", self.stage, round, held_s, len(waited), len(joined))
+
+    async def _connected(self) -> set[str] | None:
+        """The peers our p2p daemon is connected to (None if it did not say)."""
+        try:
+            return await within(self.sync.rpc.connected(), self.averager.m.timeouts.dht)
+        except Exception as e:
+            logger.debug("stage %d: could not list connected peers: %s: %s", self.stage, type(e).__name__, e)
+            return None
 
     def _boundary_report(self, boundary: float) -> overlap.RoundReport:
         """The round's counters, taken with the worker paused. Its wall time and utilisation are

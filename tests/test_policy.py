@@ -64,6 +64,9 @@ def test_a_boundary_holds_for_downloaders_until_they_serve_our_state_or_their_ho
     assert policy.join_hold(served, records, "ours", now=131.0, hold=30.0)[0] == []
     assert policy.join_hold(served, records, "ours", now=105.0, hold=0.0)[0] == []
     assert policy.join_hold({}, records, "ours", now=105.0, hold=30.0) == ([], [])
+    # a joiner killed mid-download: its JOINING record outlives it, its connection does not
+    assert policy.join_hold(served, records, "ours", now=105.0, hold=30.0, connected={"j", "r"}) == (
+        ["j", "r"], ["done", "gone", "late", "left", "mover"])
 
 
 def test_a_group_member_that_applied_the_round_already_finished_it_without_us() -> None:
