@@ -187,7 +187,8 @@ class StateSync:
         return state_response(snap, names)
 
     def forget_served(self, peers: Sequence[str]) -> None:
-        """Drop peers the runner no longer holds for (they serve, left, or their hold ran out)."""
+        """Drop peers the runner will not hold for again until they ask anew (they serve our state,
+        left, or lost their connection: policy.join_hold)."""
         for peer in peers:
             self.served.pop(peer, None)
 
