@@ -73,7 +73,6 @@ def parse_mode(mode: str) -> dict:
     return {"overlap": True, "overlap_steps": int(steps)}
 
 
-
 def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task, workdir: Path
              ) -> tuple[dict, Callable[[bool], None]]:
     """Train; returns the figures and a scoring step to run once the peers (and the namespaces)

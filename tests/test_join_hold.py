@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import torch
 
 from swarmgrad.peer.manifest import TimeoutsConfig, dumps
 from swarmgrad.peer.state_sync import StateSync
