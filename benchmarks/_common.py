@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
 from swarmgrad.peer.manifest import Manifest, dumps
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "peer" / "defaults" / "tiny-gpt.toml"
@@ -97,7 +97,7 @@ def run_swarm(manifest: Manifest, workdir: Path, rounds: int, replicas: int = 2,
     extra = ("--max-rounds", str(rounds))
     started = time.monotonic()
     # imported here: wan.py imports this module against other revisions of the package (--code)
-    from swarmgrad.peer.launcher import stop_on_signals
+    from swarmgrad.peer.cli.launcher import stop_on_signals
     with stop_on_signals(), LocalSwarm(path, workdir) as swarm:
         swarm.start_first(0, *extra)
         for i in range(1, n_peers):

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import hivemind
 
-from swarmgrad.peer.launcher import LocalSwarm, small_manifest
+from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest
 from swarmgrad.peer.manifest import dumps
-from swarmgrad.peer.record_signing import SignedRecordValidator
+from swarmgrad.peer.net.record_signing import SignedRecordValidator
 
 
 def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bool, h: int) -> dict:

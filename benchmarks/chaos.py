@@ -62,7 +62,7 @@ import psutil
 
 import netns
 from _common import fmt, markdown_table
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, small_manifest
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, small_manifest
 from swarmgrad.peer.manifest import Manifest, dumps, load
 
 STAGES = 2
@@ -74,7 +74,7 @@ LINKS = {"loopback": None, "unshaped": None, "20mbit": "20mbit"}
 
 
 def chaos_manifest() -> Manifest:
-    """The tests' small run (swarmgrad.peer.launcher.small_manifest: 2-layer d=32 GPT, 4 s rounds)."""
+    """The tests' small run (swarmgrad.peer.cli.launcher.small_manifest: 2-layer d=32 GPT, 4 s rounds)."""
     return small_manifest(run_id="chaos", stages={"count": STAGES})
 
 

@@ -8,7 +8,7 @@ layers; the Python stdlib's .py files; AdamW lr 2e-3, betas (0.9, 0.95), wd 0.1,
 50 warmup steps then cosine to 10 %; 500 steps of 4 microbatches of 16 = 32,000 samples), trained as
 the 2-stage pipeline trains it with one replica per stage, without rounds. With `--ahead A`, the
 first A microbatches of every step after the first ran ahead: each stage of `--stale-stages`
-computed them against the stash peer/lookahead.py keeps (its weights before the previous step was
+computed them against the stash peer/compute/lookahead.py keeps (its weights before the previous step was
 applied), exactly as a replica with lookahead does, so their gradients there are one step stale.
 A = 4 is the bound (in a swarm the last step of each round never runs ahead at the driver, and a
 driver's `pipeline` events report the share that did: `ahead_share`). Every variant starts from the same weights and
@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
-from swarmgrad.peer.lookahead import Lookahead, grads_wrt
+from swarmgrad.peer.compute.lookahead import Lookahead, grads_wrt
 from swarmgrad.peer.manifest import from_dict
 from swarmgrad.peer.model import from_manifest
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from swarmgrad.peer.launcher import LocalSwarm
+from swarmgrad.peer.cli.launcher import LocalSwarm
 
 PREFIX = "sgwan-"
 TBF = ("burst", "32kb", "latency", "50ms")

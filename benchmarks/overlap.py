@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
 from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from, time_to  # noqa: E402
-from swarmgrad.peer.launcher import stop_on_signals  # noqa: E402
+from swarmgrad.peer.cli.launcher import stop_on_signals  # noqa: E402
 from swarmgrad.peer.manifest import dumps  # noqa: E402
 
 LINKS = {"unshaped": None, "20mbit": "20mbit"}

@@ -15,7 +15,7 @@ item 5's configuration; --codecs, --shape and --max-in-flight change it), rounds
 Variants, in one run: `before` runs `git archive REV` (default: the commit before the adaptive
 window), `after` the working tree, both from the same manifest, and `lookahead` the working tree
 with `pipeline.lookahead = true` (the next inner step's microbatches go out while this one drains;
-peer/lookahead.py). `unpaced` pushes each stage's backup after every round
+peer/compute/lookahead.py). `unpaced` pushes each stage's backup after every round
 (`averaging.backup_link_share` 1, as before pacing), `paced` keeps the pushes to 5 % of the time
 (0.05; the default, 0.2, still pushes every round of this configuration) and `no-backups` never
 (`backup_every` 0). `tapered` runs the working tree with `inner.microbatch_sizes` = --taper (default
@@ -58,7 +58,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import fmt, markdown_table  # noqa: E402
-from swarmgrad.peer.launcher import LocalSwarm  # noqa: E402
+from swarmgrad.peer.cli.launcher import LocalSwarm  # noqa: E402
 from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 
 BEFORE = "6b832a8"

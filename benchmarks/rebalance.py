@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from swarmgrad.peer.launcher import LocalSwarm, small_manifest
+from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest
 from swarmgrad.peer.manifest import dumps
 
 SLOWDOWNS = [3, 3, 3, 3, 1, 1]  # four peers at speed 1, two at speed 3

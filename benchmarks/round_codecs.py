@@ -24,7 +24,7 @@ model's parameter count), all bytes sent per sample (stopped events), and whethe
 left a stage's replicas with one state digest. Averaging bytes per round do not depend on H, so the
 DDP ratio grows with H: the reference task uses H = 50 (--inner-steps 50).
 
-Known daemon race (peer/daemon.py, not fixable here): with rounds.inner_steps > 0, after its last round
+Known daemon race (peer/node/peer.py, not fixable here): with rounds.inner_steps > 0, after its last round
 a driver keeps training, its worker pauses itself after H more inner steps, and a final eval that has
 not finished by then waits forever. A large enough H (20 by default, 12 with --quick) wins the race in
 practice; if it is lost, the run fails with a message saying so instead of hanging.

@@ -17,8 +17,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from swarmgrad.peer.sim_config import SimConfig, SimResult
-from swarmgrad.peer.simulator import simulate
+from swarmgrad.peer.sim.config import SimConfig, SimResult
+from swarmgrad.peer.sim.simulator import simulate
 
 VARIANTS = {
     "full": dict(policy="full"),
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
           f"recovery = seconds until the ratio is back at 0.95; reaction limit = the ratio if every "
           f"departure were repaired exactly one switch time after it (download + warm-up; warm: warm-up only); "
           f"GB/round: backups pushed and averaging sent per round, all stages; pinned bound = the bound with "
-          f"pinned peers kept in place over the free bound (peer/simulator.py)")
+          f"pinned peers kept in place over the free bound (peer/sim/simulator.py)")
     print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves "
           "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round "
           "| pinned bound | run s |")

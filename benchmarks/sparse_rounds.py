@@ -11,7 +11,7 @@ its `ErrorFeedback`, the contributions are decoded and reduced with `peer.aggreg
 and then either
 
 - ``reduce``: re-encoded with `compression.reduce_codec` and decoded, as a reducer of the
-  reduce-scatter does (peer/averaging.py), or
+  reduce-scatter does (peer/averaging/averager.py), or
 - ``gather``: used as is, as when every member receives every contribution and reduces locally;
 
 θ_global takes the outer step of `peer.state.StageState`. Bytes are the codec payloads each
@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 
 from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, parse_codec_spec, reduce_codec
-from swarmgrad.peer import overlap
-from swarmgrad.peer.aggregate import reduce_part
-from swarmgrad.peer.averaging_group import partition
+from swarmgrad.peer.rounds import overlap
+from swarmgrad.peer.averaging.aggregate import reduce_part
+from swarmgrad.peer.averaging.group import partition
 from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
 from swarmgrad.peer.manifest import Manifest, load
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.inner_optimizer import InnerOptimizer
-from swarmgrad.peer.schedule import TrainingProgress, lr_multiplier
-from swarmgrad.peer.state import StageState
+from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
+from swarmgrad.peer.compute.schedule import TrainingProgress, lr_multiplier
+from swarmgrad.peer.state.stage_state import StageState
 
 REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 
@@ -69,7 +69,7 @@ class Variant:
     """inner.swarm_second_moment: SwarmAdamW, each step's batch as two microbatches of half the size."""
     overlap: str = ""
     """Overlapped rounds: "" plain rounds; "delayed" as the swarm runs rounds.overlap
-    (peer/overlap.py: each replica resumes from its own θ_local while the mean travels); "eager"
+    (peer/rounds/overlap.py: each replica resumes from its own θ_local while the mean travels); "eager"
     it resumes from `eager_start` instead (measured here only, not in the daemon: it lost more
     than it saved, docs/measurements.md). The mean lands after `lands_after` inner steps of the
     next round, and θ_local is moved onto θ_global_new + its progress there (the worker's rebase)."""
@@ -175,7 +175,7 @@ def payload(enc) -> int:
 
 def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor, y: torch.Tensor,
                since_boundary: int) -> None:
-    """One inner step as a replica's worker takes it (peer/inner_optimizer.py: mean, clip, the
+    """One inner step as a replica's worker takes it (peer/compute/inner_optimizer.py: mean, clip, the
     schedule's lr at the run's samples at the last boundary + `since_boundary`); with SwarmAdamW
     the batch as two microbatches of half its size, each observed, as the worker does."""
     if opt.per_microbatch:

@@ -7,7 +7,7 @@ timed three ways, side by side, in one run on one thread:
 - AdamW on two microbatches of 16 (what SwarmAdamW needs: the spread between them),
 - SwarmAdamW on two microbatches of 16, each microbatch's gradients observed (the worker's path).
 
-Each step is the worker's (peer/inner_optimizer.py: the mean, clipping, the schedule's lr, the
+Each step is the worker's (peer/compute/inner_optimizer.py: the mean, clipping, the schedule's lr, the
 optimizer), its gradients reaching it as the worker's do: summed by autograd for AdamW, one
 microbatch at a time for SwarmAdamW.
 
@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from swarmgrad.peer.inner_optimizer import InnerOptimizer
+from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.manifest import load
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.schedule import TrainingProgress
+from swarmgrad.peer.compute.schedule import TrainingProgress
 
 REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 

@@ -55,11 +55,11 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from _common import DEFAULT_MANIFEST, fmt, markdown_table  # noqa: E402
 from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root  # noqa: E402
-from swarmgrad.peer.launcher import PeerProcess  # noqa: E402
+from swarmgrad.peer.cli.launcher import PeerProcess  # noqa: E402
 from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
 from swarmgrad.peer.model import from_manifest, gpt_loss  # noqa: E402
-from swarmgrad.peer.png import Canvas  # noqa: E402
-from swarmgrad.peer.state import load_checkpoint  # noqa: E402
+from swarmgrad.peer.sim.png import Canvas  # noqa: E402
+from swarmgrad.peer.state.stage_state import load_checkpoint  # noqa: E402
 
 REFERENCE = HERE.parent / "examples" / "reference.toml"
 SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la", "swarmgrad-2x2")

@@ -26,7 +26,7 @@ import torch
 from swarmgrad.peer.data import ByteCorpus, MicrobatchStream
 from swarmgrad.peer.manifest import load
 from swarmgrad.peer.model import from_manifest, gpt_loss
-from swarmgrad.peer.schedule import lr_multiplier
+from swarmgrad.peer.compute.schedule import lr_multiplier
 
 SYSTEMS = ("ddp", "hm-sync", "hm-local")
 

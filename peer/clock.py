@@ -8,14 +8,14 @@ round had six owners that could disagree for a moment; now they cannot.
 Rounds end by a shared wall clock (`rounds.round_seconds` from the run's epoch), by H inner
 steps counted at the drivers (`rounds.inner_steps`), or, on a later stage, when work of a later
 round arrives (each microbatch carries its driver's round). The decision is the pure
-`policy.round_ended`; the clock holds its inputs and the event that wakes the waiter.
+`decisions.round_ended`; the clock holds its inputs and the event that wakes the waiter.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 
-from swarmgrad.peer.deadline import within
+from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.manifest import RoundsConfig
 
 

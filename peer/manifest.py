@@ -73,7 +73,7 @@ class InnerOptConfig:
     microbatches are expensive per sample. Empty: every microbatch has microbatch_size samples."""
     swarm_second_moment: bool = False
     """Estimate AdamW's second moment for the batch of all the stage's replicas together, not this
-    replica's alone (peer/swarm_adamw.py): subtracts the share of the gradient noise that averaging
+    replica's alone (peer/compute/swarm_adamw.py): subtracts the share of the gradient noise that averaging
     removes, measured from the spread between a step's microbatches (needs microbatches_per_step ≥ 2).
     Closes most of the per-sample gap between averaged replicas and data-parallel training."""
 
@@ -120,7 +120,7 @@ class RoundsConfig:
     max_rounds: int = 0
     """Stop after this many rounds (0: run until stopped)."""
     overlap: bool = False
-    """Average in the background while the next round trains (peer/overlap.py): the outer step
+    """Average in the background while the next round trains (peer/rounds/overlap.py): the outer step
     lands one round late, θ_local keeps the progress made meanwhile. Off: the worker waits for
     each round's averaging (the exact DiLoCo round)."""
     overlap_steps: int = 0
@@ -160,12 +160,12 @@ class AveragingConfig:
     measurements."""
     robust_min_members: int = 3
     """From this many members on, reducers aggregate by centered clipping around the median
-    (one bad member moves the mean by a bounded amount; peer/aggregate.py); 0 disables it."""
+    (one bad member moves the mean by a bounded amount; peer/averaging/aggregate.py); 0 disables it."""
     max_weight_ratio: float = 8.0
     """With the robust aggregate, a member's weight (samples) is capped at this × the median."""
     backup_every: int = 1
     """Every this many complete rounds a stage's state is copied to peers of other stages, so the
-    stage survives the death of its last replica (peer/backup.py); 0 disables backups."""
+    stage survives the death of its last replica (peer/state/backup.py); 0 disables backups."""
     backup_link_share: float = 0.2
     """The most of the time a stage's backup pushes may keep its link busy: after a push that took
     d seconds the next waits at least d / this (rounds in between push nothing). A push is the whole
@@ -180,12 +180,12 @@ class PipelineConfig:
     gradient_codec: str = "fp16"
     max_in_flight: int = 4
     """The most microbatches a driver keeps in flight: the cap of its adaptive window
-    (peer/window.py), which keeps as many as its measured link and compute need. Placement
+    (peer/pipeline/window.py), which keeps as many as its measured link and compute need. Placement
     reserves memory for this many microbatches' activations."""
     lookahead: bool = False
     """Replicas take the next inner step's microbatches while this step drains, against a stash of
     their weights (PipeDream-2BW): the link stays busier across steps, and those microbatches'
-    gradients are one step stale (peer/lookahead.py). Off: every gradient is exact. Experimental:
+    gradients are one step stale (peer/compute/lookahead.py). Off: every gradient is exact. Experimental:
     on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
@@ -208,7 +208,7 @@ class DataConfig:
     """Drivers that evaluate at each `eval_every` round (0: every driver). The replicas hold the same
     θ_global bit for bit, so N drivers scoring it would give N equal figures for N times the
     forwards on every stage; the evaluators are chosen from the round's averaging group by
-    rendezvous hash of the round (policy.evaluates), so the cost rotates among the drivers. Start
+    rendezvous hash of the round (decisions.evaluates), so the cost rotates among the drivers. Start
     and final evaluations run on every driver."""
 
 
@@ -227,7 +227,7 @@ class TimeoutsConfig:
     """How long a replica whose state a peer downloaded holds its next round boundary (worker
     paused, state served, nothing averaged) for that peer to land the download and come ONLINE,
     counted from its first request. Over a link slower than a round, a download that a round
-    supersedes is never current (policy.join_hold). 0: never hold. Not with wall-clock rounds."""
+    supersedes is never current (decisions.join_hold). 0: never hold. Not with wall-clock rounds."""
     announce_ttl: float = 15.0
     """DHT records live this long unless refreshed; a silent peer disappears after it."""
     heartbeat: float = 3.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 from swarmgrad.compression import Codec, SizeAdaptive, parse_codec_spec, reduce_codec
 
 FP32_ONLY = frozenset({"fp32"})
-"""State sync sends θ_global and momentum whole, in fp32 (peer/state_sync.py)."""
+"""State sync sends θ_global and momentum whole, in fp32 (peer/state/sync.py)."""
 
 
 def wire_codec_names(codec: str | Codec) -> frozenset[str]:
@@ -33,7 +33,7 @@ def wire_codec_names(codec: str | Codec) -> frozenset[str]:
 
 def averaging_codecs(spec: str | Codec, small_tensor_threshold: int, *, mean: bool = False,
                      reducer_feedback: bool = False) -> frozenset[str]:
-    """Codecs of the averaging path, as peer/averaging.py encodes them.
+    """Codecs of the averaging path, as peer/averaging/averager.py encodes them.
 
     mean=False: the members' contributions (AverageRequest): the configured codec for large
     tensors and fp32 for those under the threshold (SizeAdaptive(averaging.small_tensor_threshold,

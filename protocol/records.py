@@ -3,7 +3,7 @@
 The DHT hands back whatever its writers stored (signed, but a signature only says who wrote
 it). These pure functions bound every field before peer code believes it: a record with a
 non-finite throughput, a round beyond any real run, or a megabyte of addresses is refused
-with a reason, and the caller drops it (peer/swarm.py reads the DHT and calls them).
+with a reason, and the caller drops it (peer/net/dht_view.py reads the DHT and calls them).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def validate_registration(value: Any, *, max_weight: float = MAX_WEIGHT) -> Regi
 
 def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
                           max_stage: int = MAX_STAGE) -> dict[str, Any]:
-    """The fields of a PeerRecord-like dict (peer/swarm.py), checked and normalised.
+    """The fields of a PeerRecord-like dict (peer/net/dht_view.py), checked and normalised.
 
     stage: int in [0, max_stage]; state: str of at most MAX_STATE_CHARS; throughput: finite, in
     [0, max_throughput]; round, applied_rounds: int in [0, MAX_ROUND]; digest, manifest_hash:
@@ -124,7 +124,7 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
 
 
 def _backups(value: Any, max_stage: int) -> tuple[tuple[int, int], ...]:
-    """A record's optional `backups`: the copies its peer holds (peer/backup.py), a list of at
+    """A record's optional `backups`: the copies its peer holds (peer/state/backup.py), a list of at
     most MAX_BACKUPS [stage, applied_rounds] pairs, stages distinct; sorted by stage."""
     if not isinstance(value, (list, tuple)) or len(value) > MAX_BACKUPS:
         raise _fail("record backups", f"must be a list of at most {MAX_BACKUPS} [stage, applied_rounds] pairs")

@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from swarmgrad.peer.dht_process import remove_dead_sockets
-from swarmgrad.peer.launcher import LocalSwarm, small_manifest  # noqa: F401  (tests import it from here)
+from swarmgrad.peer.net.dht_process import remove_dead_sockets
+from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest  # noqa: F401  (tests import it from here)
 from swarmgrad.peer.manifest import Manifest, dumps
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

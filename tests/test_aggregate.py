@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmgrad.peer.aggregate import RADIUS_FACTOR, cap_weights, centered_clip, reduce_part, weighted_mean
+from swarmgrad.peer.averaging.aggregate import RADIUS_FACTOR, cap_weights, centered_clip, reduce_part, weighted_mean
 
 
 def honest(n: int, seed: int = 0, size: int = 4096) -> list[dict[str, torch.Tensor]]:
@@ -73,7 +73,7 @@ def test_robust_path_can_be_switched_off_and_is_deterministic() -> None:
 
 
 def test_byzantine_testing_aid_corrupts_as_documented() -> None:
-    from swarmgrad.peer.rounds import corrupt
+    from swarmgrad.peer.rounds.runner import corrupt
     torch.manual_seed(0)
     delta = {"w": torch.randn(64, 64) * 0.01, "b": torch.zeros(8)}
     scaled = corrupt(delta, "scale", round=3)
@@ -88,7 +88,7 @@ def test_byzantine_testing_aid_corrupts_as_documented() -> None:
 def test_a_scaled_honest_update_weighs_like_an_honest_one() -> None:
     """x 100 of an honest pseudo-gradient points the right way: clipping alone would let it add up to
     its share of the radius along that direction; the norm cap leaves it one honest member's pull."""
-    from swarmgrad.peer.aggregate import NORM_FACTOR, cap_norms
+    from swarmgrad.peer.averaging.aggregate import NORM_FACTOR, cap_norms
     good = honest(3, seed=4)
     clean = mean_of([(1.0, m) for m in good])
     scaled = {n: 100 * t for n, t in good[0].items()}

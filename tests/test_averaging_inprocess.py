@@ -9,15 +9,15 @@ from typing import Any, Awaitable, Callable
 import pytest
 import torch
 
-from swarmgrad.peer.aggregate import weighted_mean
-from swarmgrad.peer.averaging import Averager, RoundResult
-from swarmgrad.peer.averaging_group import group_hash
-from swarmgrad.peer.outcome import FAILED
+from swarmgrad.peer.averaging.aggregate import weighted_mean
+from swarmgrad.peer.averaging.averager import Averager, RoundResult
+from swarmgrad.peer.averaging.group import group_hash
+from swarmgrad.peer.records import FAILED
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.policy import nobody_applied
-from swarmgrad.peer.rpc import RPCFailed
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.decisions import nobody_applied
+from swarmgrad.peer.net.rpc import RPCFailed
+from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
@@ -251,7 +251,7 @@ def test_the_last_members_request_wakes_a_member_waiting_in_matchmaking(monkeypa
     soon as its own matchmaking ends, and that request ends the first one's wait (with a poll
     interval of a minute, only the request can end it within the test's deadline)."""
     import itertools
-    import swarmgrad.peer.matchmaking as matchmaking
+    import swarmgrad.peer.averaging.matchmaking as matchmaking
     monkeypatch.setattr(matchmaking, "poll_intervals", lambda cap: itertools.repeat(60.0))
 
     async def main() -> None:

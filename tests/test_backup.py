@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from swarmgrad.peer.backup import BackupPusher, BackupStore, backup_holders
-from swarmgrad.peer.policy import next_push_at
+from swarmgrad.peer.state.backup import BackupPusher, BackupStore, backup_holders
+from swarmgrad.peer.decisions import next_push_at
 from swarmgrad.peer.manifest import OuterOptConfig
-from swarmgrad.peer.state import StageState
-from swarmgrad.peer.state_sync import state_response
-from swarmgrad.peer.swarm import LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.state.stage_state import StageState
+from swarmgrad.peer.state.sync import state_response
+from swarmgrad.peer.records import LEAVING, ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, envelope

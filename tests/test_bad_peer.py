@@ -9,8 +9,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
-from swarmgrad.peer.dht_process import start_dht_process
-from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.net.dht_process import start_dht_process
+from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import encoded_to_proto, raw_from_tensor
 

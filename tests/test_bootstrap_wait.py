@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmgrad.peer.cli_peer import BOOTSTRAP_RETRY_S, is_bootstrap_failure, start_dht, start_dht_waiting
+from swarmgrad.peer.cli.peer import BOOTSTRAP_RETRY_S, is_bootstrap_failure, start_dht, start_dht_waiting
 
 pytestmark = pytest.mark.timeout(90)
 

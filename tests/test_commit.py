@@ -11,14 +11,14 @@ import torch
 
 from swarmgrad.compression import parse_codec_spec
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.driver import Driver
+from swarmgrad.peer.pipeline.driver import Driver
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.pipeline import Downstream, StageServer
-from swarmgrad.peer.routing import BanList
-from swarmgrad.peer.rpc import RPCFailed, stage_namespace
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.pipeline.stage_server import Downstream, StageServer
+from swarmgrad.peer.pipeline.routing import BanList
+from swarmgrad.peer.net.rpc import RPCFailed, stage_namespace
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.records import ONLINE, PeerRecord
+from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, StageContract

@@ -19,7 +19,7 @@ import torch
 from swarmgrad.compression import (ChunkTopKCodec, CodecError, Encoded, ErrorFeedback, SizeAdaptive, decode,
                                    get_codec, parse_codec_spec, reduce_codec)
 from swarmgrad.compression.topk import _pack_bits
-from swarmgrad.peer.aggregate import reduce_part
+from swarmgrad.peer.averaging.aggregate import reduce_part
 from swarmgrad.protocol.codecs import averaging_codecs
 
 
@@ -401,9 +401,9 @@ def test_averager_reducer_sends_the_union() -> None:
     mean over the union of supports (no network: only the reducer's slot is used)."""
     from conftest import small_manifest
 
-    from swarmgrad.peer.averaging import Averager
-    from swarmgrad.peer.reducer import RoundSlot
-    from swarmgrad.peer.averaging_group import Group
+    from swarmgrad.peer.averaging.averager import Averager
+    from swarmgrad.peer.averaging.reducer import RoundSlot
+    from swarmgrad.peer.averaging.group import Group
     from swarmgrad.protocol.validation import encoded_from_proto
 
     spec = "chunktopk:chunk=512,k=8,bits=2"

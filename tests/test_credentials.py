@@ -7,14 +7,14 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmgrad.peer.admission import Admission
-from swarmgrad.peer.coordinator.credentials import (ADMIT_PROOF, REVOCATIONS, CredentialError,
+from swarmgrad.peer.private.admission import Admission
+from swarmgrad.peer.private.credentials import (ADMIT_PROOF, REVOCATIONS, CredentialError,
                                                     Issuer, make_invitation, parse_duration, parse_invitation,
                                                     proof_message, revoke_order, sign)
 from swarmgrad.peer.coordinator.service import CoordinatorService, Refused
 from swarmgrad.peer.coordinator.store import StateDir
-from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
-from swarmgrad.peer.identity import peer_id_of
+from swarmgrad.peer.private.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.net.identity import peer_id_of
 from swarmgrad.protocol import coordinator_pb2 as cpb
 
 RUN = "private-run"
@@ -203,7 +203,7 @@ def test_dht_authorizer_tokens(issuer: Issuer, tmp_path) -> None:
 
 
 def test_renewal(issuer: Issuer, tmp_path) -> None:
-    from swarmgrad.peer.coordinator.credentials import RENEW_PROOF
+    from swarmgrad.peer.private.credentials import RENEW_PROOF
     service = _service(issuer, tmp_path)
     peer = Ed25519PrivateKey.generate()
     admitted = service.admit(_admit_request(make_invitation(issuer.key, RUN, "h:1", expires_in=60), peer))
@@ -227,7 +227,7 @@ def test_renewal(issuer: Issuer, tmp_path) -> None:
 
 def test_checkpoint_plan_waits_for_every_stage_and_the_majority() -> None:
     from swarmgrad.peer.coordinator.checkpoints import checkpoint_plan
-    from swarmgrad.peer.swarm import PeerRecord
+    from swarmgrad.peer.records import PeerRecord
 
     def rec(peer: str, stage: int, digest: str, applied: int, state: str = "online") -> PeerRecord:
         return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=applied, applied_rounds=applied,

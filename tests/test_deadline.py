@@ -1,4 +1,4 @@
-"""peer/deadline.py: a deadline that keeps the caller's cancel, where 3.11's wait_for loses it."""
+"""peer/net/deadline.py: a deadline that keeps the caller's cancel, where 3.11's wait_for loses it."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from swarmgrad.peer.deadline import cancel_requested, within
+from swarmgrad.peer.net.deadline import cancel_requested, within
 
 
 async def _cancel_as_result_lands(waiter) -> tuple[str, object]:

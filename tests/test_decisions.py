@@ -12,10 +12,11 @@ import msgpack
 import pytest
 import torch
 
-from swarmgrad.peer.aggregate import weighted_mean
-from swarmgrad.peer.averaging_group import Group, choose_group, partition
-from swarmgrad.peer.routing import BanList, Candidate, DeadlineEstimator, RateMeter, choose_replica
-from swarmgrad.peer.swarm import JOINING, PeerRecord
+from swarmgrad.peer.averaging.aggregate import weighted_mean
+from swarmgrad.peer.averaging.group import Group, choose_group, partition
+from swarmgrad.peer.pipeline.routing import BanList, Candidate, DeadlineEstimator, choose_replica
+from swarmgrad.peer.compute.rate import RateMeter
+from swarmgrad.peer.records import JOINING, PeerRecord
 
 # --------------------------------------------------------------------------- choose_replica
 

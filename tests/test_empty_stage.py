@@ -1,5 +1,5 @@
 """The last replica of a stage dies: a peer that takes the empty stage restores it from a backup
-held by a peer of another stage (peer/backup.py), instead of starting it again from the seed."""
+held by a peer of another stage (peer/state/backup.py), instead of starting it again from the seed."""
 from __future__ import annotations
 
 import signal
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm
+from swarmgrad.peer.cli.launcher import LocalSwarm
 
 from conftest import small_manifest
 

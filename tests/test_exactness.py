@@ -10,7 +10,7 @@ import torch
 
 from swarmgrad.peer.data import MicrobatchStream, load_corpora
 from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.state import load_checkpoint
+from swarmgrad.peer.state.stage_state import load_checkpoint
 
 from conftest import small_manifest
 

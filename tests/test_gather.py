@@ -1,4 +1,4 @@
-"""The gather exchange (averaging.gather_up_to, peer/gather.py): small groups exchange the members'
+"""The gather exchange (averaging.gather_up_to, peer/averaging/gather.py): small groups exchange the members'
 own encoded parts and every member aggregates them itself. In one event loop, with the loopback
 RPC and fake swarm of test_averaging_inprocess; the response checks without any network."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from swarmgrad.compression import get_codec
-from swarmgrad.peer.aggregate import reduce_part, weighted_mean
-from swarmgrad.peer.averaging_group import partition
-from swarmgrad.peer.gather import gather_answer, gathers
+from swarmgrad.peer.averaging.aggregate import reduce_part, weighted_mean
+from swarmgrad.peer.averaging.group import partition
+from swarmgrad.peer.averaging.gather import gather_answer, gathers
 from swarmgrad.peer.manifest import ManifestError
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError

@@ -337,7 +337,7 @@ def test_record_backups() -> None:
                         ([[-1, 2]], "stage"), ([[1, 2**41]], "applied_rounds"), ([["1", 2]], "stage"),
                         ([[1, 2.5]], "applied_rounds"), ([[i, 0] for i in range(MAX_BACKUPS + 1)], "at most")]:
         assert needle in refused(bounded_record_fields, {**RECORD, "backups": bad}).reason, bad
-    from swarmgrad.peer.swarm import PeerRecord  # what a peer announces reads back the same
+    from swarmgrad.peer.net.dht_view import PeerRecord  # what a peer announces reads back the same
     rec = PeerRecord(peer_id="p", **{**RECORD, "maddrs": tuple(RECORD["maddrs"])}, backups=((2, 5),))
     assert PeerRecord.from_value("p", rec.to_value()) == rec
 
@@ -577,7 +577,7 @@ def with_pair(body: Body, **server_kw: Any) -> Any:
     """Run `body(server_p2p, client_p2p, server_rpc, client_rpc)` on two fresh P2P daemons."""
     from hivemind.p2p import P2P
 
-    from swarmgrad.peer.rpc import FramedRPC, Traffic
+    from swarmgrad.peer.net.rpc import FramedRPC, Traffic
 
     async def main() -> Any:
         a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -719,7 +719,7 @@ def test_server_survives_stream_attacks() -> None:
 def test_client_survives_hostile_servers() -> None:
     """A server that answers with a huge prefix, endless frames, silence, garbage or an unknown
     status: every call ends in RPCFailed (or a response the validators refuse), quickly."""
-    from swarmgrad.peer.rpc import RPCFailed
+    from swarmgrad.peer.net.rpc import RPCFailed
 
     async def huge(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write((2**40).to_bytes(HEADER_BYTES, "big"))

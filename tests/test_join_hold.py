@@ -1,4 +1,4 @@
-"""A round held for a joiner whose download outlasts a round (timeouts.join_hold, policy.join_hold).
+"""A round held for a joiner whose download outlasts a round (timeouts.join_hold, decisions.join_hold).
 
 Over a link slower than a round, a donor that applied a round while a joiner downloaded its state
 superseded the download every time: two replicas took 23-52 rounds to pair over 20 Mbit. Now a
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 
 from swarmgrad.peer.manifest import TimeoutsConfig, dumps
-from swarmgrad.peer.state_sync import StateSync
+from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, envelope

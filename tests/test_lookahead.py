@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.launcher import small_manifest
+from swarmgrad.peer.cli.launcher import small_manifest
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.stage_cost import stage_costs
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.placement.cost import stage_costs
+from swarmgrad.peer.compute.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -245,7 +245,7 @@ def test_placement_counts_the_stash_with_lookahead() -> None:
 def test_a_stash_taken_while_an_ahead_forward_runs_copies_the_live_weights() -> None:
     """functional_call swaps the module's attributes for the stash's tensors during a forward on
     the compute thread; a stash the event loop takes meanwhile must still copy the live weights."""
-    from swarmgrad.peer.lookahead import Lookahead
+    from swarmgrad.peer.compute.lookahead import Lookahead
     torch.manual_seed(0)
     module = nn.Linear(3, 3)
     lookahead = Lookahead(module)

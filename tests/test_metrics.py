@@ -1,4 +1,4 @@
-"""Prometheus metrics (peer/metrics.py): fed from events, bytes by kind, served over HTTP; and a
+"""Prometheus metrics (peer/node/metrics.py): fed from events, bytes by kind, served over HTTP; and a
 live swarm whose /metrics move while it trains."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmgrad.peer.events import EventLog, read_events
-from swarmgrad.peer.launcher import LocalSwarm
-from swarmgrad.peer.metrics import PeerMetrics
-from swarmgrad.peer.rpc import TRAFFIC_KINDS, Traffic, traffic_kind
+from swarmgrad.peer.cli.launcher import LocalSwarm
+from swarmgrad.peer.node.metrics import PeerMetrics
+from swarmgrad.peer.net.rpc import TRAFFIC_KINDS, Traffic, traffic_kind
 
 from conftest import small_manifest
 

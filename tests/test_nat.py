@@ -18,10 +18,10 @@ from typing import Iterator
 
 import pytest
 
-from swarmgrad.peer.dial_out import dial_targets
+from swarmgrad.peer.net.dial_out import dial_targets
 from swarmgrad.peer.manifest import dumps
-from swarmgrad.peer.reachability import plan
-from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.net.reachability import plan
+from swarmgrad.peer.records import JOINING, LEAVING, ONLINE, PeerRecord
 
 from conftest import small_manifest
 
@@ -182,7 +182,7 @@ def test_dial_out_opens_a_connection_the_other_peer_can_call_back_over(tmp_path:
 
     from hivemind.p2p import P2P
 
-    from swarmgrad.peer.dial_out import DialOut
+    from swarmgrad.peer.net.dial_out import DialOut
     from swarmgrad.peer.events import EventLog, read_events
 
     async def scenario() -> str:
@@ -277,8 +277,8 @@ def test_a_client_mode_dht_that_forgot_its_peers_is_put_back() -> None:
 
     from hivemind.utils import get_dht_time
 
-    from swarmgrad.peer.dht_process import start_dht_process
-    from swarmgrad.peer.dial_out import DialOut, keep_in_routing_table
+    from swarmgrad.peer.net.dht_process import start_dht_process
+    from swarmgrad.peer.net.dial_out import DialOut, keep_in_routing_table
 
     public = start_dht_process(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     natted = None

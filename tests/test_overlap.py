@@ -1,4 +1,4 @@
-"""Overlapped rounds (peer/overlap.py) in one process: the round runner with a real worker and
+"""Overlapped rounds (peer/rounds/overlap.py) in one process: the round runner with a real worker and
 stage state, and an in-memory group of two replicas in place of the network averager.
 
 What must hold: the worker trains while the mean travels; both replicas end each round with the
@@ -17,17 +17,17 @@ import pytest
 import torch
 from torch import nn
 
-from swarmgrad.peer import overlap
-from swarmgrad.peer.averaging import RoundResult
+from swarmgrad.peer.rounds import overlap
+from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import InnerOptConfig, OuterOptConfig, RoundsConfig, ScheduleConfig, TimeoutsConfig
-from swarmgrad.peer.presence import ReplicaStats
-from swarmgrad.peer.rounds import RoundRunner
-from swarmgrad.peer.rpc import Traffic
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.state import StageState
-from swarmgrad.peer.worker import NotReady, StageWorker
+from swarmgrad.peer.records import ReplicaStats
+from swarmgrad.peer.rounds.runner import RoundRunner
+from swarmgrad.peer.net.rpc import Traffic
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.stage_state import StageState
+from swarmgrad.peer.compute.worker import NotReady, StageWorker
 
 pytestmark = pytest.mark.timeout(60)
 

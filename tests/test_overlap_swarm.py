@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm
+from swarmgrad.peer.cli.launcher import LocalSwarm
 
 from conftest import small_manifest
 from test_swarm import assert_replicas_agree, complete_rounds, round_history

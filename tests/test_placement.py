@@ -5,14 +5,14 @@ import random
 
 import pytest
 
-from swarmgrad.peer import placement_plan as P
+from swarmgrad.peer.placement import plan as P
 from swarmgrad.peer.manifest import from_dict, load
-from swarmgrad.peer.placement import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, Confirmation, MoveDecision,
-                                      PeerFigures, Policy, check_interval, choose_stage_for_newcomer, estimate_rates,
+from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, Confirmation, MoveDecision,
+                                      PeerFigures, PlacementPolicy, check_interval, choose_stage_for_newcomer, estimate_rates,
                                       should_move)
-from swarmgrad.peer.placement_optimum import brute_force_optimum, fluid_bound, optimum
-from swarmgrad.peer.placement_plan import JOINING, LEAVING, ONLINE, Replica, Snapshot
-from swarmgrad.peer.stage_cost import stage_costs
+from swarmgrad.peer.placement.optimum import brute_force_optimum, fluid_bound, optimum
+from swarmgrad.peer.placement.plan import JOINING, LEAVING, ONLINE, SnapshotReplica, Snapshot
+from swarmgrad.peer.placement.cost import stage_costs
 
 DEFAULT = "peer/defaults/tiny-gpt.toml"
 GB = 10 ** 9
@@ -20,7 +20,7 @@ GB = 10 ** 9
 
 def snap(stages: list[list[tuple[str, float]]], costs: tuple[float, ...] | None = None, **kw) -> Snapshot:
     costs = costs or (1.0,) * len(stages)
-    return Snapshot(tuple(tuple(Replica(pid, ONLINE, rate) for pid, rate in s) for s in stages), costs, **kw)
+    return Snapshot(tuple(tuple(SnapshotReplica(pid, ONLINE, rate) for pid, rate in s) for s in stages), costs, **kw)
 
 
 def figures(s: Snapshot, pid: str, stage: int, *, memory: int = 0, bandwidth: float = 1e9,
@@ -29,7 +29,7 @@ def figures(s: Snapshot, pid: str, stage: int, *, memory: int = 0, bandwidth: fl
     return PeerFigures(pid, estimate_rates(rate, stage, s.costs), memory, bandwidth, tenure, warmup=0.0)
 
 
-def decisions(s: Snapshot, policy: Policy = Policy(), salt: int = 0, **kw) -> list[MoveDecision]:
+def decisions(s: Snapshot, policy: PlacementPolicy = PlacementPolicy(), salt: int = 0, **kw) -> list[MoveDecision]:
     out = []
     for stage, reps in enumerate(s.stages):
         for r in reps:
@@ -40,17 +40,12 @@ def decisions(s: Snapshot, policy: Policy = Policy(), salt: int = 0, **kw) -> li
 
 
 def random_snapshot(rng: random.Random, n_peers: int, n_stages: int) -> Snapshot:
-    stages: list[list[Replica]] = [[] for _ in range(n_stages)]
+    stages: list[list[SnapshotReplica]] = [[] for _ in range(n_stages)]
     for i in range(n_peers):
         state = rng.choice([ONLINE] * 8 + [JOINING, LEAVING])
-        stages[rng.randrange(n_stages)].append(Replica(f"p{i:03d}", state, rng.choice([0.5, 1, 1, 2, 3, 8]) * rng.uniform(0.9, 1.1)))
+        stages[rng.randrange(n_stages)].append(SnapshotReplica(f"p{i:03d}", state, rng.choice([0.5, 1, 1, 2, 3, 8]) * rng.uniform(0.9, 1.1)))
     costs = tuple(rng.uniform(0.6, 1.4) for _ in range(n_stages))
     return Snapshot(tuple(tuple(s) for s in stages), costs)
-
-
-def test_states_match_swarm_records() -> None:
-    from swarmgrad.peer import swarm
-    assert (P.JOINING, P.ONLINE, P.LEAVING) == (swarm.JOINING, swarm.ONLINE, swarm.LEAVING)
 
 
 # --------------------------------------------------------------------------- stage cost
@@ -142,8 +137,8 @@ def test_optimum_keeps_pinned_peers_where_they_are() -> None:
         assert exact.throughput <= fluid_bound(work, costs, fixed=fixed) * (1 + 1e-9)
         assert exact.throughput <= optimum(work, costs).throughput * (1 + 1e-9)
     # the snapshot passes its pinned replicas on
-    snap_ = Snapshot(((Replica("a", ONLINE, 1.0),), (Replica("p", ONLINE, 5.0, pinned=True),
-                                                     Replica("q", ONLINE, 5.0, pinned=True))), (1.0, 1.0))
+    snap_ = Snapshot(((SnapshotReplica("a", ONLINE, 1.0),), (SnapshotReplica("p", ONLINE, 5.0, pinned=True),
+                                                     SnapshotReplica("q", ONLINE, 5.0, pinned=True))), (1.0, 1.0))
     assert snap_.reachable.throughput == pytest.approx(1.0)
 
 
@@ -261,7 +256,7 @@ def test_no_move_within_the_margin() -> None:
     s = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.6)], [("e", 2.6)]])
     reach = s.reachable.throughput
     assert s.throughput / reach >= 0.8
-    assert decisions(s, Policy(q=0.8)) == []
+    assert decisions(s, PlacementPolicy(q=0.8)) == []
     assert decisions(s, NO_MARGIN) != []  # the same move without margin
 
 
@@ -274,7 +269,7 @@ def test_a_move_must_repay_its_switch_time() -> None:
 
 def test_moves_respect_memory() -> None:
     stages = [[("a", 1.0), ("b", 1.0), ("c", 1.0)], [("d", 1.0)]]
-    s = Snapshot(tuple(tuple(Replica(p, ONLINE, r, memory=8 * GB) for p, r in st) for st in stages), (1.0, 1.0),
+    s = Snapshot(tuple(tuple(SnapshotReplica(p, ONLINE, r, memory=8 * GB) for p, r in st) for st in stages), (1.0, 1.0),
                  memory_need=(4 * GB, 20 * GB))
     assert decisions(s, NO_MARGIN, memory=8 * GB) == []
     s = Snapshot(s.stages, s.costs, memory_need=(4 * GB, 6 * GB))
@@ -294,15 +289,15 @@ def test_a_pinned_replica_is_never_the_mover() -> None:
     empty stage 0, whatever the tie-break salt (with both rates 0 before any training, the salt
     alone decided, and it could pick the pinned one, which never moves)."""
     for salt in range(20):
-        s = Snapshot(((), (Replica("auto", ONLINE, 0.0), Replica("pin", ONLINE, 0.0, pinned=True))), (1.0, 1.0))
+        s = Snapshot(((), (SnapshotReplica("auto", ONLINE, 0.0), SnapshotReplica("pin", ONLINE, 0.0, pinned=True))), (1.0, 1.0))
         ds = decisions(s, salt=salt)
         assert [(d.peer_id, d.target) for d in ds] == [("auto", 0)], salt
     # nor for a bottleneck move: the pinned fast replica stays, the unpinned one is the mover
-    s = Snapshot(((Replica("a", ONLINE, 1.0),),
-                  (Replica("pin", ONLINE, 9.0, pinned=True), Replica("b", ONLINE, 9.0))), (1.0, 1.0))
+    s = Snapshot(((SnapshotReplica("a", ONLINE, 1.0),),
+                  (SnapshotReplica("pin", ONLINE, 9.0, pinned=True), SnapshotReplica("b", ONLINE, 9.0))), (1.0, 1.0))
     assert all(d.peer_id == "b" for d in decisions(s, NO_MARGIN)) and decisions(s, NO_MARGIN)
-    s = Snapshot(((Replica("a", ONLINE, 1.0),),
-                  (Replica("pin", ONLINE, 9.0, pinned=True), Replica("pin2", ONLINE, 9.0, pinned=True))), (1.0, 1.0))
+    s = Snapshot(((SnapshotReplica("a", ONLINE, 1.0),),
+                  (SnapshotReplica("pin", ONLINE, 9.0, pinned=True), SnapshotReplica("pin2", ONLINE, 9.0, pinned=True))), (1.0, 1.0))
     assert decisions(s, NO_MARGIN) == []
 
 
@@ -327,7 +322,7 @@ def test_check_interval_is_jittered() -> None:
     assert all(30.0 <= x <= 90.0 for x in draws) and len(set(draws)) == 200
 
 
-def settle(rates: list[float], costs: tuple[float, ...], start: list[int], policy: Policy = Policy(),
+def settle(rates: list[float], costs: tuple[float, ...], start: list[int], policy: PlacementPolicy = PlacementPolicy(),
            checks: int = 40) -> tuple[list[int], list[int]]:
     """Play the policy in rounds: every peer checks on the same snapshot; confirmed moves apply
     before the next round. Returns the final placement and the number of moves per round."""
@@ -336,7 +331,7 @@ def settle(rates: list[float], costs: tuple[float, ...], start: list[int], polic
     conf = {pid: Confirmation(policy.confirmations) for pid in ids}
     moves_per_round = []
     for round_ in range(checks):
-        s = Snapshot(tuple(tuple(Replica(ids[i], ONLINE, rates[i] / costs[stage[i]]) for i in range(len(ids))
+        s = Snapshot(tuple(tuple(SnapshotReplica(ids[i], ONLINE, rates[i] / costs[stage[i]]) for i in range(len(ids))
                                  if stage[i] == st) for st in range(len(costs))), costs)
         moved = []
         for i, pid in enumerate(ids):
@@ -361,8 +356,8 @@ def test_converges_from_one_stage_then_stops() -> None:
     assert sum(moves[-20:]) == 0
 
 
-@pytest.mark.parametrize("policy", [Policy(), NO_MARGIN])
-def test_converges_on_unequal_costs(policy: Policy) -> None:
+@pytest.mark.parametrize("policy", [PlacementPolicy(), NO_MARGIN])
+def test_converges_on_unequal_costs(policy: PlacementPolicy) -> None:
     rng = random.Random(3)
     rates = [rng.choice([1.0, 1.0, 2.0, 4.0]) for _ in range(10)]
     costs = (1.5, 1.0, 0.5)
@@ -377,8 +372,8 @@ def test_converges_on_unequal_costs(policy: Policy) -> None:
 def warm_snap(h_fresh: frozenset[int] = frozenset({1}), h_rate: float = 6.0, joining: bool = False) -> Snapshot:
     """Stage 0 has surplus (f, x fast; h holds a backup of stage 1); stage 1 is short. With
     `joining`, a newcomer JOINING stage 1 makes it whole on paper but does not serve yet."""
-    s0 = (Replica("f", ONLINE, 10.0), Replica("x", ONLINE, 10.0), Replica("h", ONLINE, h_rate, fresh=h_fresh))
-    s1 = (Replica("d", ONLINE, 16.0), Replica("n", JOINING, 10.0)) if joining else (Replica("d", ONLINE, 5.0),)
+    s0 = (SnapshotReplica("f", ONLINE, 10.0), SnapshotReplica("x", ONLINE, 10.0), SnapshotReplica("h", ONLINE, h_rate, fresh=h_fresh))
+    s1 = (SnapshotReplica("d", ONLINE, 16.0), SnapshotReplica("n", JOINING, 10.0)) if joining else (SnapshotReplica("d", ONLINE, 5.0),)
     return Snapshot((s0, s1), (1.0, 1.0))
 
 
@@ -400,10 +395,10 @@ def test_plan_prefers_a_fresh_holder_within_its_share_of_the_best() -> None:
 def test_repay_counts_no_download_for_a_fresh_holder() -> None:
     s = Snapshot(warm_snap().stages, (1.0, 1.0), state_bytes=(10 ** 12, 10 ** 12))
     slow_link = dict(bandwidth=1e6, tenure=600.0)  # a download would take 11 days
-    d = should_move(s, figures(s, "h", 0, **slow_link), 0, policy=Policy(q=1.0))
+    d = should_move(s, figures(s, "h", 0, **slow_link), 0, policy=PlacementPolicy(q=1.0))
     assert d is not None and d.target == 1
     stale = Snapshot(warm_snap(h_fresh=frozenset()).stages, (1.0, 1.0), state_bytes=(10 ** 12, 10 ** 12))
-    assert all(should_move(stale, figures(stale, p, 0, **slow_link), 0, policy=Policy(q=1.0)) is None
+    assert all(should_move(stale, figures(stale, p, 0, **slow_link), 0, policy=PlacementPolicy(q=1.0)) is None
                for p in ("f", "x", "h"))
 
 
@@ -417,24 +412,24 @@ def test_warm_repair_serves_a_stage_a_newcomer_only_fills_on_paper() -> None:
     for pid in ("f", "x"):  # not holders: they wait for the newcomer
         assert should_move(s, figures(s, pid, 0), 0) is None
     assert should_move(warm_snap(h_fresh=frozenset(), joining=True), figures(s, "h", 0), 0) is None
-    assert should_move(s, figures(s, "h", 0), 0, policy=Policy(warm_repair=False)) is None
+    assert should_move(s, figures(s, "h", 0), 0, policy=PlacementPolicy(warm_repair=False)) is None
 
 
 def test_warm_repair_keeps_the_structural_rules() -> None:
     base = warm_snap(joining=True)
-    moving = Snapshot(((base.stages[0][0], Replica("x", LEAVING, 10.0, moving=True), base.stages[0][2]),
+    moving = Snapshot(((base.stages[0][0], SnapshotReplica("x", LEAVING, 10.0, moving=True), base.stages[0][2]),
                        base.stages[1]), base.costs)
     assert should_move(moving, figures(moving, "h", 0), 0) is None  # stage 0 already has a mover
-    alone = Snapshot(((Replica("h", ONLINE, 30.0, fresh=frozenset({1})),), base.stages[1]), base.costs)
+    alone = Snapshot(((SnapshotReplica("h", ONLINE, 30.0, fresh=frozenset({1})),), base.stages[1]), base.costs)
     assert should_move(alone, figures(alone, "h", 0), 0) is None  # never empties its stage
     small = Snapshot(base.stages, base.costs, memory_need=(0, 10 * GB))
     assert should_move(small, figures(small, "h", 0, memory=GB), 0) is None  # memory still binds
 
 
 def test_records_say_which_backups_are_fresh() -> None:
-    from swarmgrad.peer.rebalance import snapshot_from_view
+    from swarmgrad.peer.placement.rebalancer import snapshot_from_view
     from types import SimpleNamespace
-    from swarmgrad.peer.swarm import PeerRecord
+    from swarmgrad.peer.records import PeerRecord
 
     def rec(pid: str, stage: int, applied: int, digest: str, backups=()) -> PeerRecord:
         return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=1.0, round=applied,
@@ -448,15 +443,15 @@ def test_records_say_which_backups_are_fresh() -> None:
 
 
 def test_warm_moves_skip_the_margin_only_in_a_large_swarm() -> None:
-    strict = Policy(q=0.5)  # the swarm serves above half of what it could reach: no ordinary move
+    strict = PlacementPolicy(q=0.5)  # the swarm serves above half of what it could reach: no ordinary move
     small = warm_snap(joining=True)
     assert should_move(small, figures(small, "h", 0), 0, policy=strict) is None  # 5 peers: exact reach, margin holds
-    extra = [tuple(Replica(f"e{s}{i}", ONLINE, 1.0) for i in range(6)) for s in range(2)]
+    extra = [tuple(SnapshotReplica(f"e{s}{i}", ONLINE, 1.0) for i in range(6)) for s in range(2)]
     large = Snapshot((small.stages[0] + extra[0], small.stages[1] + extra[1]), small.costs)
     assert large.reachable.method == "bound"
     d = should_move(large, figures(large, "h", 0), 0, policy=strict)
     assert d is not None and d.reason == "warm-repair"
-    assert should_move(large, figures(large, "h", 0), 0, policy=Policy(q=0.5, warm_exempt=False)) is None
+    assert should_move(large, figures(large, "h", 0), 0, policy=PlacementPolicy(q=0.5, warm_exempt=False)) is None
 
 
 def test_a_large_swarm_may_use_its_own_margin() -> None:
@@ -465,17 +460,17 @@ def test_a_large_swarm_may_use_its_own_margin() -> None:
     s = snap([small + [("a", 0.2), ("b", 0.2)], [(f"m{i}", 1.0) for i in range(10)],
               [(f"n{i}", 1.0) for i in range(10)] + [("c", 0.2), ("d", 0.2)]])
     assert s.reachable.method == "bound" and 0.95 < s.throughput / s.reachable.throughput < 1.0
-    assert decisions(s, Policy()) == []  # within q = 0.95
-    moves = decisions(s, Policy(q_bound=1.0))
+    assert decisions(s, PlacementPolicy()) == []  # within q = 0.95
+    moves = decisions(s, PlacementPolicy(q_bound=1.0))
     assert moves
     assert {(d.source, d.target) for d in moves} <= {(0, 1), (2, 1)} and all(d.gain > 0 for d in moves)
     # a handful of peers keeps q: the exact optimum, where one move is a large step
     few = snap([[("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.6)], [("e", 2.6)]])
-    assert decisions(few, Policy(q=0.8, q_bound=1.0)) == []
+    assert decisions(few, PlacementPolicy(q=0.8, q_bound=1.0)) == []
 
 
 def _record(pid: str, stage: int, pinned: bool = False):
-    from swarmgrad.peer.swarm import PeerRecord
+    from swarmgrad.peer.records import PeerRecord
     return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=0.0, round=0, applied_rounds=0,
                       digest="d", manifest_hash="h", driver=stage == 0, pinned=pinned)
 
@@ -485,7 +480,7 @@ def _rebalance_over(monkeypatch, views: list[dict], n_stages: int) -> tuple[Move
     asyncio.sleep patched to record each wait: its decision and the waits before each check."""
     import asyncio
     from types import SimpleNamespace
-    from swarmgrad.peer import rebalance as R
+    from swarmgrad.peer.placement import rebalancer as R
     feed = iter(views)
 
     class Views:
@@ -507,7 +502,7 @@ def test_records_carry_pinned_and_the_rebalancer_checks_sooner_while_a_stage_is_
     the first check) the checks come EMPTY_CHECK_SHARE times as often, since filling it is
     immediate; a full swarm is checked at the ordinary interval."""
     from types import SimpleNamespace
-    from swarmgrad.peer import rebalance as R
+    from swarmgrad.peer.placement import rebalancer as R
     rec = _record
     views = [{0: [rec("x", 0)], 1: [rec("me", 1)]},   # full: no move
              {0: [], 1: [rec("me", 1)]},                # empty, but we are stage 1's only replica
@@ -544,8 +539,8 @@ def test_the_quick_checks_stop_while_a_stage_stays_empty_that_this_peer_cannot_f
 
 
 def test_status_names_an_empty_stage_that_only_a_new_peer_can_fill() -> None:
-    from swarmgrad.peer.status import _placement
-    from swarmgrad.peer.swarm import PeerRecord
+    from swarmgrad.peer.cli.status import _placement
+    from swarmgrad.peer.records import PeerRecord
 
     def rec(pid: str, stage: int, pinned: bool) -> PeerRecord:
         return PeerRecord(peer_id=pid, stage=stage, state=ONLINE, throughput=5.0, round=3, applied_rounds=3,

@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from swarmgrad.peer import policy
+from swarmgrad.peer import decisions
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import RoundsConfig
-from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.records import JOINING, LEAVING, ONLINE, PeerRecord
 
 
 def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round: int = 0, applied: int = 0, digest: str = "d",
@@ -19,7 +19,7 @@ def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round: int = 0, appli
 def ended(**kw: Any) -> bool:
     base = dict(round=3, seen=-1, counts_steps=False, inner_steps=0, steps_per_round=0, now=100.0, wall_end=None,
                 drivers_min_round=None)
-    return policy.round_ended(**{**base, **kw})
+    return decisions.round_ended(**{**base, **kw})
 
 
 def test_round_ends_on_each_condition_and_not_before() -> None:
@@ -35,20 +35,20 @@ def test_round_ends_on_each_condition_and_not_before() -> None:
 def test_drivers_min_round_ignores_non_drivers_and_offline() -> None:
     recs = [rec("a", stage=0, round=5, driver=True), rec("b", stage=0, round=2, driver=True, state=LEAVING),
             rec("c", stage=0, round=1, driver=False)]
-    assert policy.drivers_min_round(recs) == 5
-    assert policy.drivers_min_round([]) is None
-    assert policy.drivers_gone([rec("b", state=LEAVING)]) and not policy.drivers_gone(recs)
+    assert decisions.drivers_min_round(recs) == 5
+    assert decisions.drivers_min_round([]) is None
+    assert decisions.drivers_gone([rec("b", state=LEAVING)]) and not decisions.drivers_gone(recs)
 
 
 def test_a_join_download_is_superseded_when_its_donors_applied_a_round_since() -> None:
     # the state arrived with 3 applied rounds; the donors finished round 3 while it travelled
-    assert policy.join_superseded([rec("a", applied=4, digest="x"), rec("b", applied=4, digest="x")], "me", 3)
-    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=3)], "me", 3)  # still current
-    assert not policy.join_superseded([rec("me", applied=9), rec("a", applied=3)], "me", 3)  # our own record
+    assert decisions.join_superseded([rec("a", applied=4, digest="x"), rec("b", applied=4, digest="x")], "me", 3)
+    assert not decisions.join_superseded([rec("a", applied=3), rec("b", applied=3)], "me", 3)  # still current
+    assert not decisions.join_superseded([rec("me", applied=9), rec("a", applied=3)], "me", 3)  # our own record
     # only donors count: a minority digest's (or a leaving replica's) claim does not trigger a download
-    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=3), rec("c", applied=9, digest="z")],
+    assert not decisions.join_superseded([rec("a", applied=3), rec("b", applied=3), rec("c", applied=9, digest="z")],
                                       "me", 3)
-    assert not policy.join_superseded([rec("a", applied=3), rec("b", applied=5, state=LEAVING)], "me", 3)
+    assert not decisions.join_superseded([rec("a", applied=3), rec("b", applied=5, state=LEAVING)], "me", 3)
 
 
 def test_a_boundary_holds_for_downloaders_until_they_serve_our_state_or_their_hold_runs_out() -> None:
@@ -57,15 +57,15 @@ def test_a_boundary_holds_for_downloaders_until_they_serve_our_state_or_their_ho
                rec("r", digest="old"),  # ONLINE but re-syncing: not yet on our state
                rec("done", digest="ours"), rec("late", state=JOINING), rec("left", state=LEAVING),
                rec("mover", state=JOINING, digest="ours")]
-    waiting, settled = policy.join_hold(served, records, "ours", now=105.0, hold=30.0)
+    waiting, settled = decisions.join_hold(served, records, "ours", now=105.0, hold=30.0)
     assert waiting == ["j", "mover", "r"]
     # serving our state, its record gone, or LEAVING: forgotten; "late" ran out: neither
     assert settled == ["done", "gone", "left"]
-    assert policy.join_hold(served, records, "ours", now=131.0, hold=30.0)[0] == []
-    assert policy.join_hold(served, records, "ours", now=105.0, hold=0.0)[0] == []
-    assert policy.join_hold({}, records, "ours", now=105.0, hold=30.0) == ([], [])
+    assert decisions.join_hold(served, records, "ours", now=131.0, hold=30.0)[0] == []
+    assert decisions.join_hold(served, records, "ours", now=105.0, hold=0.0)[0] == []
+    assert decisions.join_hold({}, records, "ours", now=105.0, hold=30.0) == ([], [])
     # a joiner killed mid-download: its JOINING record outlives it, its connection does not
-    assert policy.join_hold(served, records, "ours", now=105.0, hold=30.0, connected={"j", "r"}) == (
+    assert decisions.join_hold(served, records, "ours", now=105.0, hold=30.0, connected={"j", "r"}) == (
         ["j", "r"], ["done", "gone", "late", "left", "mover"])
 
 
@@ -73,75 +73,75 @@ def test_a_group_member_that_applied_the_round_already_finished_it_without_us() 
     regs = {"me": {"applied_rounds": 4}, "a": {"applied_rounds": 4}, "b": {"applied_rounds": 4}}
     # a finished round 4 in a group without us (its record announces 5); b is still matching with us
     recs = [rec("me", applied=4), rec("a", applied=5), rec("b", applied=4)]
-    assert policy.finished_without_us(regs, recs, "me", ["a", "b", "me"]) == ["a"]
-    assert policy.finished_without_us(regs, recs, "me", ["b", "me"]) == []  # a is not in our group
+    assert decisions.finished_without_us(regs, recs, "me", ["a", "b", "me"]) == ["a"]
+    assert decisions.finished_without_us(regs, recs, "me", ["b", "me"]) == []  # a is not in our group
     # a record that lags its registration (announced before the round) is not a finished round
-    assert policy.finished_without_us(regs, [rec("a", applied=3), rec("b", applied=4)], "me", ["a", "b", "me"]) == []
+    assert decisions.finished_without_us(regs, [rec("a", applied=3), rec("b", applied=4)], "me", ["a", "b", "me"]) == []
     # our own record, and members without a record (expired, or not read yet), say nothing
-    assert policy.finished_without_us(regs, [rec("me", applied=9)], "me", ["a", "b", "me"]) == []
+    assert decisions.finished_without_us(regs, [rec("me", applied=9)], "me", ["a", "b", "me"]) == []
 
 
 def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
     recs = [rec("a", applied=5, digest="x"), rec("b", applied=5, digest="x"), rec("liar", applied=10**9, digest="y"),
             rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
-    assert policy.join_donors(recs, "me") == ["a", "b"]
-    assert policy.join_donors([rec("me")], "me") == []
+    assert decisions.join_donors(recs, "me") == ["a", "b"]
+    assert decisions.join_donors([rec("me")], "me") == []
     # a tie between digests goes to more applied rounds, deterministically
-    assert policy.join_donors([rec("a", applied=3, digest="x"), rec("b", applied=4, digest="y")], "me") == ["b"]
+    assert decisions.join_donors([rec("a", applied=3, digest="x"), rec("b", applied=4, digest="y")], "me") == ["b"]
 
 
 def test_resync_donors_are_newer_and_agree() -> None:
     recs = [rec("a", applied=6, digest="n"), rec("b", applied=6, digest="n"), rec("c", applied=9, digest="evil"),
             rec("old", applied=4, digest="o"), rec("me", applied=5, digest="m")]
-    assert policy.resync_donors(recs, "me", 5, group=("a", "b", "c", "me"), stale=False) == ["a", "b"]
+    assert decisions.resync_donors(recs, "me", 5, group=("a", "b", "c", "me"), stale=False) == ["a", "b"]
     # a stale member takes any group member's state, still by majority
     recs2 = [rec("a", applied=5, digest="g"), rec("b", applied=5, digest="g"), rec("me", applied=5, digest="m")]
-    assert policy.resync_donors(recs2, "me", 5, group=("a", "b"), stale=True) == ["a", "b"]
-    assert policy.resync_donors(recs2, "me", 5, group=("a", "b"), stale=False) == []
+    assert decisions.resync_donors(recs2, "me", 5, group=("a", "b"), stale=True) == ["a", "b"]
+    assert decisions.resync_donors(recs2, "me", 5, group=("a", "b"), stale=False) == []
 
 
 def test_resync_settles_when_every_other_member_moved_on() -> None:
     recs = [rec("a", round=4), rec("b", round=3)]
-    assert not policy.resync_settled(recs, ["a", "b"], 3)
-    assert policy.resync_settled([rec("a", round=4), rec("b", round=5)], ["a", "b"], 3)
-    assert policy.resync_settled([], [], 3)
+    assert not decisions.resync_settled(recs, ["a", "b"], 3)
+    assert decisions.resync_settled([rec("a", round=4), rec("b", round=5)], ["a", "b"], 3)
+    assert decisions.resync_settled([], [], 3)
     # a member that abandoned the round (it failed it too) or whose vote never came is not waited for
-    assert policy.resync_settled(recs, ["a", "b"], 3, abandoned=["b"])
-    assert policy.resync_settled([rec("a", round=4)], ["a", "b"], 3, silent=["b"])
-    assert not policy.resync_settled(recs, ["a", "b"], 3, abandoned=["x"], silent=["y"])
+    assert decisions.resync_settled(recs, ["a", "b"], 3, abandoned=["b"])
+    assert decisions.resync_settled([rec("a", round=4)], ["a", "b"], 3, silent=["b"])
+    assert not decisions.resync_settled(recs, ["a", "b"], 3, abandoned=["x"], silent=["y"])
 
 
 def test_eval_due() -> None:
     kw = dict(is_driver=True, driving=True, evaluating=False, eval_every=3, finished=False)
-    assert [policy.eval_due(rounds_done=r, **kw) for r in range(7)] == [False, False, False, True, False, False, True]
-    assert not policy.eval_due(rounds_done=3, **{**kw, "evaluating": True})
-    assert not policy.eval_due(rounds_done=3, **{**kw, "finished": True})
-    assert not policy.eval_due(rounds_done=3, **{**kw, "eval_every": 0})
-    assert not policy.eval_due(rounds_done=3, **{**kw, "driving": False})
+    assert [decisions.eval_due(rounds_done=r, **kw) for r in range(7)] == [False, False, False, True, False, False, True]
+    assert not decisions.eval_due(rounds_done=3, **{**kw, "evaluating": True})
+    assert not decisions.eval_due(rounds_done=3, **{**kw, "finished": True})
+    assert not decisions.eval_due(rounds_done=3, **{**kw, "eval_every": 0})
+    assert not decisions.eval_due(rounds_done=3, **{**kw, "driving": False})
 
 
 def test_one_evaluator_per_round_chosen_alike_by_every_member_and_rotating() -> None:
     group = tuple(f"peer{i}" for i in range(5))
     for round in range(40):
-        chosen = [p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=round, evaluators=1)]
+        chosen = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=round, evaluators=1)]
         assert len(chosen) == 1
         # the members' order in the group does not change the choice
         assert chosen == [p for p in reversed(group)
-                          if policy.evaluates(me=p, group=tuple(reversed(group)), run_id="r", round=round,
+                          if decisions.evaluates(me=p, group=tuple(reversed(group)), run_id="r", round=round,
                                               evaluators=1)]
-    picks = {next(p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=r, evaluators=1))
+    picks = {next(p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=r, evaluators=1))
              for r in range(40)}
     assert len(picks) >= 4, "the cost rotates among the drivers"
-    two = [p for p in group if policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=2)]
+    two = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=2)]
     assert len(two) == 2
-    assert all(policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=0) for p in group)
-    assert all(policy.evaluates(me=p, group=group, run_id="r", round=7, evaluators=9) for p in group)
+    assert all(decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=0) for p in group)
+    assert all(decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=9) for p in group)
 
 
 def test_a_driver_outside_the_group_evaluates_its_own_state() -> None:
     # an incomplete round has no group: this driver's θ_global may not be the others'
-    assert policy.evaluates(me="a", group=(), run_id="r", round=3, evaluators=1)
-    assert policy.evaluates(me="a", group=("b", "c"), run_id="r", round=3, evaluators=1)
+    assert decisions.evaluates(me="a", group=(), run_id="r", round=3, evaluators=1)
+    assert decisions.evaluates(me="a", group=("b", "c"), run_id="r", round=3, evaluators=1)
 
 
 # --------------------------------------------------------------------------- the round clock
@@ -186,15 +186,15 @@ def test_clock_counts_from_the_first_trained_round_and_finishes() -> None:
 
 
 def test_matchmaking_patience_grows_with_step_rounds_only() -> None:
-    assert policy.matchmaking_patience(5.0, 100.0, step_rounds=False) == 5.0
-    assert policy.matchmaking_patience(5.0, None, step_rounds=True) == 5.0
-    assert policy.matchmaking_patience(5.0, 100.0, step_rounds=True) == 50.0
-    assert policy.matchmaking_patience(5.0, 4.0, step_rounds=True) == 5.0
-    assert policy.matchmaking_patience(5.0, 1e9, step_rounds=True) == 600.0
+    assert decisions.matchmaking_patience(5.0, 100.0, step_rounds=False) == 5.0
+    assert decisions.matchmaking_patience(5.0, None, step_rounds=True) == 5.0
+    assert decisions.matchmaking_patience(5.0, 100.0, step_rounds=True) == 50.0
+    assert decisions.matchmaking_patience(5.0, 4.0, step_rounds=True) == 5.0
+    assert decisions.matchmaking_patience(5.0, 1e9, step_rounds=True) == 600.0
 
 
 def test_link_meter_learns_from_big_transfers_only() -> None:
-    from swarmgrad.peer.rpc import LinkMeter
+    from swarmgrad.peer.net.rpc import LinkMeter
     meter = LinkMeter(min_bytes=1 << 20, alpha=0.5)
     assert meter.estimate(10e6) == 10e6  # nothing measured yet: the default
     meter.observe(4096, 0.001)  # a microbatch: latency-bound, says nothing about the link
@@ -209,18 +209,18 @@ def test_link_meter_learns_from_big_transfers_only() -> None:
 def test_nobody_applied_from_the_outcome_votes() -> None:
     g = "g1"  # our group's hash; the votes are "<group hash>:<digest or failed>"
     # we voted failed (or never voted a digest): nobody in our group could see all digests
-    assert policy.nobody_applied({}, "a", g, False)
-    assert policy.nobody_applied({"a": "g1:failed", "b": "g1:d1", "c": "g1:d1"}, "a", g, False)
+    assert decisions.nobody_applied({}, "a", g, False)
+    assert decisions.nobody_applied({"a": "g1:failed", "b": "g1:d1", "c": "g1:d1"}, "a", g, False)
     # we voted a digest: only a failed vote under our hash proves nobody applied
-    assert not policy.nobody_applied({"a": "g1:d1", "b": "g1:d1"}, "a", g, True)
-    assert not policy.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:d1"}, "a", g, True)
-    assert policy.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:failed"}, "a", g, True)
+    assert not decisions.nobody_applied({"a": "g1:d1", "b": "g1:d1"}, "a", g, True)
+    assert not decisions.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:d1"}, "a", g, True)
+    assert decisions.nobody_applied({"a": "g1:d1", "b": "g1:d1", "c": "g1:failed"}, "a", g, True)
     # replicas whose group excluded us (another hash) voted a digest: they may have applied it
     # (seen in a soak: our group of 3, theirs of 2, both completed their votes)
-    assert not policy.nobody_applied({"a": "g1:failed", "b": "g2:d1", "c": "g2:d1"}, "a", g, False)
-    assert policy.nobody_applied({"a": "g1:failed", "b": "g2:failed"}, "a", g, False)
+    assert not decisions.nobody_applied({"a": "g1:failed", "b": "g2:d1", "c": "g2:d1"}, "a", g, False)
+    assert decisions.nobody_applied({"a": "g1:failed", "b": "g2:failed"}, "a", g, False)
     # our θ_global was not the group's reference: the group may well have applied it
-    assert not policy.nobody_applied({}, "a", None, False)
+    assert not decisions.nobody_applied({}, "a", None, False)
 
 
 def test_a_resumed_swarm_clock_goes_on_at_the_checkpoint_round() -> None:

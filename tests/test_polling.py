@@ -1,4 +1,4 @@
-"""peer/polling.py: poll intervals start short (a record usually lands within a fraction of a
+"""peer/net/polling.py: poll intervals start short (a record usually lands within a fraction of a
 second) and never poll faster than the cap once a wait is long."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from swarmgrad.peer.polling import poll_intervals
+from swarmgrad.peer.net.polling import poll_intervals
 
 
 def test_intervals_grow_from_the_first_to_the_cap_and_stay() -> None:

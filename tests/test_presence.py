@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from swarmgrad.peer.presence import Presence
-from swarmgrad.peer.swarm import LEAVING, ONLINE
+from swarmgrad.peer.state.presence import Presence
+from swarmgrad.peer.records import LEAVING, ONLINE
 
 
 class SlowSwarm:

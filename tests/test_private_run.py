@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmgrad.peer.dht_process import remove_dead_sockets, start_dht_process
-from swarmgrad.peer.launcher import PrivateSwarm
+from swarmgrad.peer.net.dht_process import remove_dead_sockets, start_dht_process
+from swarmgrad.peer.cli.launcher import PrivateSwarm
 from swarmgrad.peer.manifest import dumps
-from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity, envelope
 
@@ -52,9 +52,9 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
     """Everything an outsider without a certificate can try, with every address in hand."""
     from hivemind.p2p import P2P
 
-    from swarmgrad.peer.identity import ephemeral_key_file
-    from swarmgrad.peer.record_signing import SignedRecordValidator
-    from swarmgrad.peer.swarm import PeerRecord, stage_key
+    from swarmgrad.peer.net.identity import ephemeral_key_file
+    from swarmgrad.peer.net.record_signing import SignedRecordValidator
+    from swarmgrad.peer.records import PeerRecord, stage_key
 
     results: dict = {"accepted": [], "refused": [], "dht_join": None, "dht_store": None}
     maddrs = [a for _, addrs in peers.values() for a in addrs]
@@ -109,9 +109,9 @@ async def _outsider(m, peers: dict[str, tuple[int, list[str]]], coordinator_madd
 async def _admitted_caller_until_revoked(swarm: PrivateSwarm, m, target: str, heartbeat: float) -> dict:
     """An admitted peer (this test process) calls a replica; it is revoked; how long until the
     replica refuses it?"""
-    from swarmgrad.peer.identity import ephemeral_key_file, peer_id_of
-    from swarmgrad.peer.private import join
-    from swarmgrad.peer.record_signing import SignedRecordValidator
+    from swarmgrad.peer.net.identity import ephemeral_key_file, peer_id_of
+    from swarmgrad.peer.private.join import join
+    from swarmgrad.peer.net.record_signing import SignedRecordValidator
 
     key = Ed25519PrivateKey.generate()
     loop = asyncio.get_running_loop()

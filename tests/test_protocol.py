@@ -592,7 +592,7 @@ def test_our_libp2p_key_messages_are_hivemind_s_on_the_wire() -> None:
             assert mine == hivemind_s
             parsed = getattr(ours, name).FromString(hivemind_s)
             assert (parsed.key_type, parsed.data) == (kind, data)
-    probe = "import sys, swarmgrad.peer.identity, swarmgrad.peer.coordinator.credentials; print('hivemind' in sys.modules)"
+    probe = "import sys, swarmgrad.peer.net.identity, swarmgrad.peer.private.credentials; print('hivemind' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm
+from swarmgrad.peer.cli.launcher import LocalSwarm
 
 from conftest import small_manifest
 

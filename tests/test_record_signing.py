@@ -16,11 +16,12 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p.p2p_daemon import P2P
 
-from swarmgrad.peer.identity import (IdentityError, is_peer_id, key_file_bytes, key_from_file_bytes,
+from swarmgrad.peer.net.identity import (IdentityError, is_peer_id, key_file_bytes, key_from_file_bytes,
                                      load_or_create, peer_id_of, public_key_of, write_key_file)
-from swarmgrad.peer.record_signing import (ENVELOPE_BYTES, MAGIC, MAX_CLOCK_SKEW, MAX_RECORD_TTL,
+from swarmgrad.peer.net.record_signing import (ENVELOPE_BYTES, MAGIC, MAX_CLOCK_SKEW, MAX_RECORD_TTL,
                                            SignedRecordValidator, subkey_bytes)
-from swarmgrad.peer.swarm import PeerRecord, SwarmView, agreed_epoch, round_key, stage_key
+from swarmgrad.peer.net.dht_view import SwarmView, agreed_epoch
+from swarmgrad.peer.records import PeerRecord, round_key, stage_key
 
 NOW = 1_000_000.0
 
@@ -83,7 +84,7 @@ def test_a_record_for_another_peer_is_refused() -> None:
     # ...and a signature made with the forger's key does not verify against the subkey's peer id
     forged = dataclasses.replace(rec, value=rec.value + MAGIC + forger.sign(b"anything"))
     assert "signature" in validator().refusal(forged)
-    from swarmgrad.peer.record_signing import signed_message
+    from swarmgrad.peer.net.record_signing import signed_message
     forged = dataclasses.replace(rec, value=rec.value + MAGIC + forger.sign(signed_message(rec)))
     assert "signature" in validator().refusal(forged)
     # a valid record moved to another peer's subkey
@@ -203,7 +204,7 @@ class ForgingValidator(SignedRecordValidator):
     def sign_value(self, record: DHTRecord) -> bytes:
         if record.key in self.unsigned:
             return record.value
-        from swarmgrad.peer.record_signing import signed_message
+        from swarmgrad.peer.net.record_signing import signed_message
         return record.value + MAGIC + self._private_key.sign(signed_message(record))
 
     def validate(self, record: DHTRecord) -> bool:
@@ -219,9 +220,9 @@ def honest_record(peer_id: str, stage: int = 0, throughput: float = 3.0) -> Peer
 def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from hivemind.utils import get_dht_time
 
-    from swarmgrad.peer.cli_peer import start_dht
-    from swarmgrad.peer.dht_process import start_dht_process
-    from swarmgrad.peer.status import print_status
+    from swarmgrad.peer.cli.peer import start_dht
+    from swarmgrad.peer.net.dht_process import start_dht_process
+    from swarmgrad.peer.cli.status import print_status
     run = "forge-run"
     loopback = ["/ip4/127.0.0.1/tcp/0"]
     dhts = []

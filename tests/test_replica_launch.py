@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from swarmgrad.peer.replica import Replica
+from swarmgrad.peer.node.replica import Replica
 
 
 class _Loop:

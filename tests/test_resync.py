@@ -1,5 +1,5 @@
 """StateSync.resync after a failed round, against a fake swarm view (no network): the outcome
-votes (peer/averaging.py) decide whether there is a donor to wait for; and what the round runner
+votes (peer/averaging/averager.py) decide whether there is a donor to wait for; and what the round runner
 announces while a stale replica re-syncs."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from swarmgrad.peer.averaging import RoundResult
-from swarmgrad.peer.averaging_group import group_hash
-from swarmgrad.peer.outcome import vote
+from swarmgrad.peer.averaging.averager import RoundResult
+from swarmgrad.peer.averaging.group import group_hash
+from swarmgrad.peer.averaging.outcome import vote
 from swarmgrad.peer.manifest import TimeoutsConfig
-from swarmgrad.peer.rounds import RoundRunner
-from swarmgrad.peer.state_sync import StateSync
-from swarmgrad.peer.swarm import JOINING, LEAVING, ONLINE
+from swarmgrad.peer.rounds.runner import RoundRunner
+from swarmgrad.peer.state.sync import StateSync
+from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
 from test_policy import rec
 

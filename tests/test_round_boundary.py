@@ -13,12 +13,12 @@ from torch import nn
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
-from swarmgrad.peer.pipeline import DriverList
-from swarmgrad.peer.rounds import RoundRunner
-from swarmgrad.peer.rpc import Traffic
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.pipeline.stage_server import DriverList
+from swarmgrad.peer.rounds.runner import RoundRunner
+from swarmgrad.peer.net.rpc import Traffic
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.records import ONLINE, PeerRecord
+from swarmgrad.peer.compute.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from hivemind.p2p import P2P
 
-from swarmgrad.peer.dht_process import remove_dead_sockets
-from swarmgrad.peer.rpc import FramedRPC, RPCFailed, Traffic
+from swarmgrad.peer.net.dht_process import remove_dead_sockets
+from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed, Traffic
 from swarmgrad.protocol import wire_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)

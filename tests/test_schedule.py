@@ -6,7 +6,7 @@ import math
 import pytest
 
 from swarmgrad.peer.manifest import ManifestError, ScheduleConfig, from_dict
-from swarmgrad.peer.schedule import TrainingProgress, lr_multiplier
+from swarmgrad.peer.compute.schedule import TrainingProgress, lr_multiplier
 
 REFERENCE = ScheduleConfig(kind="cosine", warmup_samples=3200, total_samples=32000, min_lr_ratio=0.1)
 

@@ -7,12 +7,12 @@ import zlib
 
 import pytest
 
-from swarmgrad.peer.placement import EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS
-from swarmgrad.peer.placement_plan import ONLINE, Replica, Snapshot
-from swarmgrad.peer.sim_config import SimConfig, SimResult, sim_manifest
-from swarmgrad.peer.sim_report import write_png
-from swarmgrad.peer.simulator import Simulation, simulate
-from swarmgrad.peer.stage_cost import stage_costs
+from swarmgrad.peer.placement.rules import EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS
+from swarmgrad.peer.placement.plan import ONLINE, SnapshotReplica, Snapshot
+from swarmgrad.peer.sim.config import SimConfig, SimResult, sim_manifest
+from swarmgrad.peer.sim.report import write_png
+from swarmgrad.peer.sim.simulator import Simulation, simulate
+from swarmgrad.peer.placement.cost import stage_costs
 
 
 def small(**kw) -> SimConfig:
@@ -50,7 +50,7 @@ def test_png_is_valid(tmp_path) -> None:
 
 
 def test_cli_prints_the_figures(capsys, tmp_path) -> None:
-    from swarmgrad.peer.cli import main
+    from swarmgrad.peer.cli.main import main
     assert main(["simulate", "--peers", "40", "--hours", "0.3", "--seed", "1", "--json",
                  "--plot", str(tmp_path / "p.png")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -84,9 +84,9 @@ def test_warm_standbys_join_without_a_download_only_from_fresh_copies() -> None:
 
 
 def test_listening_holders_stay_fresh_after_the_round_their_copy_is_of() -> None:
-    from swarmgrad.peer.sim_config import sim_manifest
-    from swarmgrad.peer.simulator import Simulation, _Peer
-    from swarmgrad.peer.stage_cost import stage_costs
+    from swarmgrad.peer.sim.config import sim_manifest
+    from swarmgrad.peer.sim.simulator import Simulation, _Peer
+    from swarmgrad.peer.placement.cost import stage_costs
     costs = stage_costs(sim_manifest())
     for listen, expected in ((False, frozenset()), (True, frozenset({1}))):
         sim = Simulation(small(holders_listen=listen), costs)
@@ -99,9 +99,9 @@ def test_listening_holders_stay_fresh_after_the_round_their_copy_is_of() -> None
 
 
 def test_hosted_cards_draw_their_links_from_their_own_law_and_nothing_else_changes() -> None:
-    from swarmgrad.peer.sim_config import sim_manifest
-    from swarmgrad.peer.simulator import Simulation
-    from swarmgrad.peer.stage_cost import stage_costs
+    from swarmgrad.peer.sim.config import sim_manifest
+    from swarmgrad.peer.sim.simulator import Simulation
+    from swarmgrad.peer.placement.cost import stage_costs
     costs = stage_costs(sim_manifest())
     home, mixed = (Simulation(small(hosted_bandwidth_median_mbit=0.0), costs),
                    Simulation(small(hosted_bandwidth_median_mbit=5000.0), costs))
@@ -195,11 +195,11 @@ def test_a_peer_checks_more_often_while_a_stage_is_empty() -> None:
     assert max(quick) <= 1.5 * cfg.check_s / EMPTY_CHECK_SHARE
     # the checks found no move for this peer: back to the ordinary interval while nothing changes
     assert min(next_check() for _ in range(20)) >= 0.5 * cfg.check_s
-    one = [(Replica("y", ONLINE, 1.0, 1 << 40),)] + [()] * (len(sim.c) - 1)
+    one = [(SnapshotReplica("y", ONLINE, 1.0, 1 << 40),)] + [()] * (len(sim.c) - 1)
     sim.snap = Snapshot(tuple(one), sim.c, sim.need, sim.state_bytes)  # other stages empty now: quick again
     assert next_check() <= 1.5 * cfg.check_s / EMPTY_CHECK_SHARE
-    full = [tuple(Replica(f"x{s}", ONLINE, 1.0, 1 << 40) for _ in range(2)) for s in range(len(sim.c))]
-    sim.snap = Snapshot(((Replica(p.id, ONLINE, 1.0, p.memory),) + full[0], *full[1:]),
+    full = [tuple(SnapshotReplica(f"x{s}", ONLINE, 1.0, 1 << 40) for _ in range(2)) for s in range(len(sim.c))]
+    sim.snap = Snapshot(((SnapshotReplica(p.id, ONLINE, 1.0, p.memory),) + full[0], *full[1:]),
                         sim.c, sim.need, sim.state_bytes)
     ordinary = [next_check() for _ in range(50)]
     assert min(ordinary) >= 0.5 * cfg.check_s
@@ -243,7 +243,7 @@ def test_the_benchmark_runs_end_to_end_on_a_small_swarm(capsys) -> None:
 
 
 def test_the_cli_refuses_bad_values_in_one_line(capsys) -> None:
-    from swarmgrad.peer.cli import main
+    from swarmgrad.peer.cli.main import main
     for flags, says in ((["--pinned-share", "1.5"], "--pinned-share: must be a fraction in 0..1"),
                         (["--peers", "0"], "--peers: must be >= 1"),
                         (["--link-mbit", "-3"], "--link-mbit: must be a finite number >= 0")):

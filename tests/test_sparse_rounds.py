@@ -20,7 +20,7 @@ from sparse_rounds import VARIANTS, eager_start, run_ddp, run_variant  # noqa: E
 
 from swarmgrad.peer.data import load_corpora, validation_batches  # noqa: E402
 from swarmgrad.peer.manifest import OuterOptConfig, from_dict  # noqa: E402
-from swarmgrad.peer.state import StageState  # noqa: E402
+from swarmgrad.peer.state.stage_state import StageState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

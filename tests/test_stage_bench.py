@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmgrad.peer import stage_bench
-from swarmgrad.peer.launcher import small_manifest
+from swarmgrad.peer.placement import bench as stage_bench
+from swarmgrad.peer.cli.launcher import small_manifest
 from swarmgrad.peer.model import from_manifest
 
 

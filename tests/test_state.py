@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.manifest import OuterOptConfig
-from swarmgrad.peer.state import StageState, load_checkpoint, state_digest
+from swarmgrad.peer.state.stage_state import StageState, load_checkpoint, state_digest
 
 NESTEROV = OuterOptConfig(lr=0.7, momentum=0.9, nesterov=True)
 PLAIN = OuterOptConfig(lr=1.0, momentum=0.0, nesterov=False)

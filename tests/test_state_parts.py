@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from swarmgrad.peer.manifest import OuterOptConfig
-from swarmgrad.peer.state import StageState
-from swarmgrad.peer.state_sync import fetch_state, plan_parts, state_response
+from swarmgrad.peer.state.stage_state import StageState
+from swarmgrad.peer.state.sync import fetch_state, plan_parts, state_response
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity

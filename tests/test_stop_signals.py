@@ -2,7 +2,7 @@
 
 Ctrl-C in a terminal is SIGINT to the whole foreground process group; supervisors and
 `kill -TERM -PGID` send SIGTERM to the group. The peer's DHT process and its p2pd run in a group
-of their own (peer/dht_process.py), so only the peer gets the signal: it announces LEAVING (a
+of their own (peer/net/dht_process.py), so only the peer gets the signal: it announces LEAVING (a
 `leaving` event with `announced`, and a LEAVING record others read), shuts the DHT down and exits 0.
 A SIGKILL to the group, or to the peer alone, reaches the DHT process through its parent-death
 signal: it stops p2pd and exits. Before, a group SIGTERM killed p2pd at once (no LEAVING), and a
@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess, _daemon_sockets
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, _daemon_sockets
 
 from conftest import small_manifest
 
@@ -62,9 +62,9 @@ def _dht_side(procs: list[psutil.Process]) -> list[psutil.Process]:
 def _reader(maddrs: list[str], m) -> Iterator[Callable[[], dict[str, str]]]:
     """A client DHT in this test process; yields a function: peer id -> state of the stage-0
     records, as the remaining drivers and any newcomer read them."""
-    from swarmgrad.peer.dht_process import start_dht_process
-    from swarmgrad.peer.record_signing import SignedRecordValidator
-    from swarmgrad.peer.swarm import SwarmView
+    from swarmgrad.peer.net.dht_process import start_dht_process
+    from swarmgrad.peer.net.record_signing import SignedRecordValidator
+    from swarmgrad.peer.net.dht_view import SwarmView
     dht = start_dht_process(initial_peers=maddrs, client_mode=True, startup_timeout=30,
                             record_validators=[SignedRecordValidator()])
     try:
@@ -120,7 +120,7 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
 
 _HOLDER = textwrap.dedent("""
     import sys, threading, time
-    from swarmgrad.peer.dht_process import start_dht_process
+    from swarmgrad.peer.net.dht_process import start_dht_process
     box = []
     def create():
         box.append(start_dht_process(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=60))

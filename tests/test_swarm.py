@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
 
 from conftest import small_manifest
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import InnerOptConfig, ManifestError, RoundsConfig, ScheduleConfig, from_dict
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.swarm_adamw import SwarmAdamW
-from swarmgrad.peer.worker import StageWorker
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.compute.swarm_adamw import SwarmAdamW
+from swarmgrad.peer.compute.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from swarmgrad.peer.backup import BackupStore
+from swarmgrad.peer.state.backup import BackupStore
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import RoundsConfig, ScheduleConfig, TimeoutsConfig
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.state_sync import StateSync, state_response
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.sync import StateSync, state_response
+from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity, envelope
 from test_state_parts import Donors, trained  # same folder: pytest puts it on sys.path

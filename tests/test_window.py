@@ -1,4 +1,4 @@
-"""The adaptive window (peer/window.py), pure: Little's law over measured servers, its bounds,
+"""The adaptive window (peer/pipeline/window.py), pure: Little's law over measured servers, its bounds,
 the bottleneck it names, the estimator's summaries, the utilisation report and the memory bound."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swarmgrad.peer.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, StepGaps, busy_rate, choose_window,
+from swarmgrad.peer.pipeline.window import (COMPUTE, LINK, PipelineEstimator, PipelineMeasure, StepGaps, busy_rate, choose_window,
                                    memory_window, utilisation)
 
 MB = 1 << 20
@@ -159,8 +159,8 @@ def test_memory_window() -> None:
 def test_driver_memory_window_from_the_stage_needs() -> None:
     from conftest import small_manifest
 
-    from swarmgrad.peer.driving import driver_memory_window
-    from swarmgrad.peer.stage_cost import stage_costs
+    from swarmgrad.peer.pipeline.driving_loop import driver_memory_window
+    from swarmgrad.peer.placement.cost import stage_costs
     m = small_manifest(pipeline={"max_in_flight": 4})
     need = stage_costs(m)[0].memory
     # exactly what placement reserved for stage 0 holds max_in_flight microbatches; half of the
@@ -193,7 +193,7 @@ def test_step_gaps_count_the_uplinks_wait_between_steps_within_a_round() -> None
 
 
 def test_the_finer_microbatches_hint_only_where_the_waits_are_the_drivers_own() -> None:
-    from swarmgrad.peer.driving import SHARED_CORE, STEP_GAP_HINT, pipeline_hint
+    from swarmgrad.peer.pipeline.driving_loop import SHARED_CORE, STEP_GAP_HINT, pipeline_hint
     own = {"step_gap_share": 0.85, "core_share": 0.97}
     hint = pipeline_hint(own, 2, 16)
     assert hint is not None and "more, smaller microbatches per step shorten it" in hint and "now 2 × 16" in hint

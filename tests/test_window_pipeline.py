@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmgrad.peer.launcher import LocalSwarm
+from swarmgrad.peer.cli.launcher import LocalSwarm
 
 from conftest import small_manifest
 
@@ -49,7 +49,7 @@ def test_two_stage_pipeline_with_the_adaptive_window_trains(local_swarm) -> None
 
 
 def test_three_stage_pipeline_with_lookahead_trains_every_microbatch_once(local_swarm) -> None:
-    """pipeline.lookahead on every stage (peer/lookahead.py), over wall-clock rounds (so rounds end
+    """pipeline.lookahead on every stage (peer/compute/lookahead.py), over wall-clock rounds (so rounds end
     with microbatches ahead in flight): the next step's microbatches run ahead, every microbatch is
     trained on once at every stage, and the pipeline learns."""
     manifest = small_manifest(model={"n_layers": 3}, stages={"count": 3}, pipeline={"max_in_flight": 4, "lookahead": True},

@@ -11,8 +11,8 @@ from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
-from swarmgrad.peer.schedule import TrainingProgress
-from swarmgrad.peer.worker import NonFiniteLoss, NotReady, StageWorker
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.compute.worker import NonFiniteLoss, NotReady, StageWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,7 +176,7 @@ def test_a_closed_worker_refuses_work_that_arrives_late() -> None:
 
 def test_evaluations_score_the_committed_snapshot_while_training_moves_the_live_weights() -> None:
     from swarmgrad.peer.manifest import OuterOptConfig
-    from swarmgrad.peer.state import StageState
+    from swarmgrad.peer.state.stage_state import StageState
 
     async def main() -> None:
         w = make_worker(loss=True)

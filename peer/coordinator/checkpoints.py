@@ -4,7 +4,7 @@ safetensors (peer/coordinator/store.py), the newest K kept. `swarmgrad export` t
 into one file of the whole model.
 
 The coordinator downloads a stage's state with the same request a joining replica sends
-(peer/state_sync.py `fetch_state`), so the state is checked the same way: names, shapes, fp32,
+(peer/state/sync.py `fetch_state`), so the state is checked the same way: names, shapes, fp32,
 and a recomputed digest that must equal the one the majority announces.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from swarmgrad.peer import policy
+from swarmgrad.peer import decisions
 from swarmgrad.peer.coordinator.store import StateDir
 from swarmgrad.peer.events import EventLog
-from swarmgrad.peer.rpc import FramedRPC, RPCFailed
-from swarmgrad.peer.state import snapshot_bytes
-from swarmgrad.peer.state_sync import fetch_state
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.state.stage_state import snapshot_bytes
+from swarmgrad.peer.state.sync import fetch_state
+from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity
 
@@ -35,7 +35,7 @@ def checkpoint_plan(view: dict[int, list[PeerRecord]], n_stages: int, last_round
     applied = []
     for stage in range(n_stages):
         records = view.get(stage, [])
-        digest = policy.majority_digest(records)
+        digest = decisions.majority_digest(records)
         if digest is None:
             return None
         donors = sorted(r.peer_id for r in records if r.state == ONLINE and r.digest == digest)
@@ -112,7 +112,7 @@ def export_model(state_dir: Path, out: Path, round: int | None = None) -> tuple[
 
     from safetensors.torch import save_file
 
-    from swarmgrad.peer.state import load_checkpoint
+    from swarmgrad.peer.state.stage_state import load_checkpoint
     from swarmgrad.peer.coordinator.store import CoordinatorState, STATE_FILE
     state = CoordinatorState.from_json(json.loads((state_dir / STATE_FILE).read_text()))
     store = StateDir(state_dir, state.run_id)

@@ -24,20 +24,20 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmgrad.peer.admission import Admission, revocations_key
+from swarmgrad.peer.private.admission import Admission, revocations_key
 from swarmgrad.peer.coordinator.checkpoints import CheckpointCollector
-from swarmgrad.peer.coordinator.client import channel_options
-from swarmgrad.peer.coordinator.credentials import Issuer
+from swarmgrad.peer.private.coordinator_client import channel_options
+from swarmgrad.peer.private.credentials import Issuer
 from swarmgrad.peer.coordinator.service import CoordinatorService
 from swarmgrad.peer.coordinator.store import StateDir
 from swarmgrad.peer.coordinator.watch import History, checkpoint_rows, swarm_snapshot
-from swarmgrad.peer.dht_auth import AuthFiles, CertificateAuthorizer
-from swarmgrad.peer.dht_process import start_dht_process
+from swarmgrad.peer.private.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.net.dht_process import start_dht_process
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
-from swarmgrad.peer.record_signing import MAX_RECORD_TTL, SignedRecordValidator
-from swarmgrad.peer.rpc import FramedRPC, Traffic, stage_namespace
-from swarmgrad.peer.swarm import SwarmView
+from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL, SignedRecordValidator
+from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
 from swarmgrad.protocol.validation import RunIdentity
 
@@ -110,7 +110,7 @@ class Coordinator:
             authorizer=CertificateAuthorizer(self.peer_id, self.m.run_id, self.files.folder, self.rsa))
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
-        self.dht = start_dht_process(**kwargs)  # its own process group: peer/dht_process.py
+        self.dht = start_dht_process(**kwargs)  # its own process group: peer/net/dht_process.py
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
         return self.dht
 

@@ -1,6 +1,6 @@
 """The coordinator's gRPC service: admission, renewal, revocation, the manifest, checkpoints.
 
-Each method checks what it is sent with peer/coordinator/credentials.py and changes the state
+Each method checks what it is sent with peer/private/credentials.py and changes the state
 dir (peer/coordinator/store.py) only once the request has passed every check, so a refused
 request leaves nothing behind. A refusal is a gRPC status with a reason: PERMISSION_DENIED for
 credentials, INVALID_ARGUMENT for malformed requests, NOT_FOUND for a missing checkpoint.
@@ -13,11 +13,11 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from swarmgrad.peer.coordinator.client import CHECKPOINT_CHUNK
-from swarmgrad.peer.coordinator.credentials import (ADMIT_PROOF, CHECKPOINT_PROOF, CLOCK_SKEW, RENEW_PROOF,
+from swarmgrad.peer.private.coordinator_client import CHECKPOINT_CHUNK
+from swarmgrad.peer.private.credentials import (ADMIT_PROOF, CHECKPOINT_PROOF, CLOCK_SKEW, RENEW_PROOF,
                                                     CredentialError, Issuer, check_proof, proof_message)
 from swarmgrad.peer.coordinator.store import AdmittedPeer, StateDir, secret_id
-from swarmgrad.peer.identity import is_peer_id
+from swarmgrad.peer.net.identity import is_peer_id
 from swarmgrad.protocol import coordinator_pb2 as cpb
 from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
 

@@ -1,6 +1,6 @@
 """What the coordinator shows: the swarm as its records say, and the history it has seen.
 
-`swarm_snapshot` is a pure function of the stage records (peer/swarm.py) and the coordinator's
+`swarm_snapshot` is a pure function of the stage records (peer/net/dht_view.py) and the coordinator's
 own state; `History` keeps what changed from one look to the next (a new round of a replica, a
 new evaluation), bounded in length. Both produce exactly the JSON the dashboard reads
 (peer/coordinator/web.py documents it).
@@ -11,9 +11,9 @@ import time
 from collections import deque
 from typing import Any, Iterable
 
-from swarmgrad.peer import policy
+from swarmgrad.peer import decisions
 from swarmgrad.peer.coordinator.store import CoordinatorState
-from swarmgrad.peer.swarm import ONLINE, PeerRecord
+from swarmgrad.peer.records import ONLINE, PeerRecord
 
 MAX_HISTORY = 2000
 KINDS = ("activations", "gradients", "averaging", "state")
@@ -29,7 +29,7 @@ def swarm_snapshot(run_id: str, view: dict[int, list[PeerRecord]], state: Coordi
     stages = []
     for stage in sorted(view):
         records = view[stage]
-        majority = policy.majority_digest(records)
+        majority = decisions.majority_digest(records)
         replicas = [{"peer_id": r.peer_id, "state": r.state, "rate": round(r.throughput, 3), "round": r.round,
                      "digest": r.digest, "agrees": bool(r.digest) and r.digest == majority, "moving": r.moving,
                      "pinned": r.pinned, "train_loss": _stat(r, "train_loss")}

@@ -1,0 +1,4 @@
+"""`python -m swarmgrad.peer.cli`: the same as the `swarmgrad` command."""
+from swarmgrad.peer.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""`swarmgrad ...`: the command line. It parses flags, sets up logging and hands over: the peer
+and relay commands to peer/cli/peer.py, a private run's host commands to peer/cli/private.py,
+the argument types to peer/cli/args.py. No training logic lives here."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from swarmgrad.peer.cli.args import (address_arg, duration_arg, fraction_arg, memory_arg, nonneg_float, nonneg_int,
+                                     port_arg, positive_float, positive_int, slowdown_arg, stage_arg)
+from swarmgrad.peer.cli.peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
+from swarmgrad.peer.cli.private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "defaults" / "tiny-gpt.toml"
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.cli.status import print_status
+    return print_status(args.initial_peers, args.run_id, args.manifest, args.json, args.timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.cli.demo import run_demo
+    return run_demo(manifest_path=Path(args.manifest), rounds=args.rounds, replicas=args.replicas,
+                    workdir=Path(args.workdir) if args.workdir else None, round_seconds=args.round_seconds)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.sim.report import run_cli
+    return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
+                   plot=args.plot, link_mbit=args.link_mbit, hosted_link_mbit=args.hosted_link_mbit,
+                   pinned_share=args.pinned_share, pinned_stage=args.pinned_stage)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmgrad", description="Decentralized low-bandwidth pipeline training.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
+    p.add_argument("--manifest", default=None, help="run manifest (TOML); a private run's comes from its coordinator")
+    p.add_argument("--join", default=None, metavar="INVITATION",
+                   help="join a private run with an invitation from `swarmgrad invite`")
+    p.add_argument("--coordinator", default=None, type=address_arg, metavar="HOST:PORT",
+                   help="rejoin a private run with the certificate saved beside --identity at an earlier --join")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of peers already in the swarm; none starts a new swarm")
+    p.add_argument("--bootstrap-wait", type=nonneg_float, default=BOOTSTRAP_WAIT_S, metavar="SECONDS",
+                   help="keep trying --initial-peers this long while none answers (peers launched together "
+                        f"come up in any order; default {BOOTSTRAP_WAIT_S:.0f})")
+    p.add_argument("--stage", default="auto", type=stage_arg,
+                   help="stage to serve: auto (fewest replicas) or an index")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
+                   help="where to listen (default: loopback, a free port)")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                   help="addresses other peers should dial (public IP behind NAT)")
+    p.add_argument("--reachability", choices=("auto", "public", "relay", "client"), default="auto",
+                   help="how other peers reach this one (docs/nat.md): public (dialable), relay (behind NAT: "
+                        "served through a relay on its initial peers, hole punching where the NAT allows), client "
+                        "(behind NAT, no relay: drives stage 0, serves nothing), auto (public on loopback or with "
+                        "--announce-maddrs, else libp2p's AutoNAT and auto-relay decide)")
+    p.add_argument("--identity", default=None,
+                   help="Ed25519 key file for a stable peer id (created if missing; default: a fresh id each run)")
+    p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
+    p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
+    p.add_argument("--max-rounds", type=nonneg_int, default=None,
+                   help="stop after this many rounds (overrides manifest; 0: until stopped)")
+    p.add_argument("--slowdown", type=slowdown_arg, default=1.0, metavar="F",
+                   help="TESTING AID: make this peer's compute F times slower (a sleep of (F-1) x each measured "
+                        "forward/backward), to emulate unequal devices on one machine")
+    p.add_argument("--rate-clock", choices=("wall", "cpu"), default="wall",
+                   help="TESTING AID: cpu measures the announced rate in the compute thread's CPU time, so that "
+                        "peers sharing one machine's cores (tests, benchmarks) measure themselves, not their "
+                        "neighbours (needs OMP_NUM_THREADS=1, as LocalSwarm sets)")
+    p.add_argument("--byzantine", choices=("scale", "random"), default=None,
+                   help="TESTING AID: send hostile pseudo-gradients (scale: 100 x the honest one; random: noise "
+                        "of 10 x its RMS), to measure robust averaging (benchmarks/byzantine.py)")
+    p.add_argument("--max-memory", type=memory_arg, default=None, metavar="SIZE",
+                   help="memory this peer offers for a stage, e.g. 8G (default: what the device has)")
+    p.add_argument("--rebalance", choices=("auto", "on", "off"), default="auto",
+                   help="move to another stage when the placement policy says it pays (auto: only with --stage auto)")
+    p.add_argument("--linger", type=nonneg_float, default=60.0,
+                   help="seconds a non-driver keeps serving after its last round while drivers evaluate")
+    p.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, in the started event)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server listens on (default 127.0.0.1)")
+    p.set_defaults(fn=cmd_peer)
+
+    rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
+    rl.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    rl.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    rl.add_argument("--identity", default=None, help="Ed25519 key file for a stable peer id")
+    rl.add_argument("--timeout", type=nonneg_float, default=60.0, help="seconds to start and join")
+    rl.add_argument("--bootstrap-wait", type=nonneg_float, default=BOOTSTRAP_WAIT_S, metavar="SECONDS",
+                    help="keep trying --initial-peers this long while none answers")
+    rl.set_defaults(fn=cmd_relay)
+
+    s = sub.add_parser("status", help="print the swarm as the DHT sees it")
+    s.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--run-id", default=None)
+    group.add_argument("--manifest", default=None, help="take the run id and stage count from this manifest")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--timeout", type=float, default=15.0)
+    s.set_defaults(fn=cmd_status)
+
+    d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
+    d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
+    d.add_argument("--rounds", type=positive_int, default=14)
+    d.add_argument("--replicas", type=positive_int, default=2, help="replicas per stage")
+    d.add_argument("--round-seconds", type=positive_float, default=None, help="override rounds.round_seconds")
+    d.add_argument("--workdir", default=None, help="keep logs and events here (default: a temp dir)")
+    d.set_defaults(fn=cmd_demo)
+
+    m = sub.add_parser("simulate", help="play the placement policy over a simulated swarm with churn")
+    m.add_argument("--peers", type=positive_int, default=1000, help="mean number of peers")
+    m.add_argument("--hours", type=nonneg_float, default=3.0, help="simulated hours")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--policy", choices=["full", "no-margin"], default="full",
+                   help="no-margin: move on any improvement, at once (the ablation)")
+    m.add_argument("--link-mbit", type=nonneg_float, default=100.0,
+                   help="median link of a peer, Mbit/s (log-normal; state downloads and backups)")
+    m.add_argument("--hosted-link-mbit", type=nonneg_float, default=1000.0,
+                   help="median link of the data-centre GPUs (T4, V100, A10, A100, H100); 0: as --link-mbit")
+    m.add_argument("--pinned-share", type=fraction_arg, default=0.0, metavar="F",
+                   help="share of peers that never move (--stage N, NAT clients): what pinning costs")
+    m.add_argument("--pinned-stage", type=nonneg_int, default=None, metavar="N",
+                   help="the stage pinned peers serve (default: a newcomer's choice on arrival; 0: NAT clients)")
+    m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
+    m.set_defaults(fn=cmd_simulate)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 key (a coordinator's, or a stable peer identity)")
+    k.add_argument("--out", required=True, metavar="KEY")
+    k.set_defaults(fn=cmd_keygen)
+
+    i = sub.add_parser("invite", help="print a single-use invitation to a private run")
+    i.add_argument("--key", required=True, metavar="KEY", help="the coordinator's key")
+    i.add_argument("--coordinator", required=True, type=address_arg, metavar="HOST:PORT",
+                   help="where peers reach the coordinator (written into the invitation)")
+    i.add_argument("--expires", type=duration_arg, default=7 * 86400.0, metavar="DURATION",
+                   help="e.g. 7d, 12h, 30m (default 7d)")
+    i.add_argument("--stage", type=nonneg_int, default=None, help="the stage the invited peer serves")
+    i.add_argument("--run-id", default=None, help="the run id, if the coordinator is not running (default: ask it)")
+    i.set_defaults(fn=cmd_invite)
+
+    r = sub.add_parser("revoke", help="revoke a peer of a private run: every peer refuses it within a heartbeat")
+    r.add_argument("--key", required=True, metavar="KEY", help="the coordinator's key")
+    r.add_argument("--coordinator", default="127.0.0.1:7000", type=address_arg, metavar="HOST:PORT")
+    r.add_argument("peer_id")
+    r.set_defaults(fn=cmd_revoke)
+
+    c = sub.add_parser("coordinator", help="host a private run: admission, checkpoints, dashboard")
+    c.add_argument("--manifest", required=True)
+    c.add_argument("--key", required=True, metavar="KEY", help="from `swarmgrad keygen`")
+    c.add_argument("--listen", default="0.0.0.0:7000", type=address_arg, metavar="HOST:PORT", help="gRPC service")
+    c.add_argument("--http", default=None, type=address_arg, metavar="HOST:PORT", help="serve the dashboard here")
+    c.add_argument("--state-dir", default="coordinator-state", metavar="DIR",
+                   help="admitted peers, revocations, checkpoints (recovered on restart)")
+    c.add_argument("--checkpoint-every", type=positive_int, default=5, metavar="N", help="rounds between checkpoints")
+    c.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K")
+    c.add_argument("--certificate-ttl", type=duration_arg, default=12 * 3600.0, metavar="DURATION",
+                   help="how long a certificate lives; peers renew at half of it (default 12h)")
+    c.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                   help="where the coordinator's DHT node listens")
+    c.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    c.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="peers of the run already running (a restarted coordinator rejoins its swarm)")
+    c.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
+    c.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port")
+    c.set_defaults(fn=cmd_coordinator)
+
+    e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file")
+    e.add_argument("--state-dir", required=True, metavar="DIR")
+    e.add_argument("--out", required=True, metavar="FILE")
+    e.add_argument("--round", type=nonneg_int, default=None, help="a checkpoint other than the newest")
+    e.set_defaults(fn=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

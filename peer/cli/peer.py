@@ -1,0 +1,299 @@
+"""`swarmgrad peer` and `swarmgrad relay`: admission (private runs), the manifest, the DHT under
+this peer's identity, then the daemon (peer/node/peer.py) until it ends or a signal arrives. Every
+path out shuts the DHT (a child process and its p2pd) down."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmgrad.peer.cli.args import parse_bytes
+from swarmgrad.peer.net.deadline import within
+
+
+BOOTSTRAP_WAIT_S = 30.0
+"""Default --bootstrap-wait: long enough for a peer launched at the same moment as the one it joins
+through to come up on a loaded machine; a wrong address fails after it, saying so on every try."""
+BOOTSTRAP_RETRY_S = 2.0
+"""Pause between attempts to reach --initial-peers that did not answer yet (--bootstrap-wait)."""
+
+
+def is_bootstrap_failure(e: BaseException) -> bool:
+    """None of the initial peers answered: p2pd could not connect to one, or hivemind's DHT
+    could not ping one (a peer started before the one it joins through)."""
+    text = str(e)
+    return "failed to connect to bootstrap peers" in text or "bootstrap failed" in text
+
+
+def start_dht_waiting(start: Callable[[], Any], initial_peers: list[str], wait: float,
+                      clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """`start()`, tried again while none of `initial_peers` answers, for up to `wait` seconds: peers
+    launched together with the one they join through (a script, a compose file) come up in any
+    order. Any other failure, or the last one, is raised."""
+    deadline = clock() + wait
+    while True:
+        try:
+            return start()
+        except Exception as e:
+            left = deadline - clock()
+            if not initial_peers or not is_bootstrap_failure(e) or left <= 0:
+                raise
+            print(f"none of --initial-peers answered yet; trying again for {left:.0f} s more (--bootstrap-wait)",
+                  file=sys.stderr, flush=True)
+            sleep(min(BOOTSTRAP_RETRY_S, left))
+
+
+def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
+              identity: str | None, timeout: float, key=None, authorizer=None, network: dict | None = None,
+              bootstrap_wait: float = 0.0):
+    """`_start_dht`, tried again for up to `bootstrap_wait` seconds while none of `initial_peers`
+    answers (`start_dht_waiting`)."""
+    def attempt():  # type: ignore[no-untyped-def]
+        return _start_dht(initial_peers, host_maddrs, announce_maddrs, identity, timeout,
+                          key=key, authorizer=authorizer, network=network)
+    return start_dht_waiting(attempt, initial_peers, bootstrap_wait)
+
+
+def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
+               identity: str | None, timeout: float, key=None, authorizer=None, network: dict | None = None):
+    """Start this peer's DHT under an Ed25519 identity whose key swarmgrad holds, with the record
+    signer every peer of a swarm runs (peer/net/record_signing.py). `identity`: a key file to reuse,
+    created (Ed25519) if missing; None: a fresh key, written to a private temp folder only
+    while p2pd starts. `network`: the reachability plan's DHT/libp2p options (peer/net/reachability.py).
+    Raises identity.IdentityError for a key file swarmgrad cannot use."""
+    from contextlib import nullcontext
+
+    from swarmgrad.peer.net.dht_process import start_dht_process
+    from swarmgrad.peer.net.identity import ephemeral_key_file, load_or_create, peer_id_of
+    from swarmgrad.peer.net.record_signing import SignedRecordValidator
+    if identity:
+        key = load_or_create(Path(identity))
+        key_file = nullcontext((Path(identity), key))
+    else:
+        key_file = ephemeral_key_file(key)
+    with key_file as (path, key):
+        # check_if_identity_free=False: hivemind's check parses RSA key files only (PeerID.from_identity)
+        kwargs = dict(initial_peers=initial_peers or None, host_maddrs=host_maddrs,
+                      startup_timeout=timeout, identity_path=str(path), check_if_identity_free=False,
+                      record_validators=[SignedRecordValidator(key)])
+        if authorizer is not None:
+            kwargs["authorizer"] = authorizer
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = announce_maddrs
+        kwargs.update(network or {})
+        # its own process group, so that Ctrl-C or a group SIGTERM reaches only this process, which
+        # then leaves cleanly and stops the DHT (peer/net/dht_process.py)
+        dht = start_dht_process(**kwargs)
+    if str(dht.peer_id) != peer_id_of(key):  # p2pd runs with another key: every record we sign would be refused
+        dht.shutdown()
+        raise RuntimeError(f"p2pd runs as {dht.peer_id}, not as the identity key's {peer_id_of(key)}")
+    return dht
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.manifest import ManifestError, load
+    from swarmgrad.peer.net.reachability import plan as network_plan
+    try:
+        network = network_plan(args.reachability, args.host_maddrs, args.announce_maddrs)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not network.serves:  # a client drives: stage 0, and it never moves to a stage others must dial
+        if args.stage not in ("auto", 0):
+            print(f"--reachability client drives stage 0 and serves no other stage (got --stage {args.stage})",
+                  file=sys.stderr)
+            return 2
+        args.stage, args.rebalance = 0, "off"
+    private = None
+    key = None
+    if args.join or args.coordinator:  # a private run: admission first, the manifest comes signed
+        from swarmgrad.peer.private.coordinator_client import CoordinatorUnavailable
+        from swarmgrad.peer.private.credentials import CredentialError
+        from swarmgrad.peer.net.identity import IdentityError, load_or_create
+        from swarmgrad.peer.private.join import join
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        try:
+            key = load_or_create(Path(args.identity)) if args.identity else Ed25519PrivateKey.generate()
+            private = join(key, invitation=args.join, coordinator=args.coordinator,
+                           identity_path=Path(args.identity) if args.identity else None)
+        except IdentityError as e:
+            print(f"--identity {e}", file=sys.stderr)
+            return 2
+        except (CredentialError, CoordinatorUnavailable) as e:
+            print(f"not admitted: {e}", file=sys.stderr)
+            return 1
+        manifest = private.manifest
+        if args.manifest:
+            try:
+                local = load(args.manifest)
+            except ManifestError as e:
+                print(e, file=sys.stderr)
+                return 2
+            if local.hash != manifest.hash:
+                print(f"--manifest {args.manifest} is not the run's manifest (the coordinator signed "
+                      f"{manifest.hash[:12]}, this one is {local.hash[:12]}); leave --manifest out", file=sys.stderr)
+                return 2
+        print(f"admitted to run {manifest.run_id} as {private.admitted.certificate.peer_id} until "
+              f"{_clock(private.admitted.certificate.expires_at)}", flush=True)
+    else:
+        if not args.manifest:
+            print("--manifest is required (or --join INVITATION for a private run)", file=sys.stderr)
+            return 2
+        try:
+            manifest = load(args.manifest)
+        except ManifestError as e:
+            print(e, file=sys.stderr)
+            return 2
+    if args.stage != "auto" and args.stage >= manifest.stages.count:
+        print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
+        return 2
+    from swarmgrad.peer.node.peer import Peer, PeerOptions
+    from swarmgrad.peer.model import from_manifest
+    model = from_manifest(manifest)
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+            return 2
+    stage = None if args.stage == "auto" else args.stage
+    if private is not None and stage is None and private.admitted.certificate.stage is not None:
+        stage = private.admitted.certificate.stage  # the invitation pinned a stage
+    options = PeerOptions(stage=stage, device=args.device,
+                          events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
+                          max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
+                          rate_clock=args.rate_clock,
+                          byzantine=args.byzantine,
+                          max_memory=parse_bytes(args.max_memory) if args.max_memory else None,
+                          rebalance=args.rebalance, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          reachability=network.mode)
+    # Until the event loop takes over the signals, SIGTERM ends the process through SystemExit, so
+    # the `finally` below still shuts down a DHT that was started.
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    # The DHT forks: start it before torch spins up threads (and before CUDA is initialised).
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from swarmgrad.peer.net.identity import IdentityError
+    initial_peers = list(args.initial_peers) or (list(private.admitted.initial_peers) if private else [])
+    options = dataclasses.replace(options, initial_peer_ids=tuple(
+        m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m))
+    try:
+        dht = start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
+                         manifest.timeouts.state_download, key=key,
+                         authorizer=private.authorizer() if private else None, network=network.dht_kwargs,
+                         bootstrap_wait=args.bootstrap_wait)
+    except IdentityError as e:
+        print(f"--identity {e}", file=sys.stderr)
+        return 2
+    except (P2PDaemonError, RuntimeError) as e:  # e.g. none of --initial-peers answered
+        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        if private is not None:
+            private.close()
+        return 1
+    log = logging.getLogger("swarmgrad")
+    code = 0
+    try:  # from here on, whatever fails, the DHT (a child process and its p2pd) is shut down
+        print("swarmgrad peer", dht.peer_id, "run", manifest.run_id, "manifest", manifest.hash[:12], flush=True)
+        print(f"  reachability {network.mode} ({network.reason})", flush=True)
+        from swarmgrad.peer.net.reachability import visible_maddrs
+        for addr in visible_maddrs(dht):
+            print("  visible at", addr, flush=True)
+        admission = checkpoints = None
+        resume_round = 0
+        if private is not None:
+            admission = private.admission(dht)
+            checkpoints = private.checkpoint_source(model, admission)
+            resume_round = private.resume_round()
+        peer = Peer(manifest, model, dht, options, admission=admission, checkpoints=checkpoints,
+                    resume_round=resume_round)
+        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
+        if peer.revoked:
+            print("this peer was revoked by the run's coordinator", file=sys.stderr)
+            code = 3
+    except Exception:
+        log.exception("peer failed")
+        code = 1
+    finally:
+        dht.shutdown()
+        if private is not None:
+            private.close()
+    return code
+
+
+def _clock(t: float) -> str:
+    import time
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
+    """Run the peer until it ends or a signal arrives; after a signal it has `timeouts.shutdown`
+    seconds to leave cleanly before its tasks are abandoned."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        loop.add_signal_handler(sig, stop.set)
+    run = asyncio.create_task(peer.run(stop), name="peer")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait([run, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not run.done():
+        try:
+            await within(asyncio.shield(run), shutdown_s)
+        except asyncio.TimeoutError:
+            log.error("the peer did not stop within timeouts.shutdown (%.0fs); abandoning it", shutdown_s)
+            _log_pending(log)
+            run.cancel()
+            return
+    run.result()
+
+
+def _log_pending(log: logging.Logger) -> None:
+    """Where each unfinished task waits: what a shutdown that overran its deadline was stuck on."""
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task() or task.done():
+            continue
+        frames = task.get_stack(limit=3)
+        where = " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})"
+                            for f in reversed(frames)) or "no frame"
+        log.error("  still running: %s at %s", task.get_name(), where)
+
+
+def exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """A public peer that trains nothing: a DHT node whose p2pd relays for peers behind NAT
+    (docs/nat.md). p2pd reserves relay slots at once only when it knows 4 relays or more."""
+    import time
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from swarmgrad.peer.net.reachability import plan, visible_maddrs
+    network = plan("public", args.host_maddrs, args.announce_maddrs)
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    try:
+        dht = start_dht(list(args.initial_peers), args.host_maddrs, args.announce_maddrs, args.identity,
+                         args.timeout, network=network.dht_kwargs, bootstrap_wait=args.bootstrap_wait)
+    except (P2PDaemonError, RuntimeError) as e:
+        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        return 1
+    log = logging.getLogger("swarmgrad.relay")
+    try:
+        print("swarmgrad relay", dht.peer_id, flush=True)
+        for addr in visible_maddrs(dht):
+            print("  visible at", addr, flush=True)
+        while True:  # the daemons do the work; say now and then that we are alive
+            time.sleep(60)
+            log.info("relay %s alive", str(dht.peer_id)[-8:])
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        dht.shutdown()

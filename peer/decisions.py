@@ -1,0 +1,221 @@
+"""The daemon's small decisions, as pure functions over what it has gathered.
+
+The daemon gathers a snapshot (its clock, its worker's counters, the DHT records it read) and
+calls these; they decide, it acts. Each is tested without a network (tests/test_policy.py).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import Iterable, Sequence
+
+from swarmgrad.peer.records import FAILED
+from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
+
+
+def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
+                now: float, wall_end: float | None, drivers_min_round: int | None) -> bool:
+    """Has round `round` ended for this replica? Whichever comes first:
+    - a microbatch of a later round arrived (`seen`);
+    - on a driver with H-step rounds, H inner steps were taken;
+    - the shared wall clock passed the round's end;
+    - on a later stage without a wall clock, every online driver is already past it (their
+      records say so: a replica that gets no more work still ends its round).
+    """
+    if seen > round:
+        return True
+    if counts_steps and steps_per_round and inner_steps >= steps_per_round:
+        return True
+    if wall_end is not None and now >= wall_end:
+        return True
+    return drivers_min_round is not None and drivers_min_round > round
+
+
+def drivers_min_round(drivers: Sequence[PeerRecord]) -> int | None:
+    """The lowest round among online drivers (None when there are none)."""
+    rounds = [r.round for r in drivers if r.state == ONLINE and r.driver]
+    return min(rounds) if rounds else None
+
+
+def drivers_gone(stage0: Sequence[PeerRecord]) -> bool:
+    return not any(r.state == ONLINE for r in stage0)
+
+
+def majority_digest(records: Sequence[PeerRecord]) -> str | None:
+    """The θ_global digest most online replicas announce (ties: more applied rounds, then the
+    smaller digest). A peer believes a fact about the swarm only if a majority announces it:
+    nobody wins by claiming a bigger applied_rounds."""
+    online = [r for r in records if r.state == ONLINE and r.digest]
+    if not online:
+        return None
+    votes = Counter(r.digest for r in online)
+    applied = {r.digest: r.applied_rounds for r in online}
+    return max(votes, key=lambda d: (votes[d], applied[d], _neg(d)))
+
+
+def _neg(digest: str) -> tuple[int, ...]:
+    return tuple(-ord(c) for c in digest)
+
+
+def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
+    """Replicas a joiner may take θ_global from: online, not itself, announcing the majority
+    digest (sorted for a deterministic order)."""
+    others = [r for r in records if r.peer_id != self_id]
+    digest = majority_digest(others)
+    return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
+
+
+def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> list[str]:
+    """The donors to download again from when a joiner's download is already old: a replica it
+    would take θ_global from (`join_donors`) announces more applied rounds than the state that
+    arrived (none when it is current). A download that spans the donor's
+    round boundary delivers the state that round replaced (the snapshot is immutable), and the
+    joiner would fail its first round with a group the donor no longer has, and its second as
+    stale. Seen right after the donors' announce, a second download has the donors' whole next
+    round to arrive in (enough when rounds are much longer than a download)."""
+    donors = join_donors(records, self_id)
+    moved = any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
+    return donors if moved else []
+
+
+def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
+              hold: float, connected: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """(the peers a replica waits for at its round boundary, the peers it may forget).
+
+    At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
+    that downloaded its state (`served`: peer id -> when their first request arrived) less than
+    `hold` seconds ago and do not serve it yet. A peer serves it when its record is ONLINE with
+    our digest; one whose record is gone or LEAVING never will: both are forgotten, and so is one
+    that `connected` (the peers our p2p daemon holds a connection to; None: not known) lacks: a
+    joiner killed mid-download keeps its JOINING record until it expires (`announce_ttl`), and the
+    stage would wait that long for nobody. One whose hold ran out is neither waited for nor
+    forgotten, so asking again does not start a new hold.
+
+    Over a slow link a download outlasts a short round: before, the donor (alone, or with the
+    stage's other replicas) applied the round meanwhile, the state arrived superseded, the joiner
+    downloaded again or failed its first round as stale, and two replicas took 23-52 rounds to pair
+    over 20 Mbit. A round held until the download lands costs the donors that wait once."""
+    by_id = {r.peer_id: r for r in records}
+    waiting, settled = [], []
+    for peer, since in served.items():
+        record = by_id.get(peer)
+        if record is None or record.state not in (JOINING, ONLINE) or (
+                record.state == ONLINE and record.digest == own_digest) or (
+                connected is not None and peer not in connected):
+            settled.append(peer)
+        elif now - since < hold:
+            waiting.append(peer)
+    return sorted(waiting), sorted(settled)
+
+
+def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRecord], self_id: str,
+                        members: Sequence[str]) -> list[str]:
+    """Members of our group (`members`, chosen from this round's `registrations`) whose record
+    already announces more applied rounds than they registered with: they have completed this
+    round in a group without us (a replica averages a round only once, and not while we are still
+    matching for it), so the θ_global we registered with is superseded. Seen with a joiner whose
+    download landed as its donor finished the round alone: it would fail the round (GROUP_MISMATCH),
+    read no outcome votes (a group of one posts none), conclude that nobody applied the round, and
+    fail the next as stale before downloading again."""
+    announced = {r.peer_id: r.applied_rounds for r in records}
+    return sorted(p for p in members if p != self_id and p in registrations and p in announced
+                  and announced[p] > int(registrations[p].get("applied_rounds", 0)))
+
+
+def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
+                  stale: bool) -> list[str]:
+    """After a failed round: replicas whose state is newer than ours (or, if ours was not the
+    group's reference, any member of the group), restricted to the most announced digest among
+    them, so one replica claiming a large applied_rounds cannot hand us its state."""
+    newer = [r for r in records if r.peer_id != self_id and r.state == ONLINE and (
+        r.applied_rounds > own_applied or (stale and r.peer_id in group))]
+    digest = majority_digest(newer)
+    return sorted(r.peer_id for r in newer if r.digest == digest)
+
+
+def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: int,
+                   abandoned: Iterable[str] = (), silent: Iterable[str] = ()) -> bool:
+    """Has every other member of the failed round applied it or not, as far as anyone can learn?
+    Each one has announced a later round (if none of them applied it, nobody did), or said it
+    abandoned the round (it failed, did not apply it and re-syncs too), or posted no outcome vote
+    that we could read by the end of our vote wait (`silent`: dead or cut off, as a member killed
+    between the exchange and its vote is). Then waiting longer cannot produce a donor.
+
+    Without `abandoned`, two members re-syncing after a third died before its vote each waited
+    for the other to announce a later round, which it does only after its own wait: both stalled
+    for the whole wait (matchmaking + allreduce) and then kept their state anyway. A silent member
+    that did apply the round (its vote unseen) is a replica the next round finds stale."""
+    finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
+    return set(others) <= finished | set(abandoned) | set(silent)
+
+
+def nobody_applied(votes: dict[str, str], self_id: str, group_hash: str | None, voted_digest: bool,
+                   failed: str = FAILED) -> bool:
+    """After a failed round: is it certain that no replica applied it, so a re-sync need not wait?
+    `votes`: the round's outcome votes, "<group hash>:<digest or `failed`>" (peer/averaging/outcome.py);
+    `group_hash`: our group's (None: our θ_global was stale, we were in no group).
+
+    A member applies a round only once every member of its group voted the same digest under
+    that group's hash. A replica that voted a digest under another hash was in a group that
+    excluded us (its matchmaking read other registrations): it may have applied the round, so we
+    cannot tell. Otherwise every digest vote is from our group: if we did not vote a digest, or a
+    member voted failed under our hash, none of them could see all digests, so nobody applied it."""
+    if group_hash is None:
+        return False  # our θ_global was stale: the group may well have applied the round
+    ours = []
+    for peer, value in votes.items():
+        hash_, _, outcome = value.partition(":")
+        if hash_ != group_hash:
+            if peer != self_id and outcome != failed:
+                return False
+            continue
+        ours.append(outcome)
+    return not voted_digest or failed in ours
+
+
+def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: int, rounds_done: int,
+             finished: bool) -> bool:
+    """A driver evaluates every `eval_every` counted rounds while it trains; not after the last
+    round (it evaluates at the end anyway) and never twice at once."""
+    if not (is_driver and driving and eval_every) or evaluating or finished:
+        return False
+    return rounds_done > 0 and rounds_done % eval_every == 0
+
+
+def evaluates(*, me: str, group: Sequence[str], run_id: str, round: int, evaluators: int) -> bool:
+    """Whether this driver is one of a due round's evaluators: the `evaluators` members of the
+    round's averaging group that rank first under rendezvous hashing of (run, round). Every member
+    knows the same group, so they agree without a message, and the round in the hash rotates the
+    cost. A driver in no group (its round was incomplete, so its θ_global may not be the others')
+    scores its own; `evaluators` 0: every driver evaluates."""
+    if evaluators <= 0 or me not in group:
+        return True
+    rank = sorted(group, key=lambda p: hashlib.sha256(f"{run_id}/eval/{round}/{p}".encode()).digest())
+    return me in rank[:evaluators]
+
+
+def matchmaking_patience(matchmaking: float, round_s: float | None, step_rounds: bool,
+                         fraction: float = 0.5, cap: float = 600.0) -> float:
+    """How long matchmaking waits for the other online replicas to register.
+
+    With wall-clock rounds every replica reaches the boundary at the same moment, so
+    `timeouts.matchmaking` is enough. With H-step rounds a slower (or later-started) replica
+    arrives up to a fraction of a round later; giving up after a fixed few seconds splits the
+    stage into replicas that average alone and drift apart. So wait a fraction of the last
+    round's duration as this replica measured it (a dead replica costs at most that; its record
+    expires anyway).
+    """
+    if not step_rounds or not round_s or round_s <= 0:
+        return matchmaking
+    return min(cap, max(matchmaking, fraction * round_s))
+
+
+def next_push_at(started: float, took: float, link_share: float) -> float:
+    """When the next backup push may start, after one that started at `started` and took `took`
+    seconds: pushes keep the stage's link busy for at most `link_share` of the time. Pure.
+
+    A push is one message of the whole state (fp32 θ_global and outer momentum, 8 bytes per
+    parameter) that fills the link while it lasts: a pipeline stage's activations or gradients
+    queue behind it. Where a push is quick next to a round (a fast link, long rounds) this still
+    pushes every round; over a slow link it spaces them out rather than stall every round."""
+    return started + took / link_share if link_share < 1.0 else started

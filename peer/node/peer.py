@@ -1,0 +1,331 @@
+"""The peer daemon's life cycle: one process, one device, one stage replica at a time.
+
+`Peer` is built from its collaborators (manifest, model, a started hivemind DHT). It chooses a
+stage (placement policy over the swarm's records and its own benchmarked rates), runs a
+`Replica` of it (peer/node/replica.py: round clock, worker, state, averager, presence, state sync,
+round runner, driving loop), and, when the placement policy confirms a move, moves
+make-before-break: the new stage's replica joins and serves before the old one finishes its
+round and leaves. `run()` returns when the run is over or `stop` is set, after every replica
+announced LEAVING and removed its handlers; the caller shuts the DHT down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from hivemind import DHT
+
+from swarmgrad.peer.private.admission import Admission
+from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.state.stage_state import StateSnapshot
+
+from swarmgrad.peer.net.dial_out import DialOut
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.node.metrics import PeerMetrics
+from swarmgrad.peer.model import StagedModel
+from swarmgrad.peer.placement.rules import MoveDecision, PeerFigures, SWARM_POLICY, choose_stage_for_newcomer
+from swarmgrad.peer.net.reachability import visible_maddrs
+from swarmgrad.peer.placement.rebalancer import DEFAULT_BANDWIDTH, Rebalancer, snapshot_from_view
+from swarmgrad.peer.node.replica import PeerContext, Replica
+from swarmgrad.peer.state.backup import BackupStore
+from swarmgrad.peer.pipeline.stage_server import refusal
+from swarmgrad.peer.net.rpc import FramedRPC, Traffic
+from swarmgrad.peer.placement.bench import device_memory, stage_rate, stage_rates
+from swarmgrad.peer.placement.cost import StageCost, stage_costs
+from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.validation import RunIdentity
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerOptions:
+    stage: int | None = None
+    """Stage to serve; None lets the placement policy choose."""
+    device: str = "cpu"
+    events_path: str | None = None
+    save_dir: str | None = None
+    """Write the stage's θ_global (safetensors) here after every round and at exit."""
+    data_seed: int | None = None
+    """Seed of this driver's data shard; None derives it from the manifest seed and the peer id."""
+    max_rounds: int | None = None
+    """Overrides rounds.max_rounds."""
+    linger: float = 60.0
+    """After its last round, a non-driver keeps serving (drivers evaluate) until no driver is
+    online or this many seconds passed."""
+    slowdown: float = 1.0
+    """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
+    rate_clock: str = "wall"
+    """Testing aid: "cpu" measures the announced rate in the compute thread's CPU time (see
+    worker.RATE_CLOCKS), for several peers sharing one machine's cores."""
+    byzantine: str | None = None
+    """TESTING AID: send corrupted pseudo-gradients ("scale" or "random"; benchmarks/byzantine.py)."""
+    max_memory: int | None = None
+    """Bytes this peer offers for a stage; None: what the device has."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: a free one, reported in the `started` event); None: off."""
+    metrics_host: str = "127.0.0.1"
+    reachability: str = "public"
+    """How others reach this peer (peer/net/reachability.py: public, relay, client or auto); reported
+    in the `started` event."""
+    initial_peer_ids: tuple[str, ...] = ()
+    """The peer ids of --initial-peers: a NATed peer keeps them in its DHT's routing table."""
+    rebalance: str = "auto"
+    """"on": move between stages when the placement policy says it pays; "off": stay; "auto": on
+    unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
+    blocks do)."""
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.rebalance == "on" or (self.rebalance == "auto" and self.stage is None)
+
+
+class Peer:
+    def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions,
+                 admission: Admission | None = None,
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
+                 resume_round: int = 0):
+        """`admission` and `checkpoints` make it a peer of a private run (peer/private/join.py builds
+        them): every RPC server checks callers' certificates, and an empty stage can restore from
+        the coordinator's newest checkpoint."""
+        self.m = manifest
+        self.admission = admission
+        self.checkpoints = checkpoints
+        self.resume_round = resume_round
+        """The round of the private run's newest checkpoint (0: none): where a swarm that starts
+        again puts its wall clock."""
+        self._admission_task: asyncio.Task | None = None
+        self._dial_out_task: asyncio.Task | None = None
+        self._revoked_task: asyncio.Task | None = None
+        self.revoked = False
+        """True when the run's coordinator revoked this peer and it stopped for that reason."""
+        self.model = model
+        self.dht = dht
+        self.opt = options
+        self.peer_id = str(dht.peer_id)
+        self.identity = RunIdentity(manifest.run_id, manifest.hash)
+        self.n_stages = model.n_stages
+        self.traffic = Traffic()
+        self.swarm = SwarmView(dht, manifest.run_id, manifest.hash, self.n_stages, manifest.timeouts.dht,
+                               manifest.timeouts.announce_ttl)
+        if admission is not None:
+            self.swarm.admitted = admission.admitted
+        self.max_message_bytes = int(manifest.pipeline.max_message_mb * 2**20)
+        self.events = EventLog(None)
+        self.replicas: list[Replica] = []
+        """The replica being served (two during a move)."""
+        self.moves = 0
+        self._maddrs: tuple[str, ...] = ()
+        self._backup_rpc: FramedRPC | None = None
+        self.metrics = PeerMetrics(self.traffic) if options.metrics_port is not None else None
+        self.metrics_port: int | None = None
+        """The port metrics are served on, once they are."""
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds to run (0: until stopped): --max-rounds if given, else rounds.max_rounds."""
+        return self.opt.max_rounds if self.opt.max_rounds is not None else self.m.rounds.max_rounds
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            if self.admission is not None:
+                await self.admission.step()  # publish our certificate and learn the others' first
+                self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
+                self._revoked_task = asyncio.create_task(self._stop_when_revoked(stop), name="revoked")
+            ctx, costs, rates = await self._context()
+            stage = await self._choose_stage(costs, rates, ctx.memory)
+            expected_rate = rates[stage] if rates else await self._pinned_rate(stage)
+            self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
+                             manifest_hash=self.m.hash, stage_rates=list(rates), expected_rate=expected_rate,
+                             memory=ctx.memory, metrics_port=self.metrics_port,
+                             reachability=self.opt.reachability)
+            if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
+                dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
+                                   stage=lambda: self.replicas[-1].stage if self.replicas else None,
+                                   interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events,
+                                   dht=self.dht, initial_peers=self.opt.initial_peer_ids)
+                self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
+            replica = Replica(ctx, stage, expected_rate)
+            self.replicas.append(replica)
+            await replica.start()
+            rebalancer = Rebalancer(swarm=self.swarm, peer_id=self.peer_id, costs=costs, bench_rates=rates,
+                                    memory=ctx.memory, interval_s=self.m.timeouts.rebalance_check,
+                                    policy=SWARM_POLICY,
+                                    bandwidth=lambda: self.traffic.link.estimate(DEFAULT_BANDWIDTH)) \
+                if self.opt.rebalancing else None
+            await self._serve(replica, rebalancer, stop)
+        finally:
+            await self._shutdown()
+
+    async def _context(self) -> tuple[PeerContext, tuple[StageCost, ...], tuple[float, ...]]:
+        p2p = await self.dht.replicate_p2p()
+        # get_visible_maddrs blocks on the DHT process: ask once, while it is surely alive
+        maddrs = self._maddrs = visible_maddrs(self.dht)
+        if self.metrics is not None:
+            self.metrics_port = self._serve_metrics(self.metrics)
+        self.events = EventLog(self.opt.events_path, sink=self.metrics.observe if self.metrics else None,
+                               peer=self.peer_id)
+        memory = self.opt.max_memory or device_memory(self.opt.device)
+        backup_rpc = await self._backups(p2p)
+        ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
+                          traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
+                          events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
+                          data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
+                          slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory,
+                          max_message_bytes=self.max_message_bytes,
+                          backup_rpc=backup_rpc, backup_store=self._backup_store, pinned=not self.opt.rebalancing,
+                          gate=self.admission.check if self.admission is not None else None,
+                          checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
+                          resume_round=self.resume_round)
+        costs = stage_costs(self.m, self.model)
+        rates: tuple[float, ...] = ()
+        if self.opt.stage is None or self.opt.rebalancing:
+            rates = await asyncio.get_running_loop().run_in_executor(
+                None, stage_rates, self.m, self.model, self.opt.device, self.opt.slowdown)
+        return ctx, costs, rates
+
+    async def _pinned_rate(self, stage: int) -> float:
+        """A pinned peer's benchmarked rate on its own stage (it skipped the every-stage benchmark,
+        having no choice to weigh), announced until it has measured itself."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, stage_rate, self.m, self.model, self.opt.device, stage, self.opt.slowdown)
+
+    def _serve_metrics(self, metrics: PeerMetrics) -> int:
+        host, port = self.opt.metrics_host, self.opt.metrics_port
+        assert port is not None
+        try:
+            return metrics.serve(host, port)
+        except OSError as e:
+            raise RuntimeError(f"--metrics-port {port}: cannot serve metrics on {host}: {e.strerror or e}") from None
+
+    async def _backups(self, p2p) -> FramedRPC:
+        """Serve the backups this peer holds for other stages (peer/state/backup.py)."""
+        shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+
+        def shapes_of(stage: int) -> dict[str, tuple[int, ...]]:
+            if stage not in shapes:
+                shapes[stage] = {n: tuple(p.shape) for n, p in self.model.build_stage(stage).named_parameters()}
+            return shapes[stage]
+
+        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes)
+        rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
+                        read_timeout=self.m.timeouts.state_download,
+                        gate=self.admission.check if self.admission is not None else None)
+        await rpc.add_handler("put", pb.BackupPut, self._backup_store.handle_put, refusal(pb.BackupAck))
+        await rpc.add_handler("get", pb.BackupGet, self._backup_store.handle_get, refusal(pb.StateResponse))
+        self._backup_rpc = rpc
+        return rpc
+
+    async def _choose_stage(self, costs: tuple[StageCost, ...], rates: tuple[float, ...], memory: int) -> int:
+        if self.opt.stage is not None:
+            if not 0 <= self.opt.stage < self.n_stages:
+                raise ValueError(f"--stage {self.opt.stage} is outside 0..{self.n_stages - 1}")
+            stage = self.opt.stage
+        else:
+            view = await self.swarm.swarm()
+            me = PeerFigures(peer_id=self.peer_id, rates=rates, memory=memory, bandwidth=DEFAULT_BANDWIDTH,
+                             tenure=3600.0)
+            choice = choose_stage_for_newcomer(snapshot_from_view(view, costs), me)
+            if choice is None:
+                need = min(c.memory_bytes for c in costs)
+                raise RuntimeError(f"no stage fits in the memory this peer offers ({memory / 2**30:.1f} GiB; the "
+                                   f"smallest stage needs {need / 2**30:.1f} GiB): raise --max-memory")
+            stage = choice
+        return stage
+
+    async def _serve(self, replica: Replica, rebalancer: Rebalancer | None, stop: asyncio.Event) -> None:
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        try:
+            while True:
+                main = replica.launch(stop)
+                mover = None
+                if rebalancer is not None and replica.clock is not None:
+                    clock, worker = replica.clock, replica.worker
+                    assert worker is not None
+                    mover = asyncio.create_task(rebalancer.next_move(
+                        replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current), name="rebalance")
+                waiting = [main, stopper] + ([mover] if mover is not None else [])
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if mover is not None and mover not in done:
+                    mover.cancel()
+                    await asyncio.gather(mover, return_exceptions=True)
+                if stop.is_set():
+                    return
+                if main in done:
+                    if main.result() and not stop.is_set():  # the rounds are done: final eval / linger
+                        await replica.finish(stop)
+                    return
+                assert mover is not None
+                assert rebalancer is not None
+                replica = await self._move(replica, mover.result(), rebalancer, stop)
+        finally:
+            stopper.cancel()
+
+    async def _move(self, old: Replica, decision: MoveDecision, rebalancer: Rebalancer, stop: asyncio.Event
+                    ) -> Replica:
+        """Make-before-break: the new stage's replica joins (JOINING, state download) and serves
+        (ONLINE) while the old one finishes its current round; then the old one leaves."""
+        # a gain of 0 filling a stage: the stages it leaves behind have not measured their rates yet
+        unmeasured = decision.gain <= 0 and decision.reason == "fill-empty"
+        gain = "the other stages' rates not measured yet" if unmeasured else \
+            f"expected gain {decision.gain:.1f} samples/s"
+        logger.info("moving from stage %d to stage %d (%s, %s)", decision.source, decision.target, decision.reason, gain)
+        assert old.worker is not None
+        new = Replica(old.ctx, decision.target, rebalancer.figures(old.stage, old.worker.rate.rate).rates[decision.target])
+        self.replicas.append(new)
+        try:
+            await new.start()
+        except Exception:
+            logger.exception("could not join stage %d; staying on stage %d", decision.target, old.stage)
+            self.replicas.remove(new)
+            await new.close()
+            return old
+        new.launch(stop)
+        await old.leave_after_round()
+        assert old.main is not None
+        try:
+            await within(asyncio.shield(old.main), self.m.timeouts.move)
+        except asyncio.TimeoutError:
+            logger.warning("stage %d's round did not end within timeouts.move; leaving it anyway", old.stage)
+        except Exception as e:
+            logger.warning("stage %d ended with %s: %s", old.stage, type(e).__name__, e)
+        await old.close()
+        self.replicas.remove(old)
+        self.moves += 1
+        rebalancer.moved()
+        self.events.emit("moved", stage=decision.target, from_stage=decision.source, to_stage=decision.target,
+                         reason=decision.reason, expected_gain=decision.gain, throughput=decision.throughput,
+                         new_throughput=decision.new_throughput, reachable=decision.reachable,
+                         bandwidth=rebalancer.bandwidth())
+        return new
+
+    async def _stop_when_revoked(self, stop: asyncio.Event) -> None:
+        """A revoked peer is refused by every other peer within a heartbeat: leave rather than
+        train alone on a stage nobody averages with."""
+        assert self.admission is not None
+        await self.admission.self_revoked.wait()
+        self.revoked = True
+        self.events.emit("revoked")
+        stop.set()
+
+    async def _shutdown(self) -> None:
+        rounds = max((r.clock.rounds_done for r in self.replicas if r.clock is not None), default=0)
+        stage = self.replicas[-1].stage if self.replicas else None
+        for replica in list(self.replicas):
+            await replica.close()
+        if self._backup_rpc is not None:
+            await self._backup_rpc.remove_handlers()
+        for task in (self._admission_task, self._dial_out_task, self._revoked_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
+                         bytes_recv=self.traffic.recv)
+        self.events.close()
+        if self.metrics is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics.close)

@@ -1,0 +1,177 @@
+"""What a stage costs: compute per sample, memory per replica, state bytes per move. Pure.
+
+Placement (``placement.py``) needs three figures per stage, all derived from the manifest:
+
+- ``cost`` c_s: relative compute of one sample's forward + backward on the stage. A peer that
+  runs r samples/s on stage a runs about r·c_a/c_b on stage b. For the built-in GPT it is a
+  FLOP count; for an ``entry_point`` model (whose layers we cannot see) it falls back to the
+  stage's parameter count (6·P per sample, the dense-transformer rule).
+- ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
+  momentum, the committed snapshot of both (served to joiners, read by evaluations), the copy of
+  the weights evaluations run on (on an accelerator, or in another dtype; a CPU fp32 module's
+  evaluations read the snapshot in place, so there this overstates the need by one copy), AdamW's
+  two moments (four buffers with inner.swarm_second_moment), gradients, the error-feedback
+  residual of the round codec (when enabled), the activations kept for backward of
+  ``pipeline.max_in_flight`` microbatches, and with ``pipeline.lookahead`` a stash of the
+  weights. A peer offering less than M_s cannot serve the stage.
+- ``state_bytes``: what a mover or joiner downloads (θ_global + outer momentum, fp32).
+
+All tensors are fp32 (the pipeline's wire dtypes are fp32 and stages train in fp32).
+
+FLOPs per sample (a sample is one sequence of ``seq_len`` tokens), following Kaplan et al. 2020,
+Table 1: forward = 2·(matmul parameters) + 2·n_ctx·d per layer per token (attention scores and
+their weighted sum), backward = 2 × forward. Embedding lookups cost no FLOPs; LayerNorm, GELU
+and softmax (memory-bound, O(d) per token) are left out, which undercounts tiny models a little.
+
+Activations kept per token and block, with fused attention (no T×T matrix stored; the CPU math
+backend stores it, so this undercounts there): the inputs of ln1, qkv, proj, ln2, fc, and the
+outputs qkv (3d), fc and gelu (4d each), about 16·d floats. The head keeps ln_f's input and
+output, the logits and the loss's softmax (2·d + 2·V floats per token); a non-first stage keeps
+its received input (d). These are lower bounds when several drivers route through one replica
+(each driver keeps up to ``max_in_flight`` microbatches in flight).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swarmgrad.peer.manifest import Manifest
+
+if TYPE_CHECKING:  # the GPT path needs no torch; only entry-point models are built
+    from swarmgrad.peer.model.entry import StagedModel
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes one replica of a stage needs, by purpose."""
+    weights: int
+    theta_global: int
+    momentum: int
+    adam: int
+    grads: int
+    residual: int
+    """Error-feedback residuals of the round codec: the member's (averaging.error_feedback) and, with
+    averaging.reducer_feedback, the reducer's (up to the whole stage: a replica alone reduces it all)."""
+    activations: int
+    stash: int = 0
+    """With pipeline.lookahead (2+ stages): the copy of the weights the next step's microbatches
+    run against (peer/compute/lookahead.py)."""
+    snapshot: int = 0
+    """θ_global and the outer momentum as last committed (peer/state/stage_state.py): immutable, served to
+    joiners; evaluations read its θ_global."""
+    eval_copy: int = 0
+    """The module evaluations run on, holding the snapshot's θ_global on the module's device
+    (``StageWorker._eval_module_now``): kept from the first evaluation on. Placement does not know a
+    peer's device, so it is counted for every peer, though a CPU fp32 module's copy shares the
+    snapshot's tensors."""
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.theta_global + self.snapshot + self.momentum + self.adam + self.grads
+                + self.residual + self.activations + self.stash + self.eval_copy)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    stage: int
+    params: int
+    flops_per_sample: float
+    """Forward + backward FLOPs of one sample (GPT), or 6·params (entry-point fallback)."""
+    cost: float
+    """Relative cost c_s: flops_per_sample divided by the mean over stages (mean 1)."""
+    memory: MemoryNeed
+    state_bytes: int
+    """θ_global + outer momentum: what a replica downloads to join this stage."""
+    method: str
+    """"flops" (built-in GPT) or "params" (entry-point fallback)."""
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory.total
+
+
+def gpt_stage_params(m: Manifest, stage: int) -> int:
+    """Parameters of stage ``stage`` of the built-in GPT (matches ``GPTStage``, untied head)."""
+    md, layers = m.model, m.layers_per_stage
+    d, v, t = md.d_model, md.vocab_size, md.seq_len
+    n = layers[stage] * (12 * d * d + 13 * d)  # qkv, proj, fc, proj with biases; two LayerNorms
+    if stage == 0:
+        n += v * d + t * d
+    if stage == len(layers) - 1:
+        n += 2 * d + d * v  # ln_f, head (no bias)
+    return n
+
+
+def _gpt_flops(m: Manifest, stage: int) -> float:
+    md, layers = m.model, m.layers_per_stage
+    d, v, t = md.d_model, md.vocab_size, md.seq_len
+    per_token = layers[stage] * (2 * 12 * d * d + 2 * t * d)
+    if stage == len(layers) - 1:
+        per_token += 2 * d * v
+    return 3.0 * per_token * t
+
+
+def _gpt_activation_bytes_per_sample(m: Manifest, stage: int) -> int:
+    md, layers = m.model, m.layers_per_stage
+    d, v, t = md.d_model, md.vocab_size, md.seq_len
+    per_token = layers[stage] * 16 * d
+    per_token += d  # stage 0: the embedding sum; others: the received input
+    if stage == len(layers) - 1:
+        per_token += 2 * d + 2 * v
+    return FP32 * per_token * t
+
+
+def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed:
+    p = FP32 * params
+    in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
+    # SwarmAdamW: a third moment (the plain square's EMA) and the step's sum of squared gradients
+    adam = (4 if m.inner.swarm_second_moment else 2) * p
+    return MemoryNeed(weights=p, theta_global=p, snapshot=2 * p, eval_copy=p, momentum=p, adam=adam, grads=p,
+                      residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
+                      activations=in_flight * activations_per_sample,
+                      stash=p if m.pipeline.lookahead and m.stages.count > 1 else 0)
+
+
+def _spec_bytes(spec: tuple[tuple[int, ...], object]) -> int:
+    shape, dtype = spec
+    size = getattr(dtype, "itemsize", FP32)
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    return n * int(size)
+
+
+def stage_costs(manifest: Manifest, model: "StagedModel | None" = None) -> tuple[StageCost, ...]:
+    """Cost, memory and state bytes of every stage.
+
+    The built-in GPT is computed from the manifest alone. An ``entry_point`` model needs its
+    ``StagedModel`` (each stage is built once to count its parameters; activations are taken
+    as the stage's input and output per sample, a lower bound).
+
+    Raises:
+        ValueError: for an entry-point manifest without ``model``, or a model whose stage count
+            differs from the manifest's.
+    """
+    n = manifest.stages.count
+    if manifest.model.kind == "gpt":
+        params = [gpt_stage_params(manifest, s) for s in range(n)]
+        flops = [_gpt_flops(manifest, s) for s in range(n)]
+        acts = [_gpt_activation_bytes_per_sample(manifest, s) for s in range(n)]
+        method = "flops"
+    else:
+        if model is None:
+            raise ValueError("stage_costs: an entry_point manifest needs its StagedModel (model=...)")
+        if model.n_stages != n:
+            raise ValueError(f"stage_costs: model has {model.n_stages} stages, manifest stages.count is {n}")
+        params = [sum(p.numel() for p in model.build_stage(s).parameters()) for s in range(n)]
+        # A stage without parameters still costs something; floor it so no rate divides by zero.
+        flops = [6.0 * max(p, 1) for p in params]
+        acts = [_spec_bytes(model.input_spec(s, 1)) + _spec_bytes(model.output_spec(s, 1)) for s in range(n)]
+        method = "params"
+    mean = sum(flops) / n
+    return tuple(StageCost(stage=s, params=params[s], flops_per_sample=flops[s], cost=flops[s] / mean,
+                           memory=_memory(manifest, params[s], acts[s]), state_bytes=2 * FP32 * params[s],
+                           method=method)
+                 for s in range(n))

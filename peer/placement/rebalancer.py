@@ -1,0 +1,103 @@
+"""Rebalancing, the daemon's side: at jittered intervals gather a snapshot of the swarm, ask the
+placement policy (peer/placement/rules.py, pure) whether this replica should move, and hand a move
+that came up on two checks in a row to the peer, which makes it (make-before-break)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Callable, Sequence
+
+from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, Confirmation, EmptyStageChecks, MoveDecision,
+                                      PeerFigures, PlacementPolicy, check_interval, estimate_rates, expected_tenure,
+                                      should_move)
+from swarmgrad.peer.placement.plan import Snapshot
+from swarmgrad.peer.placement.cost import StageCost
+from swarmgrad.peer.decisions import majority_digest
+from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.records import ONLINE, PeerRecord
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BANDWIDTH = 10e6
+"""Bytes/s assumed for a state download before one was measured (an ordinary volunteer link)."""
+DWELL_CHECKS = 4
+"""After a move, a peer lets this many check intervals pass before it considers the next one: its
+rate on the new stage is an estimate until it has measured itself there, and acting on the
+estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
+
+
+def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
+    """Each stage's applied rounds as its majority announces them (decisions.majority_digest): a
+    backup of that many rounds is the stage's current state."""
+    out = {}
+    for stage, records in view.items():
+        digest = majority_digest(records)
+        if digest is not None:
+            out[stage] = next(r.applied_rounds for r in records if r.state == ONLINE and r.digest == digest)
+    return out
+
+
+def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost]) -> Snapshot:
+    return Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
+                                 moving={r.peer_id for rs in view.values() for r in rs if r.moving},
+                                 current=current_rounds(view))
+
+
+class Rebalancer:
+    def __init__(self, *, swarm: SwarmView, peer_id: str, costs: Sequence[StageCost], bench_rates: Sequence[float],
+                 memory: int, interval_s: float, policy: PlacementPolicy = PlacementPolicy(), seed: int | None = None,
+                 bandwidth: Callable[[], float] = lambda: DEFAULT_BANDWIDTH):
+        self.swarm = swarm
+        self.peer_id = peer_id
+        self.costs = tuple(costs)
+        self.bench_rates = tuple(bench_rates)
+        """This peer's benchmarked samples/s per stage (used until it has measured itself)."""
+        self.memory = memory
+        self.interval_s = interval_s
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.started = time.monotonic()
+        self.bandwidth = bandwidth
+        self._dwell_until = 0.0
+        """This peer's measured link rate in bytes/s (rpc.LinkMeter), for a move's switch time."""
+
+    def figures(self, stage: int, measured_rate: float) -> PeerFigures:
+        rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
+                 else self.bench_rates)
+        return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
+                           tenure=expected_tenure(time.monotonic() - self.started))
+
+    async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:
+        """One check, unconfirmed: what the policy says now."""
+        snap = snapshot_from_view(await self.swarm.swarm(), self.costs)
+        return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
+
+    def moved(self) -> None:
+        """The peer just moved: stay put for DWELL_CHECKS intervals."""
+        self._dwell_until = time.monotonic() + DWELL_CHECKS * self.interval_s
+
+    async def next_move(self, stage: int, rate_fn, salt_fn) -> MoveDecision:
+        """Check until a move is confirmed (same decision twice in a row), then return it.
+        `rate_fn()` gives the replica's measured rate, `salt_fn()` its round (the tie-break salt
+        that all replicas of a stage share)."""
+        dwell = self._dwell_until - time.monotonic()
+        if dwell > 0:
+            await asyncio.sleep(dwell)
+        confirm = Confirmation(self.policy.confirmations)
+        quick = self._dwell_until == 0.0  # at the start (a peer that moved dwelt first); then as seen
+        empties = EmptyStageChecks()
+        while True:
+            wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if quick else 3 if confirm.pending else 1),
+                                  self.rng)
+            await asyncio.sleep(wait)
+            try:
+                snap, decision = await self.decide(stage, rate_fn(), salt_fn())
+            except Exception as e:  # a slow DHT: skip this check, never act on a partial view
+                logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
+                continue
+            quick = empties.observe(snap.empty_stages, moved=decision is not None)
+            confirmed = confirm.observe(decision)
+            if confirmed is not None:
+                return confirmed

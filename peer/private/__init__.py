@@ -1,0 +1,1 @@
+"""Private runs, a peer's side: admission (the gate every RPC asks), the DHT authorizer, joining with an invitation."""

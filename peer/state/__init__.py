@@ -1,0 +1,1 @@
+"""A stage's state: θ_global and its outer optimiser, state sync for joiners and re-syncs, backups held by other stages, the presence record that announces the replica."""

@@ -1,0 +1,421 @@
+"""State sync in one place: serving a stage's committed θ_global and outer momentum, a joiner's
+first download, and the re-sync of a replica after a round it failed while others completed.
+
+The receiver validates names and shapes against its own stage and recomputes the digest, so a
+truncated, tampered or mismatched state is refused rather than trained on. Donors are chosen by
+`policy` from what the stage's majority announces, never by who claims the most rounds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Awaitable, Callable, Sequence
+
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from swarmgrad.compression import get_codec
+from swarmgrad.peer import decisions
+from swarmgrad.peer.averaging.averager import RoundResult
+from swarmgrad.peer.averaging.group import group_hash
+from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.manifest import TimeoutsConfig
+from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
+from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.stage_state import StageState, StateSnapshot, state_digest
+from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.records import ONLINE
+from swarmgrad.peer.compute.worker import StageWorker
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.codecs import FP32_ONLY
+from swarmgrad.protocol.responses import validate_state_response
+from swarmgrad.protocol.validation import RunIdentity, check_envelope, encoded_to_proto, envelope
+
+logger = logging.getLogger(__name__)
+
+PART_BYTES = 64 << 20
+"""A state travels in parts of at most this many bytes (θ_global + momentum of a few tensors),
+so no stage is capped by one message's size and two donors can each send half."""
+
+MAX_JOIN_REFRESHES = 2
+"""Downloads a joiner repeats because the state moved on while it travelled (decisions.join_superseded):
+over a slow link a download can span a short round's boundary every time; then the first round
+finds out, as before."""
+
+
+def state_response(snapshot: StateSnapshot, names: Sequence[str] | None = None) -> pb.StateResponse:
+    """The snapshot (or the tensors `names` of it) in full precision (fp32): state sync is the one
+    place parameters travel whole. Digest and counters are always the whole snapshot's."""
+    fp32 = get_codec("fp32")
+    wanted = list(snapshot.params) if not names else list(names)
+
+    def named(tensors: dict) -> list[pb.NamedTensor]:
+        return [pb.NamedTensor(name=n, tensor=encoded_to_proto(fp32.encode(tensors[n]))) for n in wanted if n in tensors]
+
+    return pb.StateResponse(status=pb.OK, round=snapshot.round, state_digest=snapshot.digest,
+                            applied_rounds=snapshot.applied_rounds, params=named(snapshot.params),
+                            momentum=named(snapshot.momentum), trained_samples=snapshot.trained_samples)
+
+
+def plan_parts(shapes: dict[str, tuple[int, ...]], part_bytes: int) -> list[list[str]]:
+    """Tensor names in parts of at most `part_bytes` of θ_global + momentum (a tensor larger than
+    that travels alone). Pure; sorted, so every joiner asks for the same parts."""
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(shapes):
+        n = 8 * math.prod(shapes[name])  # fp32 θ_global and fp32 momentum
+        if parts[-1] and size + n > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += n
+    return parts
+
+
+async def fetch_state(rpc: FramedRPC, donors: Sequence[str], identity: RunIdentity, stage: int,
+                      shapes: dict[str, tuple[int, ...]], max_numel: int, timeout: float,
+                      part_bytes: int = PART_BYTES) -> StateSnapshot:
+    """Download a replica's state in parts, spread over up to two donors that announce the same
+    digest, and check it whole at the end (protocol.responses.validate_state_response per part:
+    names, shapes, fp32 only, bounded counters; then the recomputed digest of the assembled
+    state). Raises RPCFailed or ProtocolError."""
+    donors = list(donors)[:2]
+    parts = plan_parts(shapes, part_bytes)
+
+    async def one(i: int, names: list[str]):
+        request = pb.StateRequest(envelope=envelope(identity, stage), names=names if len(parts) > 1 else [])
+        resp = await rpc.call(donors[i % len(donors)], "state", request, pb.StateResponse, timeout=timeout)
+        res = validate_state_response(resp, {n: shapes[n] for n in names}, max_numel, digest_fn=None,
+                                      allowed_codecs=FP32_ONLY)
+        if not res.ok:
+            raise ProtocolError(res.status, res.reason)
+        return res
+
+    results = await asyncio.gather(*(one(i, names) for i, names in enumerate(parts)))
+    first = results[0]
+    if any((r.digest, r.round, r.applied_rounds, r.trained_samples) !=
+           (first.digest, first.round, first.applied_rounds, first.trained_samples) for r in results):
+        raise ProtocolError(pb.STALE_STATE, "the parts come from different states (a round ended meanwhile)")
+    params = {n: t for r in results for n, t in r.params.items()}
+    momentum = {n: t for r in results for n, t in r.momentum.items()}
+    if momentum and momentum.keys() != params.keys():
+        raise ProtocolError(pb.BAD_REQUEST, "momentum is missing for some tensors")
+    digest = state_digest(params, momentum, first.trained_samples)
+    if digest != first.digest:
+        raise ProtocolError(pb.BAD_REQUEST, "the assembled state does not match its declared digest")
+    return StateSnapshot(params, momentum, first.round, first.applied_rounds, digest, first.trained_samples)
+
+
+class StateSync:
+    """Join, re-sync and serve the state of one stage replica."""
+
+    def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
+                 state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
+                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None,
+                 checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
+                 local_copy: Callable[[int, str | None], StateSnapshot | None] | None = None):
+        self.rpc = rpc
+        self.swarm = swarm
+        self.identity = identity
+        self.peer_id = peer_id
+        self.stage = stage
+        self.state = state
+        self.worker = worker
+        self.clock = clock
+        self.progress = progress
+        self.events = events
+        self.t = timeouts
+        self.max_numel = max_numel
+        self.backup_rpc = backup_rpc
+        """Client of the peer-level backup handlers: an empty stage is restored from a backup."""
+        self.checkpoints = checkpoints
+        """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
+        stage restores from (the newer of the two wins)."""
+        self.local_copy = local_copy
+        """BackupStore.local_copy: this peer's backup of a stage, if it has the given digest."""
+        self._checkpoint_unknown = False
+        """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
+        self.serving = False
+        """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
+        self.from_replica = False
+        """`join` took the state a live replica holds (a download, or this peer's backup with the
+        majority's digest), not the seed or a restore: its donors have evaluated that θ already."""
+        self._settled = asyncio.Event()
+        """Clear while an overlapped round averages in the background (the worker trains meanwhile,
+        so `paused` does not say it): a joiner must not take the state that round replaces."""
+        self._settled.set()
+        self.served: dict[str, float] = {}
+        """Peers that downloaded this replica's state -> when (monotonic) their first request
+        arrived: the round runner holds its boundary for them (decisions.join_hold)."""
+        self.holding = False
+        """Set while the round runner holds its boundary for them: the worker is paused, but the
+        state is committed and nothing averages, so it is served."""
+
+    # serving ------------------------------------------------------------------------------------
+    @property
+    def averaging(self) -> bool:
+        return not self._settled.is_set()
+
+    def begin_averaging(self) -> None:
+        self._settled.clear()
+
+    def end_averaging(self) -> None:
+        self._settled.set()
+
+    async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
+        check_envelope(request.envelope, self.identity, [self.stage])
+        names = list(request.names)
+        if len(set(names)) != len(names) or any(n not in self.state.shapes for n in names):
+            raise ProtocolError(pb.BAD_REQUEST, "state request names unknown or repeated tensors")
+        if self.averaging:
+            # An overlapped round in flight: answer with the state it produces. Polling for a gap
+            # would starve a joiner when averaging takes a whole round (each ends as the next begins).
+            try:
+                await within(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
+            except asyncio.TimeoutError:
+                raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change") from None
+        elif self.worker.paused and not self.holding:
+            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
+        snap = self.state.snapshot
+        if snap is None or not self.serving:
+            raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
+        self.served.setdefault(str(caller), time.monotonic())
+        return state_response(snap, names)
+
+    def forget_served(self, peers: Sequence[str]) -> None:
+        """Drop peers the runner will not hold for again until they ask anew (they serve our state,
+        left, or lost their connection: decisions.join_hold)."""
+        for peer in peers:
+            self.served.pop(peer, None)
+
+    # fetching -----------------------------------------------------------------------------------
+    async def download(self, peers: Sequence[str]) -> bool:
+        """Download the state from `peers` (parts spread over the first two), adopt it."""
+        try:
+            snap = await fetch_state(self.rpc, peers, self.identity, self.stage, self.state.shapes, self.max_numel,
+                                     self.t.state_download)
+        except (RPCFailed, ProtocolError) as e:
+            logger.info("stage %d: state download from %s failed: %s", self.stage,
+                        ", ".join(p[-8:] for p in peers[:2]), e)
+            return False
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        self.progress.adopt(snap.trained_samples)
+        self.clock.adopt(snap.round, get_dht_time())
+        return True
+
+    async def join(self) -> None:
+        """Take the stage's current state from a live replica, or start from the seed if none.
+
+        A replica that is averaging refuses (NOT_READY): a joiner must not start from the state a
+        round is about to replace (hivemind #445), so it retries until the round is over.
+        """
+        deadline = time.monotonic() + self.t.state_download
+        while True:
+            records = await self.swarm.stage_records(self.stage)
+            donors = decisions.join_donors(records, self.peer_id)
+            if not donors:
+                if await self.restore_backup():
+                    await self.worker.run(self.state.copy_to, self.worker.module)
+                elif self._checkpoint_unknown:
+                    # a private run whose coordinator did not answer: its newest checkpoint may be far
+                    # ahead of the seed, so wait for it (or for a replica) rather than start over
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"stage {self.stage} is empty and the coordinator, which holds its "
+                                           "checkpoints, did not answer within timeouts.state_download; not "
+                                           "starting the stage from the seed")
+                    await asyncio.sleep(2.0)
+                    continue
+                else:
+                    self.clock.adopt(0, get_dht_time())
+                    self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
+                self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
+                return
+            if await self.join_local(records):
+                await self.worker.run(self.state.copy_to, self.worker.module)
+                self.progress.expect_group(1 + len(donors))
+                self.from_replica = True
+                return
+            # two donors at once when there are two; else each in turn
+            source = await self._download_any(donors)
+            if source is not None:
+                for _ in range(MAX_JOIN_REFRESHES):
+                    newer = await self._superseded() if time.monotonic() < deadline else []
+                    if not newer:
+                        break
+                    logger.info("stage %d: the state downloaded for round %d was replaced while it travelled; "
+                                "downloading the new one", self.stage, self.clock.current)
+                    source = await self._download_any(newer) or source  # failed: keep the one we have
+                await self.worker.run(self.state.copy_to, self.worker.module)
+                self.progress.expect_group(1 + len(donors))
+                self.from_replica = True
+                self.events.emit("state_loaded", source=source, round=self.clock.current,
+                                 applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                                 trained_samples=self.state.trained_samples)
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
+                                   f"within timeouts.state_download")
+            await asyncio.sleep(0.5)
+
+    async def _download_any(self, donors: Sequence[str]) -> str | None:
+        """Download from the donors (two at once when there are two; else each in turn); the
+        source(s) that served it, or None if every attempt failed."""
+        for order in [donors[i:] + donors[:i] for i in range(len(donors))]:
+            if await self.download(order):
+                return ",".join(order[:2])
+        return None
+
+    async def _superseded(self) -> list[str]:
+        """The donors to download again from if they moved past the state just adopted
+        (decisions.join_superseded), else none; a failed read says none: the first round then finds
+        out, as before."""
+        try:
+            records = await self.swarm.stage_records(self.stage)
+        except Exception as e:
+            logger.debug("stage %d: could not re-read the stage's records after a download: %s", self.stage, e)
+            return []
+        return decisions.join_superseded(records, self.peer_id, self.state.applied_rounds)
+
+    async def join_local(self, records: Sequence) -> bool:
+        """A warm standby: this peer holds a backup of the stage (peer/state/backup.py) whose digest is
+        the one the stage's majority announces, so it is the stage's current state; adopt it and
+        download nothing. A stale or absent copy: False (download as usual)."""
+        if self.local_copy is None:
+            return False
+        digest = decisions.majority_digest([r for r in records if r.peer_id != self.peer_id])
+        snap = self.local_copy(self.stage, digest)
+        if snap is None:
+            return False
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        if self.state.digest != digest:  # the copy was checked on arrival; a mismatch here is a bug
+            logger.warning("stage %d: local backup does not reproduce its digest; downloading instead", self.stage)
+            return False
+        self.progress.trained = snap.trained_samples
+        current = max([r.round for r in records if r.state == ONLINE and r.digest == digest] or [snap.round])
+        self.clock.adopt(max(snap.round, current), get_dht_time())
+        self.events.emit("state_loaded", source="local-backup", round=self.clock.current,
+                         applied_rounds=self.state.applied_rounds, digest=self.state.digest,
+                         trained_samples=self.state.trained_samples)
+        logger.info("stage %d: joined from this peer's own backup (round %d), no download", self.stage,
+                    snap.applied_rounds)
+        return True
+
+    async def restore_backup(self) -> bool:
+        """The stage is empty: restore the newest state that survives it, from the backups its
+        holders have (peer/state/backup.py) or, in a private run, the coordinator's newest checkpoint.
+        Reports how many rounds of the stage were lost (the swarm's round against the state's)."""
+        if self.backup_rpc is None and self.checkpoints is None:
+            return False
+        try:
+            view = await self.swarm.swarm()
+        except Exception as e:
+            logger.info("stage %d: could not read the swarm to find backups: %s", self.stage, e)
+            view = {}
+        best: tuple[str, StateSnapshot] | None = None
+        if self.backup_rpc is not None and view:
+            from swarmgrad.peer.state.backup import BACKUP_COPIES, backup_holders, fetch_backup
+            holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
+            for holder in holders:
+                snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
+                                          self.max_numel, self.t.state_download)
+                if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+                    best = (holder, snap)
+        self._checkpoint_unknown = False
+        if self.checkpoints is not None:
+            try:
+                snap = await self.checkpoints(self.stage)
+            except Exception as e:  # the coordinator is down or sent something unusable: backups only
+                logger.warning("stage %d: no checkpoint from the coordinator: %s: %s", self.stage,
+                               type(e).__name__, e)
+                snap = None
+                self._checkpoint_unknown = True
+            if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+                best = ("coordinator", snap)
+        if best is None:
+            return False
+        source, snap = best
+        self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
+        self.progress.adopt(snap.trained_samples)
+        swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
+        self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
+        lost = max(0, swarm_round - snap.round)
+        self.events.emit("state_restored", source=source, round=self.clock.current, backup_round=snap.round,
+                         applied_rounds=snap.applied_rounds, rounds_lost=lost, digest=self.state.digest,
+                         trained_samples=snap.trained_samples)
+        logger.warning("stage %d was empty: restored its state from %s (%d applied rounds; %d rounds of the stage "
+                       "lost)", self.stage, "a checkpoint of the coordinator" if source == "coordinator"
+                       else f"a backup on {source[-8:]}", snap.applied_rounds, lost)
+        return True
+
+    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+        """After a failed round: adopt the state of a replica that completed it, if any did. Others
+        may still be finishing the round, so wait until every other member has announced a later
+        round (then, if none applied it, nobody did) or as long as a round may take.
+
+        `overlapped`: replicas announce round r + 1 as soon as r's boundary passes, while r still
+        averages in the background; only round r + 2 (whose boundary waits for r) says they are done."""
+        deadline = time.monotonic() + self.t.matchmaking + self.t.allreduce
+        # members that never answered are dead or cut off: they will not announce a later round
+        others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
+        member = bool(result.group) and self.peer_id in result.group
+        votes = await self._votes(round) if member else None
+        if votes is not None and decisions.nobody_applied(votes, self.peer_id, group_hash(tuple(result.group)),
+                                                       result.voted_digest):
+            return False
+        # members whose vote we could not read by now (our vote wait is over) are dead or cut off
+        silent = [p for p in others if p not in votes] if votes is not None and result.voted_digest else []
+        if member:
+            await self._say_abandoned(round, group_hash(tuple(result.group)))
+        while time.monotonic() < deadline:
+            try:
+                records = await self.swarm.stage_records(self.stage)
+            except Exception as e:
+                logger.info("stage %d: resync could not read records: %s: %s", self.stage, type(e).__name__, e)
+                await asyncio.sleep(0.5)
+                continue
+            donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
+                                          result.stale)
+            for donor in donors:
+                if await self.download([donor]):
+                    self.events.emit("resynced", source=donor, round=self.clock.current,
+                                     applied_rounds=self.state.applied_rounds, digest=self.state.digest)
+                    return True
+            if not donors and decisions.resync_settled(records, others, round + 1 if overlapped else round,
+                                                    abandoned=await self._abandoned(round) if member else (),
+                                                    silent=silent):
+                return False
+            await asyncio.sleep(0.5)
+        return False
+
+    async def _votes(self, round: int) -> dict[str, str] | None:
+        """The round's outcome votes (None if they could not be read). If they say no replica
+        applied it (decisions.nobody_applied), there is no donor to wait for: before the votes, every
+        failed round waited here for the others to announce a later round, which they do only
+        after their own wait (several seconds of stall)."""
+        try:
+            return await within(self.swarm.round_checks(self.stage, round), self.t.dht)
+        except Exception as e:
+            logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+            return None
+
+    async def _say_abandoned(self, round: int, hash_: str) -> None:
+        """Tell the other members that we did not apply the round and will not (decisions.resync_settled)."""
+        try:
+            await within(self.swarm.post_abandoned(self.stage, round, self.peer_id, hash_), self.t.dht)
+        except Exception as e:
+            logger.info("stage %d: could not say that round %d was abandoned: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+
+    async def _abandoned(self, round: int) -> list[str]:
+        try:
+            return list(await within(self.swarm.round_abandoned(self.stage, round), self.t.dht))
+        except Exception as e:
+            logger.info("stage %d: resync could not read who abandoned round %d: %s: %s", self.stage, round,
+                        type(e).__name__, e)
+            return []
