@@ -41,7 +41,7 @@ class PeerRecord:
     """Its peer does not move between stages (`--stage N`, `--rebalance off`): placement never
     picks it as a mover, or an empty stage could wait on a peer that will not come."""
     stats: dict[str, Any] | None = None
-    """What the replica last measured (presence.ReplicaStats, bounded by protocol/records.py): for
+    """What the replica last measured (ReplicaStats below, bounded by protocol/records.py): for
     people and dashboards only, never for decisions."""
     backups: tuple[tuple[int, int], ...] = ()
     """(stage, applied_rounds) of the backups this peer holds (peer/state/backup.py): placement prefers

@@ -1,6 +1,6 @@
 """Who averages round r of a stage: every replica registers under {run}/round/{stage}/{r} and reads
 the others' registrations until every replica the stage records call ONLINE has registered (or its
-patience runs out); the group is then a pure function of what it read (averaging_group.choose_group),
+patience runs out); the group is then a pure function of what it read (group.choose_group),
 so members that read the same set agree on it.
 
 Every member sends its parts to last round's group as soon as they are encoded (peer/averaging/averager.py,

@@ -1,6 +1,6 @@
 """What a stage costs: compute per sample, memory per replica, state bytes per move. Pure.
 
-Placement (``placement.py``) needs three figures per stage, all derived from the manifest:
+Placement (``rules.py``) needs three figures per stage, all derived from the manifest:
 
 - ``cost`` c_s: relative compute of one sample's forward + backward on the stage. A peer that
   runs r samples/s on stage a runs about r·c_a/c_b on stage b. For the built-in GPT it is a

@@ -1,6 +1,6 @@
 """What placement can reach: the best min over stages of capacity any assignment of peers to
 stages gives (``optimum``), exact for a handful of peers and the fluid bound for larger swarms.
-Pure; the yardstick of the placement policy's margin (``placement.py``) and of the simulator."""
+Pure; the yardstick of the placement policy's margin (``rules.py``) and of the simulator."""
 from __future__ import annotations
 
 import itertools

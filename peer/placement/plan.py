@@ -1,7 +1,7 @@
 """The placement plans over one snapshot of the swarm: who fills an empty stage, who moves to the
 bottleneck, who repairs from a fresh backup. Every peer that reads the same snapshot computes the
-same plans (deterministic ties: ``tie_hash`` of peer id and an agreed salt); ``placement.py``
-applies its rules to them. Pure; the rules are numbered as in ``placement.py``."""
+same plans (deterministic ties: ``tie_hash`` of peer id and an agreed salt); ``rules.py``
+applies its rules to them. Pure; the rules are numbered as in ``rules.py``."""
 from __future__ import annotations
 
 import hashlib

@@ -1,14 +1,14 @@
 """Which stage a peer serves: pure policy over a snapshot of the swarm (docs/placement.md).
 
 Three files, one concern each: this one holds the rules (a newcomer's stage, ``should_move``, the
-margin, repay, memory, ``Confirmation``); ``placement_plan.py`` the snapshot and the plans every
+margin, repay, memory, ``Confirmation``); ``plan.py`` the snapshot and the plans every
 peer reading it computes alike (``Snapshot.fill_plan``, ``move_plan``, ``warm_plan``);
-``placement_optimum.py`` what placement can reach (``optimum``, ``fluid_bound``). The daemon
+``optimum.py`` what placement can reach (``optimum``, ``fluid_bound``). The daemon
 (``rebalance.py``) and the simulator call the same functions.
 
 Model. SnapshotReplica i of stage a announces its measured rate r_i (samples/s on a); on stage b it
 would run r_i·c_a/c_b (``estimate_rates``), c being the stages' relative costs
-(``stage_cost.py``). Stage capacity C_s = Σ r_i over JOINING and ONLINE replicas; the swarm's
+(``cost.py``). Stage capacity C_s = Σ r_i over JOINING and ONLINE replicas; the swarm's
 throughput is T = min_s C_s. A stage with no JOINING/ONLINE replica is *empty* (C_s = 0).
 
 Rules (``should_move``, for a peer ONLINE on stage a):

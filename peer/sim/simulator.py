@@ -1,7 +1,7 @@
-"""A discrete-event simulator of placement: the policy of ``placement.py``, unchanged, played over
+"""A discrete-event simulator of placement: the policy of ``placement/rules.py``, unchanged, played over
 hundreds to thousands of peers with churn (``swarmgrad simulate``). This file is the model (the
-events and what they do); ``sim_config.py`` holds the devices, the configuration and the result,
-``sim_report.py`` the PNG, the summary line and the command's entry point.
+events and what they do); ``config.py`` holds the devices, the configuration and the result,
+``report.py`` the PNG, the summary line and the command's entry point.
 
 What is modelled. Peers draw a GPU from ``DEVICES`` (speed and memory), an efficiency, a link
 bandwidth and an online time (log-normal, heavy-tailed); they arrive as a Poisson process whose
@@ -28,7 +28,7 @@ every ``fresh_check_s`` while they hold one, and a mover whose copy of its targe
 when it decides joins without a download: it serves after the warm-up alone.
 
 What is measured (every ``sample_s``): throughput = min over stages of the true rates of the
-peers serving it; optimum = the fluid bound (``placement_optimum.fluid_bound``, memory-aware) over the
+peers serving it; optimum = the fluid bound (``placement.optimum.fluid_bound``, memory-aware) over the
 peers that could serve (everyone but newcomers still fetching their first state). The ratio of
 the two is averaged over time; the bound is an upper bound, so the ratio is conservative. It is
 also a tight one here: on snapshots of the 1000-peer runs a discrete assignment (greedy, then
@@ -45,7 +45,7 @@ one assumes repairs that add capacity, which a move (it takes a peer from a stag
 not. ``paper_ratio`` is the assignment on paper (joiners and movers on their target) against
 the bound: 0.972 for the full policy at 1000 peers, yet policies at 0.982–0.987 on paper served
 no more (docs/placement.md): the gap is repair latency, not the imbalance on paper.
-Stage costs, memory needs and state sizes come from ``stage_cost.stage_costs`` of
+Stage costs, memory needs and state sizes come from ``placement.cost.stage_costs`` of
 ``sim_manifest()``: a 1.3B-parameter byte-level GPT in 8 stages of 3 or 2 blocks, whose 3-block
 stages do not fit a 12 GB card, so memory shapes placement.
 """
@@ -213,7 +213,7 @@ class Simulation:
         return int(self.now // self.cfg.round_s)
 
     def _fresh(self, p: _Peer) -> frozenset[int]:
-        """Stages whose state of the current round p holds (placement_plan.fresh_backups, with the
+        """Stages whose state of the current round p holds (placement.plan.fresh_backups, with the
         round boundary standing for the majority's applied rounds)."""
         if not p.copies:
             return frozenset()
