@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep trying --initial-peers this long while none answers (peers launched together "
                         f"come up in any order; default {BOOTSTRAP_WAIT_S:.0f})")
     p.add_argument("--stage", default="auto", type=stage_arg,
-                   help="stage to serve: auto (fewest replicas) or an index")
+                   help="stage to serve: auto (the placement rule picks the stage serving least, within memory) or an index")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
                    help="where to listen (default: loopback, a free port)")
