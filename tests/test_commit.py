@@ -101,12 +101,12 @@ def test_a_lost_answer_is_trained_once() -> None:
         assert loss is not None and driver.stats.retries == 1
         assert [c for c in net.calls if c[1] == "forward"] == [(A, "forward"), (B, "forward")]
         await driver.flush_commits()
-        assert workers[B].accumulated == 1 and workers[B].held == 0  # committed by the driver
-        assert workers[A].accumulated == 0 and workers[A].held == 1  # computed, answer lost: held
+        assert workers[B].tally.accumulated == 1 and workers[B].held == 0  # committed by the driver
+        assert workers[A].tally.accumulated == 0 and workers[A].held == 1  # computed, answer lost: held
         await asyncio.sleep(0.5)  # past timeouts.commit
-        assert workers[A].held == 0 and workers[A].uncommitted == 1 and workers[A].accumulated == 0
+        assert workers[A].held == 0 and workers[A].uncommitted == 1 and workers[A].tally.accumulated == 0
         assert all(p.grad is None for p in workers[A].module.parameters())
-        assert workers[DRIVER].accumulated == 1  # the driver's own stage: once
+        assert workers[DRIVER].tally.accumulated == 1  # the driver's own stage: once
         for w in workers.values():
             w.close()
     asyncio.run(main())
@@ -126,7 +126,7 @@ def test_held_gradients_equal_a_plain_backward() -> None:
         assert await other.commit([(DRIVER, 1, 0), (DRIVER, 99, 0)]) == 1  # unknown keys are skipped
         for g, p in zip(plain, other.module.parameters()):
             torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
-        assert other.accumulated == 1 and other.losses == [loss]
+        assert other.tally.accumulated == 1 and other.losses == [loss]
         # what round events report (the chaos soak counts duplicates by id): the one committed, once
         assert other.take_committed() == [f"{DRIVER[-8:]}:1"] and other.take_committed() == []
         for w in workers.values():
@@ -152,7 +152,7 @@ def test_only_the_driver_commits_and_a_step_waits_for_held() -> None:
         assert not pause.done()
         assert (await server.commit(request, DRIVER)).committed == 1
         await asyncio.wait_for(pause, 2.0)
-        assert w.inner_steps == 1 and w.accumulated == 0
+        assert w.inner_steps == 1 and w.tally.accumulated == 0
         for worker in workers.values():
             worker.close()
     asyncio.run(main())

@@ -96,11 +96,11 @@ def test_next_step_runs_against_a_stash_and_its_gradients_are_one_step_stale() -
         assert [s.step for s in slots] == [0, 0, 1, 1] and [s.ahead for s in slots] == [False, False, True, True]
         assert slots[2].stash is slots[3].stash, "one stash per step"
         await asyncio.sleep(0.1)  # the ahead ones finish first: held, step 0 is not taken without its own
-        assert w.lookahead.held == 2 and w.accumulated == 0 and w.steps_total == 0
+        assert w.lookahead.held == 2 and w.tally.accumulated == 0 and w.steps_total == 0
         release.set()
         await asyncio.wait_for(asyncio.gather(*lanes), 5)
-        assert w.steps_total == 2 and w.accumulated == 0 and w.lookahead.held == 0
-        assert w._in_flight == w._in_flight_train == w._in_flight_ahead == 0
+        assert w.steps_total == 2 and w.tally.accumulated == 0 and w.lookahead.held == 0
+        assert w.gate.in_flight == w.gate.in_flight_current == w.gate.in_flight_ahead == 0
         # step 0: its microbatches at the start; step 1: the ahead ones, also taken at the start
         want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (start, data[3])]])
         assert_same_weights(w.module, want)
@@ -123,7 +123,7 @@ def test_an_ahead_microbatch_finishing_after_the_step_joins_the_next_one() -> No
         assert await asyncio.wait_for(w.maybe_step(), 5) and w.steps_total == 1
         await w.backward(xin, y, grad_y(y, data[2][1]), 3, slot=s2)  # straight into .grad
         await gates[2].__aexit__(None, None, None)
-        assert w.accumulated == 1 and w.lookahead.held == 0 and w._in_flight == 0
+        assert w.tally.accumulated == 1 and w.lookahead.held == 0 and w.gate.in_flight == 0
         async with w.admitted(wait=True, ahead=True) as s3:
             assert not s3.ahead and s3.step == 1
             await pass_through(w, *data[3], s3)
@@ -157,10 +157,10 @@ def test_pause_trains_what_ran_ahead_when_the_current_step_was_lost() -> None:
             async with w.admitted(wait=True, ahead=True) as s2:
                 await pass_through(w, *data[0], s2)
             # the two current microbatches fail (their attempts end without a backward)
-        assert w.lookahead.held == 1 and w.accumulated == 0
+        assert w.lookahead.held == 1 and w.tally.accumulated == 0
         before = [p.detach().clone() for p in w.module.parameters()]
         await asyncio.wait_for(w.pause(), 5)
-        assert w.steps_total == 1 and w.lookahead.held == 0 and w.accumulated == 0
+        assert w.steps_total == 1 and w.lookahead.held == 0 and w.tally.accumulated == 0
         assert any(not torch.equal(a, p) for a, p in zip(before, w.module.parameters()))
         w.close()
     asyncio.run(main())
@@ -177,11 +177,11 @@ def test_cancelled_ahead_microbatches_leave_no_count() -> None:
 
         tasks = [asyncio.create_task(handler()) for _ in range(4)]
         await asyncio.sleep(0.05)
-        assert w._in_flight_train == 2 and w._in_flight_ahead == 2
+        assert w.gate.in_flight_current == 2 and w.gate.in_flight_ahead == 2
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert w._in_flight == w._in_flight_train == w._in_flight_ahead == 0
+        assert w.gate.in_flight == w.gate.in_flight_current == w.gate.in_flight_ahead == 0
         await asyncio.wait_for(w.pause(), 2.0)
         w.close()
     asyncio.run(main())
@@ -190,7 +190,7 @@ def test_cancelled_ahead_microbatches_leave_no_count() -> None:
 def test_a_later_stage_holds_what_ran_ahead_until_commit_and_its_step() -> None:
     async def main() -> None:
         w = make_worker()
-        w.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
+        w.passes.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
         start = copy.deepcopy(w.module)
         data = batches(4)
         gates = [w.admitted(wait=False, ahead=True) for _ in range(4)]
@@ -202,9 +202,9 @@ def test_a_later_stage_holds_what_ran_ahead_until_commit_and_its_step() -> None:
             await gates[i].__aexit__(None, None, None)
         assert w.held == 4
         assert await w.commit([keys[2], keys[3]]) == 2
-        assert w.lookahead.held == 2 and w.accumulated == 0, "committed ahead: waiting for this step, not in it"
+        assert w.lookahead.held == 2 and w.tally.accumulated == 0, "committed ahead: waiting for this step, not in it"
         assert not await w.maybe_step()
-        assert await w.commit([keys[0], keys[1]]) == 2 and w.accumulated == 2
+        assert await w.commit([keys[0], keys[1]]) == 2 and w.tally.accumulated == 2
         assert await w.maybe_step() and w.steps_total == 2, "this step, then the next one the ahead pair fills"
         want = reference(start, [[(start, data[0]), (start, data[1])], [(start, data[2]), (start, data[3])]])
         assert_same_weights(w.module, want)
@@ -215,7 +215,7 @@ def test_a_later_stage_holds_what_ran_ahead_until_commit_and_its_step() -> None:
 def test_uncommitted_ahead_microbatches_block_only_their_own_step() -> None:
     async def main() -> None:
         w = make_worker()
-        w.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
+        w.passes.loss_fn = lambda y, t: nn.functional.mse_loss(y, t)
         data = batches(3)
         gates = [w.admitted(wait=False, ahead=True) for _ in range(3)]
         slots = [await g.__aenter__() for g in gates]
@@ -228,7 +228,7 @@ def test_uncommitted_ahead_microbatches_block_only_their_own_step() -> None:
         assert w.steps_total == 1 and w.held == 1
         assert not await w.maybe_step(force=True), "nothing of step 1 is committed yet"
         await w.commit([keys[2]])
-        assert w.accumulated == 1
+        assert w.tally.accumulated == 1
         assert await w.maybe_step(force=True) and w.steps_total == 2
         w.close()
     asyncio.run(main())

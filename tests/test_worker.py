@@ -38,11 +38,11 @@ def test_cancelled_handlers_leave_no_phantom_in_flight() -> None:
 
         tasks = [asyncio.create_task(handler()) for _ in range(2)]
         await asyncio.sleep(0.05)
-        assert w._in_flight == 2
+        assert w.gate.in_flight == 2
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert w._in_flight == 0 and w._in_flight_train == 0
+        assert w.gate.in_flight == 0 and w.gate.in_flight_current == 0
         await asyncio.wait_for(w.pause(), 2.0)  # would hang on a phantom in-flight microbatch
         w.close()
     asyncio.run(main())
@@ -55,8 +55,8 @@ def test_quota_and_pause_refuse_with_not_ready() -> None:
         for _ in range(2):
             async with w.admitted(wait=False):
                 await w.forward_loss(x, t)
-        assert w.accumulated == 2
-        assert await w.maybe_step() and w.inner_steps == 1 and w.accumulated == 0
+        assert w.tally.accumulated == 2
+        assert await w.maybe_step() and w.inner_steps == 1 and w.tally.accumulated == 0
         await w.pause()
         with pytest.raises(NotReady):
             async with w.admitted(wait=False):
@@ -95,7 +95,7 @@ def test_non_finite_gradient_skips_the_step_and_loss_is_refused() -> None:
         bad_t[0, 0] = float("nan")
         with pytest.raises(NonFiniteLoss):
             await w.forward_loss(x, bad_t)
-        assert w.accumulated == 0, "a non-finite loss is not trained on"
+        assert w.tally.accumulated == 0, "a non-finite loss is not trained on"
         for _ in range(2):
             await w.forward_loss(x, t)
         next(iter(w.module.parameters())).grad[0, 0] = float("inf")  # a poisoned gradient
@@ -118,7 +118,7 @@ def test_inner_lr_follows_the_swarm_position() -> None:
         await w.maybe_step()
         # position = 50 agreed + 6 local samples (share 1): lr = 0.1 * (1 - 56/100)
         assert w.lr == pytest.approx(0.1 * (1 - 56 / 100))
-        assert w.optimizer.param_groups[0]["lr"] == pytest.approx(w.lr)
+        assert w.inner.optimizer.param_groups[0]["lr"] == pytest.approx(w.lr)
         w.close()
     asyncio.run(main())
 
@@ -132,10 +132,10 @@ def test_rate_clock_cpu_leaves_out_time_the_thread_did_not_run_and_slowdown_scal
 
     wall, cpu = make_worker(slowdown=3.0), make_worker(slowdown=3.0, rate_clock="cpu")
     for w in (wall, cpu):
-        w._timed(compute)
+        w.thread.timed(compute)
         w.close()
-    assert wall._compute_s >= 3 * 0.06 and wall.compute_total == pytest.approx(wall._compute_s, rel=1e-3)
-    assert 3 * 0.01 <= cpu._compute_s < 3 * 0.03  # the sleep is not the peer's compute
+    assert wall.thread.rate_s >= 3 * 0.06 and wall.compute_total == pytest.approx(wall.thread.rate_s, rel=1e-3)
+    assert 3 * 0.01 <= cpu.thread.rate_s < 3 * 0.03  # the sleep is not the peer's compute
     assert cpu.compute_total >= 3 * 0.06  # utilisation stays in elapsed time
     with pytest.raises(KeyError):
         make_worker(rate_clock="gpu")
@@ -149,7 +149,7 @@ def test_core_time_counts_the_compute_threads_cpu_against_elapsed_time_without_t
             pass
 
     w = make_worker(slowdown=3.0)
-    w._timed(compute)
+    w.thread.timed(compute)
     w.close()
     cpu, elapsed = w.core_time
     assert 0.02 <= cpu < 0.04 and 0.07 <= elapsed < 3 * 0.07  # the slowdown's sleep is in neither
@@ -224,8 +224,8 @@ def test_microbatches_of_different_sizes_step_on_the_mean_over_samples(swarm: bo
                 async with w.admitted(wait=False) as slot:
                     positions.append(slot.position)
                     await w.forward_loss(x[lo:lo + n], t[lo:lo + n])
-            assert w.step_samples == 4
-            assert await w.maybe_step() and w.step_samples == 0
+            assert w.tally.step_samples == 4
+            assert await w.maybe_step() and w.tally.step_samples == 0
         assert positions == [0, 1] * len(data)
         w.close()
         return w.module

@@ -1,93 +1,108 @@
-"""The stage worker's side of commit on acknowledgement (peer/compute/held.py has the store): a stage ≥ 1
-computes an answered microbatch's parameter gradients but adds them only when the driver commits
-that attempt, so a microbatch whose answer was lost and that went again along another route is
-trained on once.
+"""Commit on acknowledgement: a stage ≥ 1 replica's gradients of answered microbatches, held until
+the driver commits them or dropped after `timeouts.commit`.
 
-A part of `StageWorker` (peer/compute/worker.py), kept apart because it is its own protocol: the worker
-owns the state these methods use (the `HeldGradients`, the compute thread, the gate's condition,
-the step counters) and its gate counts held microbatches against the step's quota.
+A stage ≥ 1 does not add a microbatch's parameter gradients when it answers: the answer may be
+lost, and the driver then re-sends the microbatch along another route. So they wait here under
+(driver, microbatch id, attempt) until the driver, having got the answer and run its own
+backward, commits that attempt; a later hold of the same attempt replaces the earlier one. So a
+microbatch whose answer was lost, and that went again along another route, is trained on once at
+every stage.
+
+Each held microbatch knows the inner step it belongs to (the current one, or the next one for a
+microbatch admitted ahead: peer/compute/lookahead.py). The worker counts the current step's against
+that step's quota and takes no step while any of them is held, so a gradient is never added after
+the step it was computed for (peer/compute/worker.py). This module is the store and its counts; the
+worker computes the gradients and adds the committed ones.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from swarmgrad.peer.compute.held import HoldKey
-from swarmgrad.peer.compute.lookahead import PLAIN, Slot
-
-if TYPE_CHECKING:
-    from swarmgrad.peer.compute.worker import StageWorker
-
 logger = logging.getLogger(__name__)
 
+HoldKey = tuple[str, int, int]
+"""(driver peer id, microbatch id, attempt): one trip of one microbatch."""
 
-class CommitOnAck:
-    """Holding answered microbatches' gradients until the driver commits them (StageWorker's base)."""
 
-    async def backward_held(self: StageWorker, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                            batch: int, loss: float | None = None, slot: Slot = PLAIN) -> torch.Tensor | None:
-        """Like `backward`, but the parameter gradients wait for `commit(key)` (module docstring).
-        `loss`: the microbatch's loss from the answer (middle stages report it, for progress)."""
-        return await asyncio.shield(self._backward_then_hold(key, x, y, grad_y, batch, loss, slot))
+@dataclass(eq=False)  # compared by identity: gradients are tensors
+class Held:
+    grads: list[torch.Tensor | None]
+    batch: int
+    loss: float | None
+    step: int
+    """The worker's `steps_total` the gradients are for."""
+    expiry: asyncio.TimerHandle
 
-    async def _backward_then_hold(self: StageWorker, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
-                                  batch: int, loss: float | None, slot: Slot) -> torch.Tensor | None:
-        grads, grad_x = await self.run(self._timed, self._backward_held, x, y, grad_y, slot)
-        self._held.hold(key, batch, grads, loss, self._step_of(slot))
-        return grad_x
 
-    async def forward_loss_held(self: StageWorker, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot = PLAIN
-                                ) -> tuple[float, torch.Tensor | None]:
-        """Last stage, training: forward, loss, backward; the gradients wait for `commit(key)`."""
-        return await asyncio.shield(self._forward_loss_then_hold(key, x, targets, slot))
+class HeldCommits:
+    """Answered microbatches' gradients waiting for their driver's commit, and what became of them.
 
-    async def _forward_loss_then_hold(self: StageWorker, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot
-                                      ) -> tuple[float, torch.Tensor | None]:
-        loss, grads, grad_x = await self.run(self._timed, self._forward_loss_held, x, targets, slot)
-        self._held.hold(key, x.shape[0], grads, loss, self._step_of(slot))
-        return loss, grad_x
+    Invariants:
+    - A key is held at most once; holding it again replaces the earlier gradients.
+    - Every held microbatch leaves exactly once: popped by a commit, dropped when its
+      `timeout` runs out (counted in `uncommitted`, then `on_drop` is called), or cleared at close.
+    - `count(step)` is what the quota of inner step `step` counts; `len()` counts every step's.
+    - `committed` lists each committed microbatch once, until `take_committed` hands them over.
+    """
 
-    def _step_of(self: StageWorker, slot: Slot) -> int:
-        """The inner step a slot's gradients go into (the current one for a slot of a plain caller)."""
-        return max(slot.step, self.steps_total)
+    def __init__(self, timeout: float, on_drop: Callable[[], None]):
+        """`timeout`: seconds a microbatch is held (timeouts.commit). `on_drop`: called on the event
+        loop after a microbatch was dropped for want of a commit (the gate wakes its waiters)."""
+        self.timeout = timeout
+        self.on_drop = on_drop
+        self._held: dict[HoldKey, Held] = {}
+        self.uncommitted = 0
+        """Microbatches whose gradients were dropped because no commit came (reported in round events)."""
+        self.committed: list[str] = []
+        """"driver:microbatch" of every microbatch committed since the last `take_committed`
+        (round events carry them, so the chaos soak counts microbatches trained twice exactly)."""
 
-    def _expired(self: StageWorker, key: HoldKey) -> None:
-        self.uncommitted += 1
-        logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
-        task = asyncio.ensure_future(self._notify())  # wake admissions waiting on the quota
-        self._notifies.add(task)
-        task.add_done_callback(self._notifies.discard)
+    def hold(self, key: HoldKey, batch: int, grads: list[torch.Tensor | None], loss: float | None, step: int) -> None:
+        """Hold a microbatch's gradients (for inner step `step`) until `pop` or the timeout."""
+        old = self._held.pop(key, None)
+        if old is not None:  # the same attempt twice: keep the newer gradients only
+            old.expiry.cancel()
+        expiry = asyncio.get_running_loop().call_later(self.timeout, self._expire, key)
+        self._held[key] = Held(grads, batch, loss, step, expiry)
 
-    async def commit(self: StageWorker, keys: list[HoldKey]) -> int:
-        """Train on the held microbatches `keys` names (unknown or dropped ones are skipped).
-        Returns how many were held. Shielded: the counts and .grad change together."""
-        return await asyncio.shield(self._commit(keys))
+    def _expire(self, key: HoldKey) -> None:
+        if self._held.pop(key, None) is not None:
+            self.uncommitted += 1
+            logger.info("dropped microbatch %s of %s: no commit within timeouts.commit", key[1], key[0][-8:])
+            self.on_drop()
 
-    async def _commit(self: StageWorker, keys: list[HoldKey]) -> int:
-        popped = self._held.pop(keys)
-        if not popped:
-            return 0
-        now = [h for _, h in popped if h.step <= self.steps_total]
-        for _, h in popped:
-            if h.step > self.steps_total:  # ran ahead and this step is not applied yet: the next one's
-                self.lookahead.hold(h.grads, h.batch)
-        if now:  # after the holds above: a step that runs meanwhile promotes those
-            await self.run(self.inner.add, [h.grads for h in now], [h.batch for h in now])
-        self._committed.extend(f"{k[0][-8:]}:{k[1]}" for k, _ in popped)
-        for h in now:
-            self._finished(h.batch)
-        self.losses.extend(h.loss for _, h in popped if h.loss is not None)
-        await self._notify()
-        return len(popped)
+    def pop(self, keys: list[HoldKey]) -> list[tuple[HoldKey, Held]]:
+        """The held microbatches of `keys` (unknown or dropped ones are skipped), no longer held."""
+        out = []
+        for key in keys:
+            held = self._held.pop(key, None)
+            if held is not None:
+                held.expiry.cancel()
+                out.append((key, held))
+        return out
+
+    def record(self, keys: list[HoldKey]) -> None:
+        """These popped microbatches were committed (trained on now, or in the next step if they ran ahead)."""
+        self.committed.extend(f"{k[0][-8:]}:{k[1]}" for k in keys)
 
     def take_committed(self) -> list[str]:
         """The microbatches committed since the last call ("driver:id", driver's last 8 characters)."""
-        out, self._committed = self._committed, []
+        out, self.committed = self.committed, []
         return out
 
-    @property
-    def held(self) -> int:
+    def count(self, up_to_step: int) -> int:
+        """Held microbatches of inner steps up to `up_to_step` (all of them: len())."""
+        return sum(1 for h in self._held.values() if h.step <= up_to_step)
+
+    def __len__(self) -> int:
         return len(self._held)
+
+    def clear(self) -> None:
+        for held in self._held.values():
+            held.expiry.cancel()
+        self._held.clear()

@@ -8,8 +8,8 @@ backward (`weighted`), every earlier stage receives gradients already scaled so,
 the sum by the step's samples in the same unit. That is the whole step's mean gradient, and with
 equal microbatches both factors are exactly 1 and 1 / microbatches, as they were.
 
-Pure compute on tensors, called on the worker's compute thread; the gate that decides *when* a
-step may run (nothing in flight, nothing held) stays in peer/compute/worker.py.
+Pure compute on tensors, called on the worker's compute thread; *when* a step may run (nothing in
+flight, nothing held) is the gate's and the worker's (peer/compute/gate.py, peer/compute/worker.py).
 """
 from __future__ import annotations
 

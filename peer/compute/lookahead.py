@@ -24,7 +24,8 @@ bits/byte at equal samples with half the microbatches ahead: off by default, exp
 is here so that the trade can be measured on other models (benchmarks/pipeline_link.py,
 benchmarks/lookahead_quality.py, benchmarks/wan.py's swarmgrad-pipe-la).
 
-Pure tensor code: the worker owns the counts and the gate (peer/compute/worker.py).
+Pure tensor code: the gate owns the counts in flight (peer/compute/gate.py), the worker ties them
+together (peer/compute/worker.py).
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ class PeerOptions:
     """Testing aid: compute takes this many times longer (a sleep proportional to measured compute)."""
     rate_clock: str = "wall"
     """Testing aid: "cpu" measures the announced rate in the compute thread's CPU time (see
-    worker.RATE_CLOCKS), for several peers sharing one machine's cores."""
+    peer/compute/thread.py RATE_CLOCKS), for several peers sharing one machine's cores."""
     byzantine: str | None = None
     """TESTING AID: send corrupted pseudo-gradients ("scale" or "random"; benchmarks/byzantine.py)."""
     max_memory: int | None = None

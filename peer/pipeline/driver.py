@@ -272,7 +272,7 @@ class Driver:
 
     def _commit(self, route: str, mb: int, attempt: int) -> None:
         """The answer came back and our backward ran: let every replica of the route train on it
-        (peer/compute/worker.py, commit on acknowledgement). In the background: the lane goes on."""
+        (peer/compute/commits.py, commit on acknowledgement). In the background: the lane goes on."""
         assert self.downstream is not None
         peers = tuple(p for p in route.split(",") if p)
         task = asyncio.create_task(self.downstream.commit(peers, 1, mb, attempt, self.m.timeouts.commit),

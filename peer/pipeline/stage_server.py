@@ -9,7 +9,7 @@ always runs on the replica that ran the forward (replicas drift between DiLoCo r
 A stage that cannot reach its next stage answers DOWNSTREAM_FAILED naming the failed peer; the
 driver re-sends the microbatch along another route. A stage does not retry itself: one owner
 (the driver) decides, so no microbatch is trained twice by two retry loops. And a stage trains on
-a microbatch only when the driver commits it (peer/compute/worker.py): if an answer is lost and the
+a microbatch only when the driver commits it (peer/compute/commits.py): if an answer is lost and the
 driver re-sends the microbatch elsewhere, the first route's gradients are dropped, not added.
 """
 from __future__ import annotations
@@ -276,7 +276,7 @@ class StageServer:
         return response
 
     async def commit(self, request: pb.CommitRequest, caller: PeerID) -> pb.CommitResponse:
-        """The driver got these microbatches' answers: train on them here (peer/compute/worker.py)."""
+        """The driver got these microbatches' answers: train on them here (peer/compute/commits.py)."""
         keys = validate_commit(request, self.identity, self.contract.stage, str(caller))
         committed = await self.worker.commit(keys)
         if committed:

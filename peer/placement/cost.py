@@ -63,7 +63,7 @@ class MemoryNeed:
     joiners; evaluations read its θ_global."""
     eval_copy: int = 0
     """The module evaluations run on, holding the snapshot's θ_global on the module's device
-    (``StageWorker._eval_module_now``): kept from the first evaluation on. Placement does not know a
+    (``EvalCopy``, peer/compute/evaluation.py): kept from the first evaluation on. Placement does not know a
     peer's device, so it is counted for every peer, though a CPU fp32 module's copy shares the
     snapshot's tensors."""
 
