@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Collection, Protocol, Sequence
 
 from swarmgrad.peer.net.deadline import cancel_requested, within
+from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
 from swarmgrad.peer.net.polling import poll_intervals
 from swarmgrad.peer.records import FAILED
 
@@ -68,22 +69,23 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
     and is gone (killed after the exchange, in which every member spoke to every other) will never
     vote: the round fails then instead of at `timeout`. That is as safe as the timeout itself (a
     missing vote means nobody can apply; a member whose vote lands later and who applies with the
-    others is the two-generals case that `voted_digest` already covers)."""
+    others is the two-generals case that `voted_digest` already covers). The network's failures
+    (NETWORK_FAILURES) fail the vote or are read past; anything else propagates."""
     mine = vote(group_hash, digest)
     try:
         await within(board.post_check(stage, round, me, mine), dht_timeout)
-    except Exception as e:
+    except NETWORK_FAILURES as e:
         # a failed vote that did not land still leaves no digest of ours anywhere; a digest may have
         return Outcome(False, f"outcome vote not posted: {type(e).__name__}: {e}", voted_digest=digest is not None)
     if digest is None:
         return Outcome(False)
     deadline = time.monotonic() + timeout
     posted: dict[str, str] = {}
+    reading = BestEffort(f"stage {stage} round {round}: reading the outcome votes", logger)
+    listing = BestEffort(f"stage {stage} round {round}: listing connections while waiting for votes", logger)
     for delay in poll_intervals(VOTE_POLL_SECONDS):
-        try:
+        with reading:  # a DHT hiccup: try again until the deadline
             posted = await within(board.round_checks(stage, round), dht_timeout)
-        except Exception as e:  # a DHT hiccup: try again until the deadline
-            logger.debug("stage %d round %d: could not read votes: %s", stage, round, e)
         failed = sorted(p[-8:] for p in members if posted.get(p, "").endswith(f":{FAILED}"))
         if failed:
             return Outcome(False, f"member(s) {failed} voted the round failed", voted_digest=True)
@@ -93,7 +95,7 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
                                   f"different bytes, or their group differs)", voted_digest=True)
         if set(members) <= set(posted):
             return Outcome(True)
-        left = await _gone([p for p in members if p not in posted], gone, dht_timeout)
+        left = await _gone([p for p in members if p not in posted], gone, dht_timeout, listing)
         if left:
             return Outcome(False, f"outcome vote: member(s) {sorted(p[-8:] for p in left)} left before voting (no "
                                   f"connection to them)", voted_digest=True, missing=tuple(left))
@@ -106,14 +108,12 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
 
 
 async def _gone(missing: Sequence[str], gone: Callable[[Sequence[str]], Awaitable[Collection[str]]] | None,
-                timeout: float) -> list[str]:
+                timeout: float, listing: BestEffort) -> list[str]:
     if not missing or gone is None:
         return []
-    try:
+    left: Collection[str] = ()
+    with listing:  # the daemon did not answer: the vote's own deadline still ends the wait
         left = await within(gone(missing), timeout)
-    except Exception as e:  # the daemon did not answer: the vote's own deadline still ends the wait
-        logger.debug("could not list connections: %s: %s", type(e).__name__, e)
-        return []
     return [p for p in missing if p in left]
 
 
@@ -122,15 +122,14 @@ async def first_failure(board: VoteBoard, stage: int, round: int, members: Seque
     """Returns (why) once another member voted anything but a digest under our group's hash
     (failed, or in another group: either way our round cannot complete); never otherwise."""
     ours = f"{group_hash}:"
+    reading = BestEffort(f"stage {stage} round {round}: watching the outcome votes", logger)
     while True:
         await asyncio.sleep(VOTE_POLL_SECONDS)
         if cancel_requested():  # our owner cancelled us and something below lost it: stop anyway
             raise asyncio.CancelledError()
-        try:
+        votes: dict[str, str] = {}
+        with reading:  # a DHT hiccup: the parts' own deadlines still bound the round
             votes = await board.round_checks(stage, round)
-        except Exception as e:  # a DHT hiccup: the parts' own deadlines still bound the round
-            logger.debug("stage %d round %d: could not read votes: %s", stage, round, e)
-            continue
         failed = [p for p in members if p != me and p in votes
                   and (not votes[p].startswith(ours) or votes[p] == vote(group_hash, None))]
         if failed:

@@ -46,7 +46,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.private.credentials import make_invitation
+    from swarmgrad.peer.private.credentials import CredentialError, make_invitation
     from swarmgrad.peer.net.identity import IdentityError
     try:
         key = _load_key(args.key)
@@ -54,7 +54,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
     except (IdentityError, RuntimeError) as e:
         print(e, file=sys.stderr)
         return 2
-    except Exception as e:  # a manifest not signed by this key
+    except CredentialError as e:  # a manifest not signed by this key
         print(f"the coordinator at {args.coordinator} does not hold this key: {e}", file=sys.stderr)
         return 2
     invitation = make_invitation(key, run_id, args.coordinator, expires_in=args.expires, stage=args.stage)

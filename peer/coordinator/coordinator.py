@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -38,6 +38,7 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL, SignedRecordValidator
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import BestEffort, dht_call
 from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
 from swarmgrad.protocol.validation import RunIdentity
 
@@ -91,6 +92,9 @@ class Coordinator:
         """The dashboard's two documents, rebuilt by the event loop at each look and only read by
         the HTTP server's threads (a reference swap: they never see a half-built one)."""
         self._tasks: list[asyncio.Task] = []
+        self._steps: dict[str, BestEffort] = {}
+        """One per step of the heartbeat loop, named after it (and the revocation list published at
+        once after a revoke order shares its step's)."""
 
     # DHT (before any event loop or torch thread: hivemind forks) ----------------------------------
     def _self_certificate(self):
@@ -193,16 +197,32 @@ class Coordinator:
         next heartbeat, so peers see it within one of theirs."""
         self.admission.adopt_revocations(self.issuer.authority.revocations(signed))
         self.events.emit("revoked", revoked=sorted(self.store.state.revoked))
-        task = asyncio.create_task(self._publish_revocations(), name="publish-revocations")
+        task = asyncio.create_task(self._step(self._publish_revocations), name="publish-revocations")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _publish_revocations(self) -> None:
-        assert self.dht is not None
-        signed = self.service.revocations()
-        await asyncio.wait_for(self.dht.store(revocations_key(self.m.run_id), signed.SerializeToString(),
-                                              get_dht_time() + MAX_RECORD_TTL, subkey=self.peer_id,
-                                              return_future=True), self.m.timeouts.dht)
+        """Store the newest revocation list in the DHT; raises SwarmUnavailable when the network
+        fails the write."""
+        dht = self.dht
+        assert dht is not None
+        key, value = revocations_key(self.m.run_id), self.service.revocations().SerializeToString()
+        await dht_call(f"publishing the revocation list under {key}", lambda: dht.store(
+            key, value, get_dht_time() + MAX_RECORD_TTL, subkey=self.peer_id, return_future=True),
+            self.m.timeouts.dht)
+
+    async def _step(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run one step of the loop. The network's failures are logged (`BestEffort`), anything else
+        with its traceback: the coordinator keeps serving, and the next heartbeat tries again."""
+        name = getattr(step, "__name__", str(step))
+        attempt = self._steps.get(name)
+        if attempt is None:
+            attempt = self._steps[name] = BestEffort(f"coordinator: {name}", logger)
+        try:
+            with attempt:
+                await step()
+        except Exception:  # not the network's failure: a bug, or a file not written
+            logger.exception("coordinator: %s failed", name)
 
     async def _loop(self) -> None:
         while True:
@@ -210,10 +230,7 @@ class Coordinator:
                 self.certificate = self._self_certificate()
                 self.admission.certificate = self.certificate
             for step in (self._publish_revocations, self.admission.step, self._look):
-                try:
-                    await step()
-                except Exception as e:
-                    logger.info("coordinator: %s failed: %s: %s", getattr(step, "__name__", step), type(e).__name__, e)
+                await self._step(step)
             await asyncio.sleep(self.m.timeouts.heartbeat)
 
     async def _look(self) -> None:

@@ -13,8 +13,11 @@ Every subkey is its writer's peer id and every value is signed by it: the DHT is
 signature is not the subkey's peer's, and any expiry beyond MAX_RECORD_TTL. Writes here clamp
 their TTL to it; reads also drop entries that expire later than twice their kind's TTL (the
 validator cannot tell kinds apart), so a peer that vanished stays a ghost for 2 TTLs at most.
-Values are small dicts (hivemind's pipe breaks on values over ~16 KiB, see the primer). Every
-record read back is validated; a malformed record or one of another manifest is dropped.
+Values are small dicts (hivemind's pipe breaks on values over ~16 KiB). Every record read back
+is validated; a malformed record or one of another manifest is dropped.
+
+Every read and write has the view's deadline and raises `SwarmUnavailable` (peer/net/errors.py)
+when the network fails it; any other exception is a bug and propagates.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Any, Callable, Iterable
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import SwarmUnavailable, dht_call
 from swarmgrad.peer.net.identity import is_peer_id
 from swarmgrad.peer.net.record_signing import MAX_CLOCK_SKEW, MAX_RECORD_TTL
 from swarmgrad.peer.records import PeerRecord, round_key, stage_key
@@ -55,7 +58,8 @@ def agreed_epoch(epochs: Iterable[float]) -> float | None:
 
 
 class SwarmView:
-    """The peer's window on the DHT: typed reads and writes, each with a deadline.
+    """The peer's window on the DHT: typed reads and writes, each with a deadline (`timeout`),
+    each raising SwarmUnavailable when the network fails it.
 
     `dht` must be built with `record_signing.SignedRecordValidator` (holding this peer's key for
     a peer that writes), like every other DHT of the swarm; see the module docstring."""
@@ -89,12 +93,13 @@ class SwarmView:
         if subkey != self.peer_id:
             raise ValueError(f"a peer writes only its own entries ({subkey} is not {self.peer_id})")
         ttl = min(ttl, MAX_RECORD_TTL)  # other peers refuse anything longer
-        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
-        return bool(await within(future, self.timeout))
+        stored = await dht_call(f"storing {key}", lambda: self.dht.store(
+            key, value, get_dht_time() + ttl, subkey=subkey, return_future=True), self.timeout)
+        return bool(stored)
 
     async def _get(self, key: str) -> Any:
-        future = self.dht.get(key, latest=True, return_future=True)
-        found = await within(future, self.timeout)
+        found = await dht_call(f"reading {key}", lambda: self.dht.get(key, latest=True, return_future=True),
+                               self.timeout)
         return None if found is None else found.value
 
     async def _entries(self, key: str, ttl: float) -> list[tuple[str, Any]]:
@@ -142,8 +147,8 @@ class SwarmView:
             await self.refresh_epoch(now if origin is None or not 0 < origin <= now else float(origin))
             epochs = await self.epochs()
         found = agreed_epoch(epochs.values())
-        if found is None:
-            raise RuntimeError("could not read or set the run's epoch in the DHT")
+        if found is None:  # our write was stored nowhere, or its read found nothing
+            raise SwarmUnavailable(f"{self._epoch_key}: could not read or set the run's epoch in the DHT")
         return found
 
     @property

@@ -32,6 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import P2P_FAILURES, BestEffort, RPCFailed, dht_call
 from swarmgrad.peer.records import LEAVING, PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ async def keep_in_routing_table(_dht: Any, node: Any, peer_ids: Sequence[str]) -
     for peer_id in peer_ids:
         try:
             peer = PeerID.from_base58(peer_id)
-        except Exception:  # a malformed id in a record: nothing to ping
+        except ValueError:  # a malformed id in a record: nothing to ping
             continue
         if peer == node.peer_id or peer in table:
             continue
@@ -112,9 +113,14 @@ class DialOut:
         """Connections opened so far (for the log and tests)."""
 
     async def step(self) -> int:
-        """One look: dial whom `dial_targets` names; returns how many connections it opened."""
+        """One look: dial whom `dial_targets` names; returns how many connections it opened. Raises
+        SwarmUnavailable or RPCFailed (or TimeoutError) when the swarm or the daemon does not answer."""
         records = await self.swarm.swarm()
-        connected = [str(p.peer_id) for p in await within(self.p2p.list_peers(), self.timeout)]
+        try:
+            peers = await within(self.p2p.list_peers(), self.timeout)
+        except P2P_FAILURES as e:
+            raise RPCFailed(f"listing connections: {type(e).__name__}: {e}") from e
+        connected = [str(p.peer_id) for p in peers]
         opened: list[str] = []
         for r in dial_targets(records, connected, self.peer_id, self.stage()):
             try:
@@ -123,7 +129,8 @@ class DialOut:
                 addrs = [Multiaddr(a.split("/p2p/")[0]) for a in r.maddrs]
                 await within(self.p2p._client.connect(PeerID.from_base58(r.peer_id), addrs), self.timeout)
                 opened.append(r.peer_id)
-            except Exception as e:  # unreachable (another NATed peer), gone, or a bad address in its record
+            except (ValueError, asyncio.TimeoutError, *P2P_FAILURES) as e:
+                # unreachable (another NATed peer), gone, or a bad address in its record (ValueError)
                 logger.debug("dial-out to %s failed: %s: %s", r.peer_id[-8:], type(e).__name__, e)
         if opened:
             logger.info("opened %d connection(s) to peers of the run (behind NAT, others reach us over them)",
@@ -139,7 +146,7 @@ class DialOut:
         wanted = tuple(dict.fromkeys(p for p in peer_ids if p != self.peer_id))[:MAX_DIALS]
         if not wanted:
             return
-        added = await within(self.dht.run_coroutine(
+        added = await dht_call("pinging peers missing from the DHT's routing table", lambda: self.dht.run_coroutine(
             functools.partial(keep_in_routing_table, peer_ids=wanted), return_future=True), self.timeout * 2)
         if added:
             logger.info("put %d peer(s) back into the DHT's routing table (client mode forgets unanswering "
@@ -147,11 +154,14 @@ class DialOut:
             self.rejoined += added
 
     async def run(self) -> None:
+        """Look every `interval` seconds until cancelled. A look the network fails is logged
+        (`BestEffort`); one that raises anything else is a bug, logged with its traceback, and the
+        next look runs anyway: dialling out is an aid, and the peer works (relayed) without it."""
+        looking = BestEffort("the dial-out look", logger)
         while True:
             try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                logger.warning("dial-out look failed: %s: %s", type(e).__name__, e)
+                with looking:
+                    await self.step()
+            except Exception:  # a bug (the network's failures stop at `looking`): say so, keep looking
+                logger.exception("dial-out look failed")
             await asyncio.sleep(self.interval)

@@ -21,6 +21,7 @@ from typing import Iterator
 import base58
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from google.protobuf.message import DecodeError
 
 from swarmgrad.protocol import libp2p_key_pb2 as crypto_pb2
 
@@ -77,7 +78,7 @@ def key_from_file_bytes(data: bytes) -> Ed25519PrivateKey:
     stored public half matches its seed."""
     try:
         message = crypto_pb2.PrivateKey.FromString(data)
-    except Exception as e:  # protobuf's DecodeError and friends
+    except DecodeError as e:
         raise IdentityError(f"not a libp2p private key file ({type(e).__name__})") from None
     if message.key_type != crypto_pb2.Ed25519:
         kind = crypto_pb2.KeyType.Name(message.key_type) if message.key_type in crypto_pb2.KeyType.values() else "?"

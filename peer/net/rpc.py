@@ -9,7 +9,8 @@ most `max_streams_per_peer` streams at once, so what a stranger can make us hold
 
 Handlers never raise across the wire: a ProtocolError becomes a refusal with its status and
 reason, anything else becomes INTERNAL and is logged here, so a bad request costs the server
-one log line and nothing else. A caller gets a response or RPCFailed, never another exception.
+one log line and nothing else. A caller gets a response or RPCFailed for whatever the network or
+the remote did; only a bug of ours raises anything else.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
 
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import P2P_FAILURES, RPCFailed
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import (MAX_FRAME_BYTES, STREAM_ENDED, ProtocolError, discard, encode_stream,
                                         read_stream_message, write_chunks)
@@ -107,10 +109,6 @@ class CallTiming:
 
 REQUEST_READ_S: contextvars.ContextVar[float] = contextvars.ContextVar("request_read_s", default=0.0)
 """In a handler: seconds the request being served took to arrive, first frame to last (0: unknown)."""
-
-
-class RPCFailed(Exception):
-    """A call that got no usable response: timeout, unreachable peer, broken stream, bad bytes."""
 
 
 def stage_namespace(run_id: str, stage: int) -> str:
@@ -296,15 +294,19 @@ class FramedRPC:
 
     async def connected(self) -> set[str]:
         """Peers the p2p daemon holds a connection to now (base58 ids): a peer killed since our last
-        exchange with it is gone from it at once (its sockets reset)."""
-        return {str(info.peer_id) for info in await self.p2p.list_peers()}
+        exchange with it is gone from it at once (its sockets reset). Raises RPCFailed if the daemon
+        does not say; the caller bounds the time."""
+        try:
+            return {str(info.peer_id) for info in await self.p2p.list_peers()}
+        except P2P_FAILURES as e:
+            raise RPCFailed(f"listing connections: {type(e).__name__}: {e}") from e
 
     async def remove_handlers(self) -> None:
         for method in self._registered:
             try:
                 await self.p2p.remove_binary_stream_handler(self._name(method))
-            except Exception as e:  # the daemon may already be gone at shutdown
-                logger.debug("could not remove handler %s: %s", method, e)
+            except P2P_FAILURES as e:  # the daemon may already be gone at shutdown
+                logger.debug("could not remove handler %s: %s: %s", method, type(e).__name__, e)
         self._registered.clear()
 
     # ------------------------------------------------------------------ calling
@@ -314,8 +316,8 @@ class FramedRPC:
         """Send `request` and wait at most `timeout` seconds for the whole response.
 
         The response is read under the same limits as a request (frame size, frame count,
-        max_message_bytes). Raises RPCFailed for anything but a parsed response, including a
-        response over the limits; the response's fields are the caller's to validate
+        max_message_bytes). Raises RPCFailed when no parsed response came (a timeout, a peer
+        the daemon cannot reach, a broken stream, a response over the limits or unparsable); the response's fields are the caller's to validate
         (protocol/responses.py). `timing`, if given, is filled in as the bytes move; its `sent`
         event is set however the call ends."""
         timing = CallTiming() if timing is None else timing
@@ -328,7 +330,7 @@ class FramedRPC:
                     timeout: float, timing: CallTiming) -> Resp:
         try:
             peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
-        except Exception as e:
+        except ValueError as e:  # base58 that does not decode
             raise RPCFailed(f"{method} to {str(peer)[:16]!r}: not a peer id ({type(e).__name__})") from None
         chunks, size = encode_stream(request)
         who = str(peer_id)[-8:]
@@ -357,7 +359,7 @@ class FramedRPC:
                 sending.cancel()
                 try:
                     await sending
-                except (asyncio.CancelledError, Exception) as e:  # a broken pipe once the server answered
+                except (asyncio.CancelledError, *P2P_FAILURES) as e:  # a broken pipe once the server answered
                     logger.debug("%s to %s: request not sent whole (%s)", method, who, type(e).__name__)
                 writer.close()
             self.traffic.add_recv(traffic_kind(method, response=True), received)
@@ -377,7 +379,5 @@ class FramedRPC:
                 raise RPCFailed(f"{method} to {who}: no answer, the stream ended ({where}): the peer stopped "
                                 "or the stream was reset") from None
             raise RPCFailed(f"{method} to {who}: bad response: {e} ({where})") from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # ConnectionError, P2PDaemonError, IncompleteReadError and friends
+        except P2P_FAILURES as e:  # ConnectionError, P2PDaemonError, IncompleteReadError and friends
             raise RPCFailed(f"{method} to {who}: {type(e).__name__}: {e}") from None

@@ -33,6 +33,7 @@ from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.pipeline.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.records import ONLINE
 from swarmgrad.peer.compute.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
@@ -87,18 +88,23 @@ class Downstream:
         self.rng = random.Random(seed)
         self._cache: dict[int, tuple[float, list[Candidate]]] = {}
         self._stage_rpcs: dict[int, FramedRPC] = {}
+        self._reading: dict[int, BestEffort] = {}
 
     async def candidates(self, stage: int) -> list[Candidate]:
+        """The ONLINE replicas of `stage` (not us), re-read at most every `refresh_seconds`; when the
+        DHT is slow or gone, the last list rather than a failure."""
         now = time.monotonic()
         cached = self._cache.get(stage)
         if cached is None or now - cached[0] > self.refresh_seconds:
-            try:
+            reading = self._reading.get(stage)
+            if reading is None:
+                reading = self._reading[stage] = BestEffort(f"refreshing the replicas of stage {stage}", logger)
+            found = cached[1] if cached else []
+            with reading:
                 records = await self.swarm.stage_records(stage)
-                cached = (now, [Candidate(r.peer_id, r.throughput) for r in records
-                                if r.state == ONLINE and r.peer_id != self.self_id])
-            except Exception as e:  # the DHT is slow or gone: keep the last view rather than fail
-                logger.warning("could not refresh stage %d replicas: %s", stage, e)
-                cached = (now, cached[1] if cached else [])
+                found = [Candidate(r.peer_id, r.throughput) for r in records
+                         if r.state == ONLINE and r.peer_id != self.self_id]
+            cached = (now, found)
             self._cache[stage] = cached
         return cached[1]
 
@@ -258,7 +264,7 @@ class StageServer:
         ending = self.clock.observe(inp.round)  # a later round than ours: ours ends first
         # Hold a request of the next round until ours is over rather than refuse it, but leave it at
         # least half of its deadline for the trip after the wait. A late one of our own round is
-        # refused at once, as before: its driver holds a place in flight for it, and holding it here
+        # refused at once: its driver holds a place in flight for it, and holding it here
         # would keep that driver from pausing for its own round boundary until we resume.
         hold = max(0.0, min(self.hold_s, (inp.deadline - get_dht_time()) / 2)) if ending else 0.0
         try:
@@ -324,6 +330,7 @@ class DriverList:
         self._ids: frozenset[str] = frozenset()
         self._read_at = -1e9
         self._reading = asyncio.Lock()
+        self._listing = BestEffort("reading the drivers' records", logger)
 
     async def listed(self, peer_id: str) -> bool:
         if peer_id in self._ids:
@@ -331,9 +338,8 @@ class DriverList:
         async with self._reading:
             if peer_id not in self._ids and time.monotonic() - self._read_at >= self.refresh_s:
                 try:
-                    self._ids = frozenset(r.peer_id for r in await self.swarm.stage_records(0))
-                except Exception as e:  # a slow DHT: keep the last list
-                    logger.info("could not read the drivers: %s: %s", type(e).__name__, e)
+                    with self._listing:  # a slow DHT: keep the last list
+                        self._ids = frozenset(r.peer_id for r in await self.swarm.stage_records(0))
                 finally:
                     self._read_at = time.monotonic()
         return peer_id in self._ids
@@ -347,14 +353,14 @@ def refusal(response_type: type[M]) -> Callable[[int, str], M]:
 
 
 async def wait_for_pipeline(swarm: SwarmView, n_stages: int, timeout: float, poll: float = 0.5) -> bool:
-    """True once every stage has an ONLINE replica (drivers wait for this before sending)."""
+    """True once every stage has an ONLINE replica (drivers wait for this before sending); False
+    after `timeout`."""
     deadline = time.monotonic() + timeout
+    reading = BestEffort("reading the swarm while waiting for the pipeline", logger)
     while time.monotonic() < deadline:
-        try:
+        with reading:
             view = await swarm.swarm()
             if all(any(r.state == ONLINE for r in view.get(s, [])) for s in range(1, n_stages)):
                 return True
-        except Exception as e:
-            logger.debug("swarm view failed: %s", e)
         await asyncio.sleep(poll)
     return False

@@ -16,6 +16,7 @@ from swarmgrad.peer.placement.plan import Snapshot
 from swarmgrad.peer.placement.cost import StageCost
 from swarmgrad.peer.decisions import majority_digest
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.records import ONLINE, PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Rebalancer:
         self.bandwidth = bandwidth
         self._dwell_until = 0.0
         """This peer's measured link rate in bytes/s (rpc.LinkMeter), for a move's switch time."""
+        self._reading = BestEffort("reading the swarm for a rebalancing check", logger)
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
         rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
@@ -92,10 +94,9 @@ class Rebalancer:
             wait = check_interval(self.interval_s / (EMPTY_CHECK_SHARE if quick else 3 if confirm.pending else 1),
                                   self.rng)
             await asyncio.sleep(wait)
-            try:
+            with self._reading:  # a slow DHT: skip this check, never act on a partial view
                 snap, decision = await self.decide(stage, rate_fn(), salt_fn())
-            except Exception as e:  # a slow DHT: skip this check, never act on a partial view
-                logger.info("rebalancing check skipped: %s: %s", type(e).__name__, e)
+            if not self._reading.ok:
                 continue
             quick = empties.observe(snap.empty_stages, moved=decision is not None)
             confirmed = confirm.observe(decision)

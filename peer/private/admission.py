@@ -24,12 +24,13 @@ import logging
 import time
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.private.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from swarmgrad.peer.private.credentials import Authority, Certificate, CredentialError, Revocations
-from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import BestEffort, dht_call
 from swarmgrad.peer.private.dht_auth import AuthFiles
 from swarmgrad.peer.net.identity import is_peer_id
 from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL
@@ -69,6 +70,8 @@ class Admission:
         self.revocations = revocations
         self._looked_up: dict[str, float] = {}
         self._lookup_lock = asyncio.Lock()
+        self._lookup = BestEffort("looking up an unknown caller's certificate", logger)
+        self._steps: dict[str, BestEffort] = {}
         self.refused = 0
         """Requests refused so far (a metric: an outsider's calls land here)."""
         self.self_revoked = asyncio.Event()
@@ -112,11 +115,9 @@ class Admission:
             if len(self._looked_up) > 10_000:  # forget the oldest lookups: strangers are many
                 for stale in sorted(self._looked_up, key=self._looked_up.get)[:5_000]:
                     del self._looked_up[stale]
-            try:
+            with self._lookup:
                 async with self._lookup_lock:
                     await self.refresh_certificates()
-            except Exception as e:
-                logger.debug("certificate lookup for %s failed: %s: %s", peer_id[-8:], type(e).__name__, e)
             why = self.reason(peer_id)
         if why is not None:
             self.refused += 1
@@ -140,8 +141,11 @@ class Admission:
         return True
 
     async def _get(self, key: str) -> Any:
-        assert self.dht is not None
-        found = await within(self.dht.get(key, latest=True, return_future=True), self.dht_timeout)
+        """The DHT's value under `key`; raises SwarmUnavailable when the network fails the read."""
+        dht = self.dht
+        assert dht is not None
+        found = await dht_call(f"reading {key}", lambda: dht.get(key, latest=True, return_future=True),
+                               self.dht_timeout)
         return None if found is None else found.value
 
     async def refresh_certificates(self) -> None:
@@ -154,7 +158,7 @@ class Admission:
                 continue
             try:
                 cert = self.authority.certificate(cpb.Signed.FromString(value), peer_id=subkey, now=now)
-            except Exception:  # CredentialError, DecodeError: not a certificate of this run
+            except (CredentialError, DecodeError):  # not a certificate of this run
                 continue
             if cert.peer_id not in self.revoked:
                 fresh[cert.peer_id] = cert
@@ -170,18 +174,21 @@ class Admission:
             if subkey != self.authority.coordinator_id or not isinstance(value, bytes):
                 continue
             try:
-                self.adopt_revocations(self.authority.revocations(cpb.Signed.FromString(value)))
-            except Exception as e:
-                logger.debug("ignored a revocation list in the DHT: %s", e)
+                revocations = self.authority.revocations(cpb.Signed.FromString(value))
+            except (CredentialError, DecodeError) as e:
+                logger.debug("ignored a revocation list in the DHT: %s: %s", type(e).__name__, e)
+                continue
+            self.adopt_revocations(revocations)
 
     async def publish(self) -> None:
-        """Store our certificate where the others look for it."""
-        assert self.dht is not None
+        """Store our certificate where the others look for it. Raises SwarmUnavailable when the
+        network fails the write."""
+        dht = self.dht
+        assert dht is not None
         ttl = max(1.0, min(MAX_RECORD_TTL, self.certificate.remaining()))
-        await within(self.dht.store(certificates_key(self.authority.run_id),
-                                    self.certificate.signed.SerializeToString(),
-                                    get_dht_time() + ttl, subkey=self.peer_id, return_future=True),
-                     self.dht_timeout)
+        key, value = certificates_key(self.authority.run_id), self.certificate.signed.SerializeToString()
+        await dht_call(f"storing our certificate under {key}", lambda: dht.store(
+            key, value, get_dht_time() + ttl, subkey=self.peer_id, return_future=True), self.dht_timeout)
 
     async def renew_if_due(self) -> None:
         """At half-life, ask the coordinator for a new certificate (and its revocation list)."""
@@ -204,11 +211,19 @@ class Admission:
             admitted.certificate.expires_at)))
 
     async def step(self) -> None:
+        """One heartbeat's work. Each part survives the others' failures: the network's are logged
+        (`BestEffort`), anything else (a bug, a file not written) with its traceback, and the next
+        heartbeat tries again; the gate keeps answering from what it knows."""
         for what in (self.refresh_revocations, self.renew_if_due, self.publish, self.refresh_certificates):
+            name = what.__name__
+            attempt = self._steps.get(name)
+            if attempt is None:
+                attempt = self._steps[name] = BestEffort(f"admission: {name}", logger)
             try:
-                await what()
-            except Exception as e:
-                logger.info("admission: %s failed: %s: %s", what.__name__, type(e).__name__, e)
+                with attempt:
+                    await what()
+            except Exception:  # not the network's failure: say so loudly, and go on with the others
+                logger.exception("admission: %s failed", name)
 
     async def run(self) -> None:
         """Every heartbeat until cancelled."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
 
 from swarmgrad.peer.private.credentials import (ADMIT_PROOF, CHECKPOINT_PROOF, RENEW_PROOF, Authority, Certificate,
                                                     CredentialError, Invitation, Revocations, proof_message)
@@ -53,7 +54,7 @@ def served_run_id(address: str, coordinator_id: str, timeout: float = 10.0) -> s
             raise CoordinatorUnavailable(f"coordinator {address}: GetManifest: {e.code().name}") from None
     try:
         run_id = cpb.ManifestBody.FromString(signed.body).run_id
-    except Exception:  # DecodeError: not a manifest body
+    except DecodeError:  # not a manifest body
         raise CredentialError("the coordinator's manifest does not parse") from None
     Authority(coordinator_id, run_id).manifest(signed)  # signed by that key, or CredentialError
     return run_id

@@ -30,6 +30,7 @@ from swarmgrad.peer.decisions import next_push_at
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import FP32_ONLY
@@ -147,6 +148,7 @@ class BackupPusher:
         """Rounds whose push was skipped because the last push's time, over `link_share`, had
         not yet passed."""
         self.due = -float("inf")
+        self._reading = BestEffort(f"stage {stage}: reading the swarm to push a backup", logger)
 
     def after_round(self, peer_id: str, group: Sequence[str], snapshot: StateSnapshot | None) -> None:
         if not self.every or snapshot is None or not group or peer_id != min(group):
@@ -161,10 +163,10 @@ class BackupPusher:
         self.tasks.append(asyncio.create_task(self._push(snapshot), name=f"backup-{self.stage}"))
 
     async def _push(self, snapshot: StateSnapshot) -> None:
-        try:
+        view: dict[int, list[PeerRecord]] = {}
+        with self._reading:
             view = await self.swarm.swarm()
-        except Exception as e:
-            logger.info("backup of stage %d skipped: could not read the swarm: %s", self.stage, e)
+        if not self._reading.ok:
             return
         started, landed, sent = self.clock(), [], 0
         for holder in backup_holders(self.identity.run_id, self.stage, view)[:BACKUP_COPIES]:

@@ -169,10 +169,11 @@ def snapshot_from_bytes(data: bytes, shapes: dict[str, tuple[int, ...]]) -> Stat
     """A checkpoint's state, checked against the stage it is for: the same tensor names and
     shapes, fp32, finite, and a recomputed digest equal to the one it declares. Raises
     CheckpointError."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
     try:
         tensors = load(data)
-    except Exception as e:
+    except SafetensorError as e:
         raise CheckpointError(f"not a safetensors file: {type(e).__name__}: {e}") from None
     meta = _safetensors_metadata(data)
     params = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith("global.")}
