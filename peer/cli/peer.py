@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from swarmgrad.peer.cli.args import parse_bytes
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.retry import Backoff
 
 
 BOOTSTRAP_WAIT_S = 30.0
@@ -22,6 +23,8 @@ BOOTSTRAP_WAIT_S = 30.0
 through to come up on a loaded machine; a wrong address fails after it, saying so on every try."""
 BOOTSTRAP_RETRY_S = 2.0
 """Pause between attempts to reach --initial-peers that did not answer yet (--bootstrap-wait)."""
+BOOTSTRAP_RETRY = Backoff(first=BOOTSTRAP_RETRY_S, cap=BOOTSTRAP_RETRY_S, growth=1.0)
+"""A fixed pace: the peers we wait for come up whenever their machine gets to it."""
 
 
 def is_bootstrap_failure(e: BaseException) -> bool:
@@ -36,17 +39,19 @@ def start_dht_waiting(start: Callable[[], Any], initial_peers: list[str], wait: 
     """`start()`, tried again while none of `initial_peers` answers, for up to `wait` seconds: peers
     launched together with the one they join through (a script, a compose file) come up in any
     order. Any other failure, or the last one, is raised."""
+    from hivemind.p2p import P2PDaemonError  # late: the CLI starts without hivemind
     deadline = clock() + wait
+    waits = BOOTSTRAP_RETRY.waits()
     while True:
         try:
             return start()
-        except Exception as e:
+        except (RuntimeError, P2PDaemonError) as e:  # p2pd's and hivemind's bootstrap failures
             left = deadline - clock()
             if not initial_peers or not is_bootstrap_failure(e) or left <= 0:
                 raise
             print(f"none of --initial-peers answered yet; trying again for {left:.0f} s more (--bootstrap-wait)",
                   file=sys.stderr, flush=True)
-            sleep(min(BOOTSTRAP_RETRY_S, left))
+            sleep(min(next(waits), left))
 
 
 def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],

@@ -1,25 +1,23 @@
-"""Poll intervals that start short and grow to a cap.
+"""The DHT poll policy: intervals that start short and grow to a cap (a `retry.Backoff`).
 
 A member waiting on another member's DHT record (its round registration, its outcome vote) is
 usually waiting on something that lands within a fraction of a second, and the round's critical
-path runs through that wait: with a fixed 0.2-0.25 s interval the last member to finish its
-exchange waited 0.3-0.45 s for a vote posted ~0.1 s after its own (benchmarks/wan.py, 20 Mbit,
-`vote_s` in round events). Short first intervals catch that; the cap keeps a long wait (a
-straggler, a dead member) from reading the DHT faster than the fixed interval did.
+path runs through that wait: a fixed interval of the cap's length makes the last member to finish
+its exchange wait most of an interval for a vote posted just after its own. Short first intervals
+catch that; the cap keeps a long wait (a straggler, a dead member) from reading the DHT faster
+than once per cap. (Measured: docs/measurements.md, "Notes moved from the code".)
 """
 from __future__ import annotations
 
 from typing import Iterator
+
+from swarmgrad.peer.net.retry import Backoff
 
 FIRST_POLL_SECONDS = 0.02
 POLL_GROWTH = 1.5
 
 
 def poll_intervals(cap: float, first: float = FIRST_POLL_SECONDS, growth: float = POLL_GROWTH) -> Iterator[float]:
-    """first, first·growth, … up to `cap`, then `cap` for ever."""
-    if cap <= 0 or first <= 0 or growth < 1:
-        raise ValueError(f"poll_intervals needs cap > 0, first > 0, growth >= 1 (got {cap}, {first}, {growth})")
-    delay = min(first, cap)
-    while True:
-        yield delay
-        delay = min(cap, delay * growth)
+    """first, first·growth, … up to `cap`, then `cap` for ever. Raises ValueError for cap or
+    first <= 0 or growth < 1."""
+    return Backoff(first=first, cap=cap, growth=growth).waits()

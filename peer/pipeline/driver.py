@@ -43,6 +43,7 @@ from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline.stage_server import Downstream, Hop
 from swarmgrad.peer.pipeline.routing import DeadlineEstimator
+from swarmgrad.peer.net.retry import Backoff
 from swarmgrad.peer.net.rpc import CallTiming
 from swarmgrad.peer.pipeline.window import PipelineEstimator, StepGaps, WindowChoice, choose_window, utilisation
 from swarmgrad.peer.compute.worker import NonFiniteLoss, StageWorker
@@ -51,6 +52,12 @@ from swarmgrad.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+NOT_READY_BACKOFF = Backoff(first=0.2, cap=1.0, growth=1.5)
+"""Waits before re-sending a microbatch that every replica refused NOT_READY (between rounds, or
+none there yet): not a failure, so the wait stays short, and grows while the stage stays busy."""
+NOT_READY_QUICK_S = 0.02
+"""The wait when a busy replica was named: routing passes it over now, so another may take it."""
 
 
 class Pending:
@@ -294,7 +301,7 @@ class Driver:
     async def _through(self, pending: Pending, eval_only: bool, stop: asyncio.Event | None) -> float | None:
         mb = next(self._ids)
         attempt = 0
-        backoff = 0.2
+        waits = NOT_READY_BACKOFF.waits()
         quick = 0
         # Waiting on NOT_READY is not a failure, but an evaluation must not wait forever on a stage
         # that is gone (the final eval would hang the peer): eval microbatches give up after
@@ -312,11 +319,7 @@ class Driver:
                 # was named, routing now passes it over, so try again at once; else back off.
                 self.stats.not_ready_waits += 1
                 quick += 1
-                if failed and quick <= 3:
-                    await asyncio.sleep(0.02)
-                else:
-                    await asyncio.sleep(backoff)
-                    backoff = min(1.0, backoff * 1.5)
+                await asyncio.sleep(NOT_READY_QUICK_S if failed and quick <= 3 else next(waits))
                 continue
             attempt += 1
             self.stats.retries += 1

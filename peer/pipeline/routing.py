@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from swarmgrad.peer.net.retry import Backoff
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -33,18 +35,22 @@ def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], b
 
 @dataclass
 class BanList:
-    """Peers that failed us, avoided for base·2^(failures−1) seconds, capped at `max_seconds`.
-    `on_ban(peer_id, seconds, failures)`, if given, hears of every ban (the `banned` event)."""
+    """Peers that failed us, avoided for base·2^(failures−1) seconds, capped at `max_seconds`
+    (a `retry.Backoff`). `on_ban(peer_id, seconds, failures)`, if given, hears of every ban (the
+    `banned` event)."""
     base_seconds: float
     max_seconds: float
     on_ban: Callable[[str, float, int], None] | None = None
     _until: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._backoff = Backoff(first=self.base_seconds, cap=self.max_seconds, growth=2.0)
+
     def ban(self, peer_id: str, now: float) -> float:
         failures = self._failures.get(peer_id, 0) + 1
         self._failures[peer_id] = failures
-        duration = min(self.max_seconds, self.base_seconds * 2 ** (failures - 1))
+        duration = self._backoff.wait(failures)
         self._until[peer_id] = now + duration
         if self.on_ban is not None:
             self.on_ban(peer_id, duration, failures)
