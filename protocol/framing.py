@@ -11,9 +11,9 @@ so what a remote makes us hold is bounded by limits we chose, whatever it sends.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from swarmgrad.protocol import wire_pb2 as pb
 
@@ -71,6 +71,8 @@ def max_frames_for(max_bytes: int, frame_bytes: int = FRAME_BYTES) -> int:
 
 
 def to_frames(message: Message, frame_bytes: int = FRAME_BYTES) -> Iterator[pb.Frame]:
+    """`message` serialised and cut into frames of `frame_bytes` (the last one flagged); an empty
+    message is one empty last frame."""
     data = message.SerializeToString()
     if not data:
         yield pb.Frame(data=b"", last=True)
@@ -80,16 +82,12 @@ def to_frames(message: Message, frame_bytes: int = FRAME_BYTES) -> Iterator[pb.F
         yield pb.Frame(data=data[start:end], last=end >= len(data))
 
 
-def frames_size(frames: list[pb.Frame]) -> int:
-    return sum(len(f.data) for f in frames)
-
-
 def parse_bytes(data: bytes, message_type: type[M]) -> M:
     """Parse `data` as `message_type`; any parser failure is ProtocolError(BAD_REQUEST)."""
     message = message_type()
     try:
         message.ParseFromString(data)
-    except Exception as e:  # DecodeError, and whatever else a parser may raise on hostile bytes
+    except DecodeError as e:  # protobuf's one error for bytes that do not parse, whatever they are
         raise ProtocolError(pb.BAD_REQUEST, f"unparsable {message_type.__name__}: {type(e).__name__}: {e}") from None
     return message
 
@@ -99,39 +97,6 @@ async def parse_message(data: bytes, message_type: type[M]) -> M:
     if len(data) >= PARSE_OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_bytes, data, message_type)
     return parse_bytes(data, message_type)
-
-
-async def read_message(frames: AsyncIterator[pb.Frame], message_type: type[M], max_bytes: int,
-                       max_frames: int | None = None) -> tuple[M, int]:
-    """Read one framed message from an iterator of Frames; returns it and its size in bytes.
-
-    Raises ProtocolError(TOO_LARGE) as soon as the running total passes `max_bytes` or the
-    frame count passes `max_frames` (default: `max_frames_for(max_bytes)`), and BAD_REQUEST
-    for a stream that ends without a last frame or does not parse.
-    """
-    limit = max_frames_for(max_bytes) if max_frames is None else max_frames
-    parts: list[bytes] = []
-    total = count = 0
-    complete = False
-    # Read the stream to its end even after the last frame: closing it early makes the other
-    # side's pending end-of-stream write fail (BrokenPipeError) on hivemind's p2p streams.
-    async for frame in frames:
-        if complete:
-            raise ProtocolError(pb.BAD_REQUEST, "frames after the last frame")
-        count += 1
-        if count > limit:
-            raise ProtocolError(pb.TOO_LARGE, f"more than {limit} frames in one message")
-        total += len(frame.data)
-        if total > max_bytes:
-            raise ProtocolError(pb.TOO_LARGE, f"message exceeds {max_bytes} bytes")
-        parts.append(frame.data)
-        complete = frame.last
-    if not complete:
-        raise ProtocolError(pb.BAD_REQUEST, STREAM_ENDED)
-    return await parse_message(b"".join(parts), message_type), total
-
-
-# --------------------------------------------------------------------------- raw streams
 
 
 def encode_stream(message: Message, frame_bytes: int = FRAME_BYTES) -> tuple[list[bytes], int]:
@@ -160,9 +125,10 @@ async def read_stream_message(reader: asyncio.StreamReader, message_type: type[M
     is read, the frame count against `max_frames` (default `max_frames_for(max_bytes)`) and the
     running total against `max_bytes`, so memory held is at most max_bytes + max_frame_bytes.
     `reserve(n)` is called before n more bytes are read and may raise ProtocolError (a budget
-    shared by several streams). The stream is left unread after the last frame. Raises ProtocolError: TOO_LARGE for a limit
-    passed, BAD_REQUEST for an unparsable frame or message or a stream that ends early. The
-    caller bounds the time (a remote may send nothing at all).
+    shared by several streams). The stream is left unread after the last frame (the server
+    drains it: FramedRPC._drain). Raises ProtocolError: TOO_LARGE for a limit passed,
+    BAD_REQUEST for an unparsable frame or message or a stream that ends early. The caller
+    bounds the time (a remote may send nothing at all).
     """
     limit = max_frames_for(max_bytes) if max_frames is None else max_frames
     parts: list[bytes] = []
