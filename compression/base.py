@@ -144,17 +144,6 @@ class Encoded:
         """``params`` as canonical JSON (sorted keys), for the protobuf ``params_json`` field."""
         return json.dumps(self.params, sort_keys=True, separators=(",", ":"))
 
-    @classmethod
-    def from_fields(cls, codec: str, shape: Any, dtype: str, params_json: str, buffers: Any) -> "Encoded":
-        """Rebuild from primitive wire fields; raises :class:`CodecError` on bad JSON."""
-        try:
-            params = json.loads(params_json) if params_json else {}
-        except (ValueError, RecursionError) as exc:
-            raise CodecError(f"params_json is not valid JSON: {exc}") from None
-        if not isinstance(params, dict):
-            raise CodecError("params_json must encode a JSON object")
-        return cls(codec=codec, shape=tuple(shape), dtype=dtype, params=params, buffers=tuple(buffers))
-
 
 class Codec(ABC):
     """A tensor codec. Subclasses are small objects configured at construction.

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from swarmgrad.compression import CODEC_NAMES, CodecError, Encoded, decode, get_codec, parse_codec_spec
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.validation import encoded_from_proto
 
 SPECS = ["fp32", "fp16", "bf16", "int8", "int4", "topk:fraction=0.1,values=int8",
          "topk:fraction=0.1,values=fp16", "powersgd:rank=2"]
@@ -136,10 +139,11 @@ def test_bad_field_types_refused_at_construction() -> None:
         Encoded("int8", (3,), "float32", {"block_size": [1]}, ())  # type: ignore[dict-item]
     with pytest.raises(CodecError):
         Encoded("int8", (3,), "float32", {}, ("text",))  # type: ignore[arg-type]
-    with pytest.raises(CodecError):
-        Encoded.from_fields("int8", [3], "float32", "{not json", [])
-    with pytest.raises(CodecError):
-        Encoded.from_fields("int8", [3], "float32", "[1, 2]", [])
+    for params_json in ("{not json", "[1, 2]"):  # as a receiver reads them: refused at the boundary
+        with pytest.raises(ProtocolError) as refused:
+            encoded_from_proto(pb.EncodedTensor(codec="int8", shape=[3], dtype="float32", params_json=params_json),
+                               1 << 20)
+        assert refused.value.status == pb.BAD_REQUEST
     with pytest.raises(CodecError):
         decode("not an Encoded")  # type: ignore[arg-type]
 

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from swarmgrad.compression import Encoded, decode, get_codec
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.validation import encoded_from_proto, encoded_to_proto
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -47,8 +49,8 @@ def blockwise_bound(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
 
 
 def rebuilt(enc: Encoded) -> Encoded:
-    """The Encoded as the protocol layer rebuilds it from primitive fields."""
-    return Encoded.from_fields(enc.codec, list(enc.shape), enc.dtype, enc.params_json(), list(enc.buffers))
+    """The Encoded as a receiver rebuilds it from the wire (protocol/validation.py)."""
+    return encoded_from_proto(pb.EncodedTensor.FromString(encoded_to_proto(enc).SerializeToString()), 1 << 40)
 
 
 @SETTINGS

@@ -21,11 +21,13 @@ from swarmgrad.compression import (ChunkTopKCodec, CodecError, Encoded, ErrorFee
 from swarmgrad.compression.topk import _pack_bits
 from swarmgrad.peer.averaging.aggregate import reduce_part
 from swarmgrad.protocol.codecs import averaging_codecs
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.validation import encoded_from_proto, encoded_to_proto
 
 
 def rebuilt(enc: Encoded) -> Encoded:
-    """The Encoded as the protocol layer rebuilds it from primitive fields."""
-    return Encoded.from_fields(enc.codec, list(enc.shape), enc.dtype, enc.params_json(), list(enc.buffers))
+    """The Encoded as a receiver rebuilds it from the wire (protocol/validation.py)."""
+    return encoded_from_proto(pb.EncodedTensor.FromString(encoded_to_proto(enc).SerializeToString()), 1 << 40)
 
 
 def check_budget(x: torch.Tensor, y: torch.Tensor, chunk: int, k: int, bits: int) -> None:

@@ -1,7 +1,9 @@
 """Placement policy and stage cost model: pure functions over snapshots, no network."""
 from __future__ import annotations
 
+import itertools
 import random
+from typing import Sequence
 
 import pytest
 
@@ -10,12 +12,25 @@ from swarmgrad.peer.manifest import from_dict, load
 from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, EMPTY_QUICK_CHECKS, NO_MARGIN, Confirmation, MoveDecision,
                                       PeerFigures, PlacementPolicy, check_interval, choose_stage_for_newcomer, estimate_rates,
                                       should_move)
-from swarmgrad.peer.placement.optimum import brute_force_optimum, fluid_bound, optimum
+from swarmgrad.peer.placement.optimum import fluid_bound, optimum
 from swarmgrad.peer.placement.plan import JOINING, LEAVING, ONLINE, SnapshotReplica, Snapshot
 from swarmgrad.peer.placement.cost import stage_costs
 
 DEFAULT = "peer/defaults/tiny-gpt.toml"
 GB = 10 ** 9
+
+
+def brute_force_optimum(work: Sequence[float], costs: Sequence[float], fixed: Sequence[int] = ()) -> float:
+    """The reference `optimum` is checked against: every assignment (S^N; ``fixed`` as in
+    ``optimum``), so tiny cases only."""
+    best = 0.0
+    choices = [[fixed[i]] if i < len(fixed) and fixed[i] >= 0 else range(len(costs)) for i in range(len(work))]
+    for assign in itertools.product(*choices):
+        totals = [0.0] * len(costs)
+        for w, s in zip(work, assign):
+            totals[s] += w
+        best = max(best, min(t / c for t, c in zip(totals, costs)))
+    return best
 
 
 def snap(stages: list[list[tuple[str, float]]], costs: tuple[float, ...] | None = None, **kw) -> Snapshot:

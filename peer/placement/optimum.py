@@ -3,7 +3,6 @@ stages gives (``optimum``), exact for a handful of peers and the fluid bound for
 Pure; the yardstick of the placement policy's margin (``rules.py``) and of the simulator."""
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -149,15 +148,3 @@ def _above(bar: float, work: list[float], costs: list[float], allowed: list[list
         return search(k + 1)  # set this peer aside
 
     return assign if search(0) else None
-
-
-def brute_force_optimum(work: Sequence[float], costs: Sequence[float], fixed: Sequence[int] = ()) -> float:
-    """Every assignment (S^N; ``fixed`` as in ``optimum``): for tests on tiny cases only."""
-    best = 0.0
-    choices = [[fixed[i]] if i < len(fixed) and fixed[i] >= 0 else range(len(costs)) for i in range(len(work))]
-    for assign in itertools.product(*choices):
-        load = [0.0] * len(costs)
-        for w, s in zip(work, assign):
-            load[s] += w
-        best = max(best, min(l / c for l, c in zip(load, costs)))
-    return best
