@@ -2,8 +2,8 @@
 
 Everything that needs the round reads it here — the driver stamps it on every microbatch, the
 stage server compares requests against it, the averager refuses requests far from it, state
-sync adopts a donor's — and only the round runner advances it. Before this object existed the
-round had six owners that could disagree for a moment; now they cannot.
+sync adopts a donor's — and only the round runner advances it, so no two of them can disagree
+about the round, even for a moment.
 
 Rounds end by a shared wall clock (`rounds.round_seconds` from the run's epoch), by H inner
 steps counted at the drivers (`rounds.inner_steps`), or, on a later stage, when work of a later

@@ -91,10 +91,11 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
     stage would wait that long for nobody. One whose hold ran out is neither waited for nor
     forgotten, so asking again does not start a new hold.
 
-    Over a slow link a download outlasts a short round: before, the donor (alone, or with the
-    stage's other replicas) applied the round meanwhile, the state arrived superseded, the joiner
-    downloaded again or failed its first round as stale, and two replicas took 23-52 rounds to pair
-    over 20 Mbit. A round held until the download lands costs the donors that wait once."""
+    Over a slow link a download outlasts a short round: unheld, the donor (alone, or with the
+    stage's other replicas) applies the round meanwhile, the state arrives superseded, and the
+    joiner downloads again or fails its first round as stale, round after round (measured:
+    docs/measurements.md, "Notes moved from the code"). A round held until the download lands
+    costs the donors that wait once."""
     by_id = {r.peer_id: r for r in records}
     waiting, settled = [], []
     for peer, since in served.items():
@@ -141,9 +142,9 @@ def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: 
     that we could read by the end of our vote wait (`silent`: dead or cut off, as a member killed
     between the exchange and its vote is). Then waiting longer cannot produce a donor.
 
-    Without `abandoned`, two members re-syncing after a third died before its vote each waited
-    for the other to announce a later round, which it does only after its own wait: both stalled
-    for the whole wait (matchmaking + allreduce) and then kept their state anyway. A silent member
+    Without `abandoned`, two members re-syncing after a third died before its vote would each wait
+    for the other to announce a later round, which it does only after its own wait: both would
+    stall for the whole wait (matchmaking + allreduce) and then keep their state anyway. A silent member
     that did apply the round (its vote unseen) is a replica the next round finds stale."""
     finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
     return set(others) <= finished | set(abandoned) | set(silent)

@@ -171,7 +171,7 @@ class Averager:
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
         saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer.feedback) if f is not None]
         # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
-        # group): the member that reaches the boundary last no longer encodes after it
+        # group): the member that reaches the boundary last does not encode after it
         encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
         # Every member sends its parts to last round's group as soon as they are encoded, while
         # matchmaking runs: the first member's bytes are then at the others before they arrive, and

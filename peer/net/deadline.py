@@ -2,11 +2,9 @@
 
 CPython 3.11's ``asyncio.wait_for`` returns the inner result when the awaited thing completes in
 the same loop iteration as a cancel of the caller (gh-86296; 3.12 rebuilt ``wait_for`` on
-``asyncio.timeout``): the cancel is lost. A task that polls in a loop then runs on after its owner
-cancelled it, and the owner, awaiting it, hangs. Found by exactly that: a 2x2 swarm over 20 Mbit
-(benchmarks/wan.py) where a replica's vote watcher (``outcome.first_failure``, polling the DHT
-every 0.5 s) was cancelled as its DHT read returned; it kept polling for good, its round runner
-waited on it for good, and the replica trained no more rounds while still answering RPCs.
+``asyncio.timeout``): the cancel is lost. A task that polls in a loop (a vote watcher,
+``outcome.first_failure``) then runs on after its owner cancelled it, and the owner, awaiting
+it, hangs: the replica trains no more rounds while still answering RPCs.
 
 ``asyncio.timeout`` (3.11+) awaits inline, so a cancel that arrives with the result is delivered
 as CancelledError; on 3.10 this falls back to ``wait_for``.

@@ -3,18 +3,18 @@ stopped by the peer that started it and dying with it.
 
 Why: users stop programs with Ctrl-C (SIGINT to the terminal's foreground process group) or a
 SIGTERM to the process group (`kill -TERM -PGID`, supervisors). In the peer's group, the DHT child
-and p2pd got that SIGTERM too and died at once, so the peer's own shutdown could no longer announce
+and p2pd would get that SIGTERM too and die at once, so the peer's own shutdown could not announce
 LEAVING. Measured with hivemind 1.1.12 (docs/architecture.md, "Stopping a peer"): both already
 ignore SIGINT, but p2pd exits on SIGTERM whatever it inherits (its Go runtime traps SIGTERM even
 when started with it ignored or blocked), so only keeping the signal away from p2pd helps. In a
 group of their own no group signal reaches them; the peer stops them (`shutdown`).
 
-Leaving the peer's group means a group SIGKILL no longer reaches them either, so the child
+Outside the peer's group a group SIGKILL does not reach them either, so the child
 watches its parent: prctl(PR_SET_PDEATHSIG) on Linux when the DHT is created from the main thread
 (the signal follows the creating *thread*), otherwise a thread polling getppid(). Either way it
 gets SIGTERM, and SIGTERM in the child (also hivemind's own `terminate()` fallback) ends its
 descendants (p2pd, which then removes its control socket) and the child. A SIGKILLed peer, alone
-or with its group, leaves nothing running; before, a peer SIGKILLed alone left both behind.
+or with its group, leaves nothing running.
 """
 from __future__ import annotations
 

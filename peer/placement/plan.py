@@ -218,9 +218,9 @@ class Snapshot:
         send it the one replica, from any stage that may give one (another live replica stays,
         no mover yet, above b), whose move leaves the best pair min(C_a − r, C_b + r·c_a/c_b)
         (``_best``); apply that move to the capacities and repeat while a move improves its
-        pair. So each move is planned knowing the ones before it: S − 1 stages no longer each
-        send a replica to one bottleneck on the same snapshot (a herd that overshot it, left the
-        donors under it and kept the swarm moving). One mover per stage still holds, and a stage
+        pair. So each move is planned knowing the ones before it: S − 1 stages do not each send a
+        replica to one bottleneck on the same snapshot (a herd that would overshoot it, leave the
+        donors under it and keep the swarm moving). One mover per stage still holds, and a stage
         that receives in this plan does not give."""
         return self._memo("move", salt, self._compute_move_plan)
 

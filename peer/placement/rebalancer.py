@@ -26,7 +26,7 @@ DEFAULT_BANDWIDTH = 10e6
 DWELL_CHECKS = 4
 """After a move, a peer lets this many check intervals pass before it considers the next one: its
 rate on the new stage is an estimate until it has measured itself there, and acting on the
-estimate made a peer of the real 6-peer benchmark go back and forth between two stages."""
+estimate can send a peer back and forth between two stages."""
 
 
 def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:

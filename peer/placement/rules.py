@@ -47,7 +47,7 @@ the current min throughput with the one reached after simulating its own move *a
 search that moves every other server (in random order: two servers reading one snapshot may
 disagree), then moves if the ratio is under ``balance_quality`` (0.75). Our plan is that local
 search made deterministic, so every peer reading one snapshot agrees on who moves. We keep its margin on
-the swarm's *imbalance* (rule 4), not on one move's gain as the design first had it: with N
+the swarm's *imbalance* (rule 4), not on one move's gain: with N
 peers in S stages one move changes T by about S/N, so at 1000 peers a per-move margin of 1/q
 never passes and the swarm could not repair itself; a per-move margin only makes sense for a
 handful of peers, where T_reach is exact and one move is a large step anyway. We add what
@@ -91,9 +91,9 @@ class PeerFigures:
 @dataclass(frozen=True)
 class PlacementPolicy:
     q: float = 0.95
-    """Move only while T / T_reach < q; 1.0 moves whenever placement is not optimal. The design's
-    q ≈ 0.8 was a margin on one move's gain; as a margin on the swarm's imbalance 0.8 left
-    1000-peer swarms 4 % under the optimum without a single move (``swarmgrad simulate``)."""
+    """Move only while T / T_reach < q; 1.0 moves whenever placement is not optimal. A margin of
+    0.8 on the swarm's imbalance leaves 1000-peer swarms 4 % under the optimum without a single
+    move (``swarmgrad simulate``)."""
     repay: bool = True
     """Require gain × tenure > T × switch time."""
     confirmations: int = 2

@@ -45,13 +45,13 @@ class SimConfig:
     seed: int = 0
     policy: str = "full"
     """"full" (the daemon's ``placement.SWARM_POLICY``: q = 0.8 in a handful of peers, no margin in a
-    large swarm; until 2026-12-01 the simulator played q = 0.95 in a handful of peers, which the
-    1000-peer figures do not depend on) or "no-margin" (``NO_MARGIN``)."""
+    large swarm; the 1000-peer figures do not depend on the small-swarm margin) or "no-margin"
+    (``NO_MARGIN``)."""
     q: float | None = None
-    """Override the full policy's margin, small and large swarms alike (None: ``SWARM_POLICY``; ``q=0.95`` plays the policy before 2026-12-01)."""
+    """Override the full policy's margin, small and large swarms alike (None: ``SWARM_POLICY``)."""
     check_s: float = 15.0
     """Mean seconds between a peer's placement checks (jittered by ``check_interval``): the
-    daemon's ``timeouts.rebalance_check``. (120 s until 2026-12-01, then 30 s with the daemon's.)"""
+    daemon's ``timeouts.rebalance_check``."""
     confirm_s: float = 30.0
     """Mean seconds to the confirming check after a first decision (two snapshot refreshes)."""
     snapshot_s: float = 15.0
@@ -69,9 +69,9 @@ class SimConfig:
     bandwidth_sigma: float = 0.8
     hosted_bandwidth_median_mbit: float = 1000.0
     """Median link of the data-centre cards (``Device.hosted``: T4, V100, A10, A100, H100; 43 % of
-    the swarm), clamped to 10–10,000 Mbit/s; 0: the home law for every peer (the default until
-    2026-12-01). Cloud instances with these GPUs have 1–100+ Gbit/s NICs; a 1 Gbit/s median is
-    a conservative setting for that, and a rented card is not behind a home uplink."""
+    the swarm), clamped to 10–10,000 Mbit/s; 0: the home law for every peer. Cloud instances
+    with these GPUs have 1–100+ Gbit/s NICs; a 1 Gbit/s median is a conservative setting for
+    that, and a rented card is not behind a home uplink."""
     warmup_s: float = 30.0
     mfu: float = 0.35
     efficiency_sigma: float = 0.15
@@ -90,7 +90,7 @@ class SimConfig:
     d / this (``decisions.next_push_at``); 1: no pacing."""
     parallel_push: bool = False
     """Copy i is pushed by the stage's member i (by peer id), all at once; False: the first member
-    pushes every copy in turn (as backup.BackupPusher did), so copy K lands K transfers late."""
+    pushes every copy in turn, so copy K lands K transfers late."""
     confirm_warm: bool = True
     """``PlacementPolicy.confirm_warm``."""
     fresh_check_s: float = 15.0
@@ -101,7 +101,8 @@ class SimConfig:
     pinned_share: float = 0.0
     """Share of peers that are pinned (``--stage N`` with rebalancing off, or behind NAT in client
     mode): they never move, and their records say so, so no plan picks them (``Replica.pinned``).
-    0 draws nothing from the random stream: the runs without pinned peers are the same as before."""
+    0 draws nothing from the random stream: a seed plays the same swarm as it would without
+    this option."""
     pinned_stage: int | None = None
     """The stage pinned peers serve: None, the stage a newcomer would choose on arrival (an operator
     who picked well once); N, every one on stage N (0: NAT clients, which drive). A peer whose
