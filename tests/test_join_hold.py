@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import pytest
 
 from swarmgrad.peer.manifest import TimeoutsConfig, dumps
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
@@ -39,25 +40,23 @@ ID = RunIdentity("run", "h" * 32)
 
 
 # --- serving while the boundary is held (one process) ------------------------------------------
-class PausedWorker:
-    paused = True
-
-
 def test_a_paused_replica_serves_its_state_only_while_it_holds_for_joiners() -> None:
-    """At a boundary the worker is paused: averaging is about to change the state, so a download is
-    refused NOT_READY, unless the boundary is held for joiners (nothing averages then). A served
-    download is remembered with the time of the peer's first request."""
+    """At a boundary the worker is paused (phase AVERAGING): averaging is about to change the state,
+    so a download is refused NOT_READY, unless the boundary is held for joiners (HOLDING: nothing
+    averages then). A served download is remembered with the time of the peer's first request."""
     async def scenario() -> None:
         state = trained(seed=3)
+        phase = ReplicaPhase()
         sync = StateSync(rpc=None, swarm=None, identity=ID, peer_id="me", stage=1, state=state,  # type: ignore[arg-type]
-                         worker=PausedWorker(), clock=None, progress=None, events=None,  # type: ignore[arg-type]
-                         timeouts=TimeoutsConfig(), max_numel=1 << 22)
-        sync.serving = True
+                         worker=None, clock=None, progress=None, events=None,  # type: ignore[arg-type]
+                         phase=phase, timeouts=TimeoutsConfig(), max_numel=1 << 22)
+        phase.enter(Phase.SERVING)
+        phase.enter(Phase.AVERAGING)
         request = pb.StateRequest(envelope=envelope(ID, 1))
         with pytest.raises(ProtocolError) as refused:
             await sync.handle(request, "joiner")  # type: ignore[arg-type]
         assert refused.value.status == pb.NOT_READY and not sync.served
-        sync.holding = True
+        phase.enter(Phase.HOLDING)
         resp = await sync.handle(request, "joiner")  # type: ignore[arg-type]
         assert resp.status == pb.OK and resp.state_digest == state.digest
         first = sync.served["joiner"]

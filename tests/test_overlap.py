@@ -26,6 +26,7 @@ from swarmgrad.peer.records import ReplicaStats
 from swarmgrad.peer.rounds.runner import RoundRunner
 from swarmgrad.peer.net.rpc import Traffic
 from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.stage_state import StageState
 from swarmgrad.peer.compute.worker import NotReady, StageWorker
 
@@ -105,7 +106,6 @@ class Group:
 class Member:
     """The averager as the runner sees it, backed by the shared Group."""
     group: Group
-    m: object = field(default_factory=lambda: type("M", (), {"timeouts": TimeoutsConfig()})())
     patience: float = 5.0
     resets: int = 0
 
@@ -119,17 +119,10 @@ class Member:
 
 @dataclass
 class FakeSync:
-    averaging: bool = False
     donor: StageState | None = None
     """If set, a failed round re-syncs to this state."""
     served: dict[str, float] = field(default_factory=dict)
     """Nobody downloads: no boundary is held for joiners (tests/test_join_hold.py)."""
-
-    def begin_averaging(self) -> None:
-        self.averaging = True
-
-    def end_averaging(self) -> None:
-        self.averaging = False
 
     async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
         if self.donor is None:
@@ -145,7 +138,11 @@ class FakePresence:
     def __init__(self) -> None:
         self.stats = ReplicaStats()
 
-    async def announce(self, *_: object) -> None:
+    def set_stats(self, **values: object) -> None:
+        for name, value in values.items():
+            setattr(self.stats, name, value)
+
+    async def announce(self) -> None:
         pass
 
 
@@ -164,11 +161,16 @@ class Replica:
         self.sync.state, self.sync.progress = self.state, self.progress  # type: ignore[attr-defined]
         self.averager = Member(group)
         self.events: list[dict] = []
+        self.phase = ReplicaPhase()
+        timeouts = TimeoutsConfig()
         self.runner = RoundRunner(stage=0, clock=self.clock, worker=self.worker, state=self.state,
                                   averager=self.averager, sync=self.sync, presence=FakePresence(),  # type: ignore[arg-type]
-                                  swarm=None, progress=self.progress, traffic=Traffic(),  # type: ignore[arg-type]
-                                  events=EventLog(None, sink=self.events.append), schedule_outer=False, save_dir=None,
-                                  peer_id=f"peer-{seed}", overlap=overlapped, overlap_steps=overlap_steps)
+                                  phase=self.phase, swarm=None, progress=self.progress,  # type: ignore[arg-type]
+                                  traffic=Traffic(), events=EventLog(None, sink=self.events.append),
+                                  schedule_outer=False, save_dir=None, peer_id=f"peer-{seed}",
+                                  join_hold=timeouts.join_hold, dht_timeout=timeouts.dht,
+                                  matchmaking=timeouts.matchmaking, overlap=overlapped, overlap_steps=overlap_steps)
+        self.runner.serve()  # ONLINE, as Replica.start leaves it
         self.data = torch.Generator().manual_seed(100 + seed)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +207,7 @@ def test_overlapped_round_trains_while_the_mean_travels_and_lands_on_the_plain_g
         await run_boundary(reps)
         await run_boundary(plain)
         # round 0 ended; its mean is held back, and the workers train on regardless
-        assert all(not r.worker.paused for r in reps) and all(r.sync.averaging for r in reps)
+        assert all(not r.worker.paused for r in reps) and all(r.phase.current is Phase.OVERLAPPED for r in reps)
         anchors = [{n: a.clone() for n, a in r.runner._in_flight.anchor.items()} for r in reps]
         g0 = reps[0].state.params["weight"].detach().clone()
         for r in reps:
@@ -215,6 +217,7 @@ def test_overlapped_round_trains_while_the_mean_travels_and_lands_on_the_plain_g
         group.release[0].set()
         for r in reps:
             await r.runner._in_flight.task
+        assert all(r.phase.current is Phase.SERVING for r in reps + plain), "landed mid-round: serving again"
         # θ_global: bit-identical on both, and what the plain round computed from the same Δs
         assert reps[0].state.digest == reps[1].state.digest
         assert torch.equal(reps[0].state.params["weight"], plain[0].state.params["weight"])

@@ -1,13 +1,17 @@
 """Presence: stores of a replica's own record never overlap, so a DHT node cannot receive them out
 of order (it keeps the later-expiring one and refuses the other, and the refused store reports
-failure: a LEAVING announced on shutdown said it failed although a newer record was stored)."""
+failure: a LEAVING announced on shutdown said it failed although a newer record was stored).
+The record is its owner's: its status follows the replica's phase, other figures are handed to it."""
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
-from swarmgrad.peer.records import LEAVING, ONLINE
+from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
 
 class SlowSwarm:
@@ -24,22 +28,25 @@ class SlowSwarm:
         return True
 
 
-def presence(swarm: SlowSwarm) -> Presence:
+def presence(swarm: SlowSwarm, phase: ReplicaPhase | None = None) -> Presence:
     worker = SimpleNamespace(rate=SimpleNamespace(rate=1.0))
     state = SimpleNamespace(applied_rounds=0, digest="d")
     clock = SimpleNamespace(current=3)
-    return Presence(swarm, peer_id="peer", stage=0, manifest_hash="h", maddrs=(), worker=worker,  # type: ignore[arg-type]
-                    state=state, clock=clock, heartbeat=1.0)  # type: ignore[arg-type]
+    return Presence(swarm, peer_id="peer", stage=0, manifest_hash="h", maddrs=(),  # type: ignore[arg-type]
+                    phase=phase or ReplicaPhase(), worker=worker, state=state, clock=clock,  # type: ignore[arg-type]
+                    heartbeat=1.0)
 
 
 def test_a_leaving_announce_waits_for_the_store_in_flight_and_goes_last() -> None:
     async def main() -> None:
         swarm = SlowSwarm()
-        p = presence(swarm)
-        p.status = ONLINE
+        phase = ReplicaPhase()
+        p = presence(swarm, phase)
+        phase.enter(Phase.SERVING)
         heartbeat = asyncio.ensure_future(p.announce())
         await asyncio.sleep(0.01)  # the heartbeat's store is on its way
-        leaving = asyncio.ensure_future(p.announce(LEAVING))
+        phase.enter(Phase.LEAVING)
+        leaving = asyncio.ensure_future(p.announce())
         await asyncio.sleep(0.01)
         assert p.status == LEAVING, "the status changes at once, not once the store may begin"
         assert swarm.log == [("begin", ONLINE)], "a second store began while the first was in flight"
@@ -54,7 +61,32 @@ def test_a_failed_store_is_reported_not_raised_and_frees_the_next() -> None:
         class Failing(SlowSwarm):
             async def announce(self, record) -> bool:
                 raise TimeoutError("the DHT did not answer")
-        p = presence(Failing())
+        phase = ReplicaPhase()
+        p = presence(Failing(), phase)
         assert await p.announce() is False
-        assert await p.announce(LEAVING) is False  # not stuck behind the failed one
+        phase.enter(Phase.LEAVING)
+        assert await p.announce() is False  # not stuck behind the failed one
     asyncio.run(main())
+
+
+def test_the_record_says_what_its_phase_and_the_values_handed_to_it_say() -> None:
+    phase = ReplicaPhase()
+    p = presence(SlowSwarm(), phase)
+    assert p.record().state == JOINING and not p.record().moving
+    for ph in (Phase.SERVING, Phase.AVERAGING, Phase.HOLDING, Phase.AVERAGING, Phase.OVERLAPPED):
+        phase.enter(ph)
+        assert p.record().state == ONLINE
+    phase.enter(Phase.JOINING)  # a stale replica re-syncs
+    assert p.record().state == JOINING
+    p.set(moving=True)
+    p.set_stats(val_loss=2.5, samples=12)
+    p.set_stats(train_loss=3.0)
+    record = p.record()
+    assert record.moving and record.stats is not None
+    assert record.stats["val_loss"] == 2.5 and record.stats["samples"] == 12 and record.stats["train_loss"] == 3.0
+    p.stats.samples = 99  # a copy: nobody writes the record but its owner
+    assert p.record().stats["samples"] == 12
+    with pytest.raises(TypeError):
+        p.set_stats(no_such_figure=1)
+    phase.enter(Phase.LEAVING)
+    assert p.record().state == LEAVING

@@ -12,6 +12,7 @@ from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.averaging.outcome import vote
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.rounds.runner import RoundRunner
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
@@ -43,7 +44,7 @@ def sync(swarm: Swarm, downloads: list[list[str]]) -> StateSync:
     s = StateSync(rpc=None, swarm=swarm, identity=None, peer_id="a", stage=1,  # type: ignore[arg-type]
                   state=SimpleNamespace(applied_rounds=5, digest="d"), worker=None, clock=SimpleNamespace(current=7),  # type: ignore[arg-type]
                   progress=None, events=SimpleNamespace(emit=lambda *a, **k: None),  # type: ignore[arg-type]
-                  timeouts=TimeoutsConfig(matchmaking=1.0, allreduce=2.0), max_numel=0)
+                  phase=ReplicaPhase(), timeouts=TimeoutsConfig(matchmaking=1.0, allreduce=2.0), max_numel=0)
 
     async def download(peers: list[str]) -> bool:
         downloads.append(list(peers))
@@ -122,13 +123,16 @@ def test_a_member_that_voted_its_digest_and_said_nothing_more_is_waited_for() ->
 
 
 class Presence:
-    def __init__(self, status: str) -> None:
-        self.status = status
+    """What the runner's presence record announces: the phase's status, at each store."""
+    def __init__(self, phase: ReplicaPhase) -> None:
+        self.phase = phase
         self.announced: list[str] = []
 
-    async def announce(self, status: str | None = None) -> bool:
-        if status is not None:
-            self.status = status
+    @property
+    def status(self) -> str:
+        return self.phase.status
+
+    async def announce(self) -> bool:
         self.announced.append(self.status)
         return True
 
@@ -145,11 +149,21 @@ class Resync:
 
 
 def runner_resync(status: str, result: RoundResult, outcome: bool) -> tuple[bool, Presence, Resync]:
-    presence = Presence(status)
+    """The runner's _resync in a round (phase AVERAGING) whose record says `status`."""
+    phase = ReplicaPhase()
+    phase.enter(Phase.SERVING)
+    phase.enter(Phase.AVERAGING)  # a failed round ends at its boundary, worker paused
+    if status == LEAVING:
+        phase.enter(Phase.LEAVING)
+    assert phase.status == status
+    presence = Presence(phase)
     sync_ = Resync(presence, outcome)
     runner = RoundRunner.__new__(RoundRunner)  # only what _resync touches
-    runner.presence, runner.sync = presence, sync_  # type: ignore[assignment]
-    return asyncio.run(runner._resync(7, result)), presence, sync_
+    runner.presence, runner.sync, runner.phase = presence, sync_, phase  # type: ignore[assignment]
+    done = asyncio.run(runner._resync(7, result))
+    if status != LEAVING:
+        assert phase.current is Phase.AVERAGING, "back to the phase the re-sync interrupted"
+    return done, presence, sync_
 
 
 def test_a_stale_replica_is_joining_while_it_resyncs() -> None:

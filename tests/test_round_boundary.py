@@ -15,6 +15,7 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.peer.pipeline.stage_server import DriverList
 from swarmgrad.peer.rounds.runner import RoundRunner
+from swarmgrad.peer.state.phase import ReplicaPhase
 from swarmgrad.peer.net.rpc import Traffic
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.records import ONLINE, PeerRecord
@@ -48,9 +49,9 @@ def _runner(swarm: SlowSwarm) -> tuple[RoundRunner, RoundClock, StageWorker]:
     progress = TrainingProgress(ScheduleConfig())
     worker = StageWorker(nn.Linear(2, 2), InnerOptConfig(), torch.device("cpu"), None, clock, progress)
     runner = RoundRunner(stage=1, clock=clock, worker=worker, state=None, averager=None, sync=None,  # type: ignore[arg-type]
-                         presence=None, swarm=swarm, progress=progress, traffic=Traffic(),  # type: ignore[arg-type]
-                         events=EventLog(None, sink=lambda _: None), schedule_outer=False, save_dir=None,
-                         peer_id="stage-1")
+                         presence=None, phase=ReplicaPhase(), swarm=swarm, progress=progress,  # type: ignore[arg-type]
+                         traffic=Traffic(), events=EventLog(None, sink=lambda _: None), schedule_outer=False,
+                         save_dir=None, peer_id="stage-1", join_hold=0.0, dht_timeout=10.0, matchmaking=5.0)
     return runner, clock, worker
 
 

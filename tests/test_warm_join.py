@@ -13,6 +13,7 @@ from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import RoundsConfig, ScheduleConfig, TimeoutsConfig
 from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.phase import ReplicaPhase
 from swarmgrad.peer.state.sync import StateSync, state_response
 from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
@@ -61,7 +62,8 @@ async def join(held, donors_state) -> tuple[StateSync, Donors, list[dict]]:
                          torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))),
                      clock=RoundClock(RoundsConfig(round_seconds=0, inner_steps=10), counts_steps=False,
                                       max_rounds=0, epoch=None),
-                     progress=TrainingProgress(ScheduleConfig()), events=log, timeouts=TimeoutsConfig(),
+                     progress=TrainingProgress(ScheduleConfig()), events=log, phase=ReplicaPhase(),
+                     timeouts=TimeoutsConfig(),
                      max_numel=1 << 22, local_copy=store.local_copy)
     await sync.join()
     return sync, donors, events

@@ -32,6 +32,7 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.pipeline.stage_server import Downstream, DriverList, StageServer, refusal
+from swarmgrad.peer.state.phase import ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
 from swarmgrad.peer.rounds.runner import RoundRunner
 from swarmgrad.peer.pipeline.routing import BanList
@@ -40,7 +41,6 @@ from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.state.stage_state import StageState
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.records import LEAVING, ONLINE
 from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import wire_codec_names
@@ -109,6 +109,8 @@ class Replica:
         self.rounds: RoundRunner | None = None
         self.driving: DrivingLoop | None = None
         self.clock: RoundClock | None = None
+        self.phase = ReplicaPhase()
+        """JOINING / SERVING / AVERAGING / ...: written by the round runner only (peer/state/phase.py)."""
         self.state: StageState | None = None
         self.main: asyncio.Task | None = None
         """Ends when the replica's run ends: its rounds are done (or it left), or a task failed."""
@@ -152,24 +154,26 @@ class Replica:
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
-                                            maddrs=ctx.maddrs, worker=worker, state=state, clock=clock,
-                                            heartbeat=t.heartbeat, memory=ctx.memory,
+                                            maddrs=ctx.maddrs, phase=self.phase, worker=worker, state=state,
+                                            clock=clock, heartbeat=t.heartbeat, memory=ctx.memory,
                                             backups=ctx.backup_store.held if ctx.backup_store else None,
                                             pinned=ctx.pinned)
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
-                         timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
+                         phase=self.phase, timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
                          checkpoints=ctx.checkpoints,
                          local_copy=ctx.backup_store.local_copy if ctx.backup_store else None)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
                                        seed=data_seed(m, ctx.peer_id, ctx.data_seed), tasks=self.tasks,
-                                       stats=presence.stats, memory_window=driver_memory_window(m, ctx.memory, ctx.model))
+                                       report_stats=presence.set_stats,
+                                       memory_window=driver_memory_window(m, ctx.memory, ctx.model))
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
-                                  sync=sync, presence=presence, swarm=ctx.swarm, progress=progress,
+                                  sync=sync, presence=presence, phase=self.phase, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
-                                  save_dir=ctx.save_dir, peer_id=ctx.peer_id,
+                                  save_dir=ctx.save_dir, peer_id=ctx.peer_id, join_hold=t.join_hold,
+                                  dht_timeout=t.dht, matchmaking=t.matchmaking,
                                   after_round=self.driving.after_round if self.driving else None,
                                   byzantine=ctx.byzantine, overlap=m.rounds.overlap,
                                   overlap_steps=m.rounds.overlap_steps,
@@ -197,8 +201,8 @@ class Replica:
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))
         await rpc.add_handler("state", pb.StateRequest, sync.handle, refusal(pb.StateResponse))
-        sync.serving = True
-        await presence.announce(ONLINE)
+        self.rounds.serve()
+        await presence.announce()
         self.events.emit("online", round=clock.current, digest=state.digest, epoch=clock.epoch)
         logger.info("peer %s serves stage %d of %d", ctx.peer_id[-8:], stage, n_stages)
 
@@ -272,7 +276,7 @@ class Replica:
         self.rounds.leave_after_round = True
         if self.worker is not None:
             await self.worker.leave()
-        self.presence.moving = True
+        self.presence.set(moving=True)
         await self.presence.announce()
 
     # stop ---------------------------------------------------------------------------------------
@@ -282,10 +286,12 @@ class Replica:
             self.driving.stop_training.set()
         if self.worker is not None:  # requests held for a resume are refused now, not cut off below
             await self.worker.leave()
-        if self.presence is not None:
+        # no runner: start failed while building the pieces, before any record was stored
+        if self.presence is not None and self.rounds is not None:
+            self.rounds.leave()
             announced = False
             try:
-                announced = await within(self.presence.announce(LEAVING), self.ctx.manifest.timeouts.shutdown / 3)
+                announced = await within(self.presence.announce(), self.ctx.manifest.timeouts.shutdown / 3)
             except asyncio.TimeoutError:
                 t = self.ctx.manifest.timeouts
                 # typical when the peers it would store to are stopping too: nothing is lost

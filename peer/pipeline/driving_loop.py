@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Callable
 
 from hivemind.p2p import PeerID
 
@@ -18,7 +19,6 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.pipeline.stage_server import Downstream, wait_for_pipeline
-from swarmgrad.peer.records import ReplicaStats
 from swarmgrad.peer.placement.cost import stage_costs
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.pipeline.window import memory_window
@@ -72,11 +72,12 @@ def driver_memory_window(manifest: Manifest, offered_bytes: int | None, model: S
 class DrivingLoop:
     def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
-                 tasks: list[asyncio.Task], stats: ReplicaStats | None = None, memory_window: int | None = None):
+                 tasks: list[asyncio.Task], report_stats: Callable[..., None] | None = None, memory_window: int | None = None):
         self.m = manifest
         self.memory_window = memory_window
         """Microbatches in flight the memory this peer offers holds (peer/pipeline/window.py); None: unknown."""
-        self.stats = stats
+        self.report_stats = report_stats
+        """Presence.set_stats: each evaluation's score goes into the replica's record."""
         self.worker = worker
         self.downstream = downstream
         self.peer_id = peer_id
@@ -166,8 +167,8 @@ class DrivingLoop:
         finally:
             self._evaluating = False
         bpb = bits_per_byte(val_nats) if val_nats == val_nats else math.nan
-        if self.stats is not None:
-            self.stats.val_loss = bpb if math.isfinite(bpb) else None
+        if self.report_stats is not None:
+            self.report_stats(val_loss=bpb if math.isfinite(bpb) else None)
         stats = self.driver.stats
         self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
                          after_round=after_round,

@@ -2,9 +2,12 @@
 the outer step, resume, report. With `rounds.overlap` the worker resumes before the averaging and
 the outer step lands during the next round (peer/rounds/overlap.py).
 
-The runner is the only writer of the round clock's round and of θ_global between joins; the
-averager does the group work (peer/averaging/averager.py), state sync the re-sync after a failed round
-(peer/state/sync.py), and `policy` the decisions.
+The runner is the only writer of the round clock's round, of θ_global between joins and of the
+replica's phase (peer/state/phase.py: SERVING, AVERAGING at a boundary, HOLDING for joiners,
+OVERLAPPED while a round averages in the background, JOINING while a stale replica re-syncs; the
+replica asks it to `serve` and to `leave`). The averager does the group work
+(peer/averaging/averager.py), state sync the re-sync after a failed round (peer/state/sync.py), and
+`decisions` the decisions.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ from swarmgrad.peer.state.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
 from swarmgrad.peer.net.rpc import Traffic
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.state.stage_state import StageState
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.records import JOINING, ONLINE
+from swarmgrad.peer.records import ONLINE
 from swarmgrad.peer.compute.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -44,13 +48,20 @@ JOIN_HOLD_POLL_SECONDS = 0.25
 
 class RoundRunner:
     def __init__(self, *, stage: int, clock: RoundClock, worker: StageWorker, state: StageState,
-                 averager: Averager, sync: StateSync, presence: Presence, swarm: SwarmView,
+                 averager: Averager, sync: StateSync, presence: Presence, phase: ReplicaPhase, swarm: SwarmView,
                  progress: TrainingProgress, traffic: Traffic, events: EventLog, schedule_outer: bool,
-                 save_dir: str | None, peer_id: str,
+                 save_dir: str | None, peer_id: str, join_hold: float, dht_timeout: float, matchmaking: float,
                  after_round: Callable[[int, RoundResult], Awaitable[None]] | None = None,
                  backups: BackupPusher | None = None, byzantine: str | None = None, overlap: bool = False,
                  overlap_steps: int = 0):
+        """`join_hold`, `dht_timeout`, `matchmaking`: timeouts.join_hold, timeouts.dht and
+        timeouts.matchmaking (peer/manifest.py)."""
         self.stage = stage
+        self.phase = phase
+        """The replica's phase: this runner is its one writer (peer/state/phase.py)."""
+        self.join_hold = join_hold
+        self.dht_timeout = dht_timeout
+        self.matchmaking = matchmaking
         self.overlap = overlap
         """rounds.overlap: average in the background while the next round trains (peer/rounds/overlap.py)."""
         self.overlap_steps = overlap_steps
@@ -80,8 +91,22 @@ class RoundRunner:
         self._carried = 0
         """Samples of rounds that applied nothing, still in θ_local: they weigh in the next round."""
         self._in_flight: overlap.InFlight | None = None
+        self._boundary = False
+        """Between the worker's pause at a boundary and its resume: an overlapped round whose mean
+        lands then leaves the replica AVERAGING, not SERVING."""
+        self._samples_trained = 0
+        """Samples this replica trained so far (the record's stats.samples)."""
         self.leave_after_round = False
         """Set when the peer moves to another stage: the current round is the last one here."""
+
+    def serve(self) -> None:
+        """The replica's handlers are up and its state is committed: it serves (JOINING -> SERVING).
+        Called once, by Replica.start."""
+        self.phase.enter(Phase.SERVING)
+
+    def leave(self) -> None:
+        """The replica is on its way out (Replica.close): LEAVING, for good."""
+        self.phase.enter(Phase.LEAVING)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds until the clock has counted max_rounds (or forever, or until `stop`)."""
@@ -102,6 +127,7 @@ class RoundRunner:
                     # after H steps), or the drivers' final evaluation would wait on a round that never comes
                     if self.worker.paused:
                         await self.worker.resume()
+                    self._resume_phase()
                     return
         finally:
             await self._drop_in_flight()
@@ -162,6 +188,9 @@ class RoundRunner:
         plain round's result, None for an overlapped one (its result comes later)."""
         boundary = time.monotonic()
         worker = self.worker
+        self._boundary = True
+        if self.phase.current is Phase.SERVING:  # OVERLAPPED stays so until its mean lands
+            self.phase.enter(Phase.AVERAGING)
         await worker.pause()
         await self._finish_in_flight()  # the previous overlapped round's mean, applied before Δ is taken
         last = overlap.is_last_round(leaving=self.leave_after_round, max_rounds=self.clock.max_rounds,
@@ -179,15 +208,15 @@ class RoundRunner:
         downloaded this replica's state have not landed it (decisions.join_hold), at most
         `timeouts.join_hold` from each one's first request. Not with wall-clock rounds: a joiner
         adopts the wall's round, which holding cannot change."""
-        hold, sync = self.averager.m.timeouts.join_hold, self.sync
-        if hold <= 0 or not sync.served or self.clock.epoch is not None or self.presence.status != ONLINE:
+        hold, sync = self.join_hold, self.sync
+        if hold <= 0 or not sync.served or self.clock.epoch is not None or self.phase.current is not Phase.AVERAGING:
             return
         started, waited = time.monotonic(), set()
-        sync.holding = True
+        self.phase.enter(Phase.HOLDING)
         try:
             while True:
                 try:
-                    records = await within(self.swarm.stage_records(self.stage), self.averager.m.timeouts.dht)
+                    records = await within(self.swarm.stage_records(self.stage), self.dht_timeout)
                 except Exception as e:  # unknown: averaging now is what happened before the hold
                     logger.info("stage %d: could not read the stage's records to hold for joiners: %s: %s",
                                 self.stage, type(e).__name__, e)
@@ -200,7 +229,7 @@ class RoundRunner:
                 waited.update(waiting)
                 await asyncio.sleep(JOIN_HOLD_POLL_SECONDS)
         finally:
-            sync.holding = False
+            self.phase.enter(Phase.AVERAGING)
         if waited:
             joined = [p for p in sorted(waited) if p not in sync.served]
             held_s = time.monotonic() - started
@@ -211,7 +240,7 @@ class RoundRunner:
     async def _connected(self) -> set[str] | None:
         """The peers our p2p daemon is connected to (None if it did not say)."""
         try:
-            return await within(self.sync.rpc.connected(), self.averager.m.timeouts.dht)
+            return await within(self.sync.rpc.connected(), self.dht_timeout)
         except Exception as e:
             logger.debug("stage %d: could not list connected peers: %s: %s", self.stage, type(e).__name__, e)
             return None
@@ -240,7 +269,7 @@ class RoundRunner:
         """Δ = θ_global − θ_local to average (corrupted by the --byzantine testing aid), with the
         matchmaking patience this round's length calls for."""
         self.averager.patience = decisions.matchmaking_patience(
-            self.averager.m.timeouts.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
+            self.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
         delta = await self.worker.run(self.state.pseudo_gradient, self.worker.module)
         return corrupt(delta, self.byzantine, round) if self.byzantine else delta
 
@@ -286,26 +315,29 @@ class RoundRunner:
         self.clock.count(result.complete and result.total_weight > 0)
         if not self.leave_after_round:  # before the announce: a DHT store is not worth idle compute
             await worker.resume(carry_over=carry)
+            self._resume_phase()
         self._resumed(report)
         await self.presence.announce()
         await self._after(round, result, report)
         return result
 
     async def _resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
-        """StateSync.resync, announced as JOINING while it runs when our θ_global was stale.
+        """StateSync.resync, in phase JOINING (announced) while it runs when our θ_global was stale.
 
         A stale replica can be in no group until it has the others' state, but its ONLINE record
         keeps their next matchmaking waiting for it (every ONLINE replica must register): seen when a
         joiner's download crossed its donor's boundary, the donor waited out its whole patience
         for the joiner (5 s) while refusing it the state it waited for (the donor was averaging)."""
-        stale = result.stale and self.presence.status == ONLINE
+        interrupted = self.phase.current
+        stale = result.stale and self.phase.online
         if stale:
-            await self.presence.announce(JOINING)
+            self.phase.enter(Phase.JOINING)
+            await self.presence.announce()
         try:
             return await self.sync.resync(round, result, overlapped=overlapped)
         finally:
-            if stale and self.presence.status == JOINING:
-                self.presence.status = ONLINE  # announced with the round's report (or the heartbeat)
+            if stale and self.phase.current is Phase.JOINING:
+                self.phase.enter(interrupted)  # ONLINE, announced with the round's report (or the heartbeat)
 
     # overlapped rounds (peer/rounds/overlap.py) ------------------------------------------------------
     async def _start_overlapped(self, round: int, report: overlap.RoundReport) -> None:
@@ -319,13 +351,14 @@ class RoundRunner:
         self._carried = 0
         self.progress.pending = report.samples  # ours until the mean lands (peer/compute/schedule.py)
         self.clock.advance(self.clock.next_round(get_dht_time()))
-        self.sync.begin_averaging()
+        self.phase.enter(Phase.OVERLAPPED)
         await self.presence.announce()
         report.mean_wait0 = worker.mean_wait_total
         worker.expect_mean(self.overlap_steps)
         flight.task = asyncio.create_task(self._average_in_flight(flight, delta, state.digest, state.applied_rounds),
                                           name=f"overlapped-round-{self.stage}-{round}")
         self._in_flight = flight
+        self._boundary = False  # before the resume yields: a mean that lands meanwhile leaves it SERVING
         await worker.resume()
         self._resumed(report)
 
@@ -373,7 +406,7 @@ class RoundRunner:
         await worker.mean_settled()  # before the report, which counts the time the worker waited for it
         flight.report.mean_wait_s = worker.mean_wait_total - flight.report.mean_wait0
         self.clock.count(result.complete and result.total_weight > 0)
-        self.sync.end_averaging()
+        self._landed()
         await self.presence.announce()
         await self._after(round, result, flight.report)
 
@@ -401,7 +434,19 @@ class RoundRunner:
         if flight is not None and flight.task is not None and not flight.task.done():
             flight.task.cancel()
             await asyncio.gather(flight.task, return_exceptions=True)
-            self.sync.end_averaging()
+            self._landed()
+
+    def _resume_phase(self) -> None:
+        """The worker resumed after a plain round (or the run's last): the state is served again."""
+        self._boundary = False
+        if self.phase.current is Phase.AVERAGING:
+            self.phase.enter(Phase.SERVING)
+
+    def _landed(self) -> None:
+        """An overlapped round's mean landed (or its averaging was dropped): SERVING mid-round,
+        AVERAGING at the boundary it ended in."""
+        if self.phase.current is Phase.OVERLAPPED:
+            self.phase.enter(Phase.AVERAGING if self._boundary else Phase.SERVING)
 
     async def _after(self, round: int, result: RoundResult, report: overlap.RoundReport) -> None:
         self._report(round, result, report)
@@ -437,14 +482,13 @@ class RoundRunner:
                          moment_replicas=self.worker.moment_replicas)
         if result.complete:
             self.worker.set_replicas(len(result.group))
-        stats = self.presence.stats
-        stats.train_loss = train_loss if r.losses else None
-        stats.round_s, stats.group_size = round_ms(r.round_s), len(result.group)
-        stats.samples_per_s = samples_per_s
-        stats.samples += r.samples
-        stats.bytes_sent = self.traffic.sent
-        stats.bytes_activations, stats.bytes_gradients = by_kind_sent["activations"], by_kind_sent["gradients"]
-        stats.bytes_averaging, stats.bytes_state = by_kind_sent["averaging"], by_kind_sent["state"]
+        self._samples_trained += r.samples
+        self.presence.set_stats(train_loss=train_loss if r.losses else None, round_s=round_ms(r.round_s),
+                                group_size=len(result.group), samples_per_s=samples_per_s,
+                                samples=self._samples_trained, bytes_sent=self.traffic.sent,
+                                bytes_activations=by_kind_sent["activations"],
+                                bytes_gradients=by_kind_sent["gradients"],
+                                bytes_averaging=by_kind_sent["averaging"], bytes_state=by_kind_sent["state"])
         logger.info("stage %d round %d: loss %s | %.1f samples/s | util %.2f | lr %.2e | sent %.2f MB recv %.2f MB "
                     "| group %d %s", self.stage, round, f"{train_loss:.3f}" if r.losses else "-", samples_per_s,
                     r.utilisation, r.lr, sent / 1e6, recv / 1e6, len(result.group),

@@ -2,7 +2,8 @@
 first download, and the re-sync of a replica after a round it failed while others completed.
 
 The receiver validates names and shapes against its own stage and recomputes the digest, so a
-truncated, tampered or mismatched state is refused rather than trained on. Donors are chosen by
+truncated, tampered or mismatched state is refused rather than trained on. Whether this replica
+serves its state is its phase alone (peer/state/phase.py), which the round runner writes. Donors are chosen by
 `policy` from what the stage's majority announces, never by who claims the most rounds.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.state.phase import Phase, ReplicaPhase, serves_state
 from swarmgrad.peer.state.stage_state import StageState, StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.records import ONLINE
@@ -46,6 +48,13 @@ MAX_JOIN_REFRESHES = 2
 """Downloads a joiner repeats because the state moved on while it travelled (decisions.join_superseded):
 over a slow link a download can span a short round's boundary every time; then the first round
 finds out, as before."""
+
+REFUSED = {
+    Phase.JOINING: "this replica has no committed state to share yet",
+    Phase.AVERAGING: "this replica is averaging; its state is about to change",
+    Phase.LEAVING: "this replica is leaving",
+}
+"""Why a state request is refused NOT_READY in each phase that does not serve it."""
 
 
 def state_response(snapshot: StateSnapshot, names: Sequence[str] | None = None) -> pb.StateResponse:
@@ -116,7 +125,8 @@ class StateSync:
 
     def __init__(self, *, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, peer_id: str, stage: int,
                  state: StageState, worker: StageWorker, clock: RoundClock, progress: TrainingProgress,
-                 events: EventLog, timeouts: TimeoutsConfig, max_numel: int, backup_rpc: FramedRPC | None = None,
+                 events: EventLog, phase: ReplicaPhase, timeouts: TimeoutsConfig, max_numel: int,
+                 backup_rpc: FramedRPC | None = None,
                  checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
                  local_copy: Callable[[int, str | None], StateSnapshot | None] | None = None):
         self.rpc = rpc
@@ -129,6 +139,8 @@ class StateSync:
         self.clock = clock
         self.progress = progress
         self.events = events
+        self.phase = phase
+        """The replica's phase (peer/state/phase.py), which alone decides whether the state is served."""
         self.t = timeouts
         self.max_numel = max_numel
         self.backup_rpc = backup_rpc
@@ -140,50 +152,37 @@ class StateSync:
         """BackupStore.local_copy: this peer's backup of a stage, if it has the given digest."""
         self._checkpoint_unknown = False
         """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
-        self.serving = False
-        """Set once this replica is ONLINE: before that it has nothing committed worth sharing."""
         self.from_replica = False
         """`join` took the state a live replica holds (a download, or this peer's backup with the
         majority's digest), not the seed or a restore: its donors have evaluated that θ already."""
-        self._settled = asyncio.Event()
-        """Clear while an overlapped round averages in the background (the worker trains meanwhile,
-        so `paused` does not say it): a joiner must not take the state that round replaces."""
-        self._settled.set()
         self.served: dict[str, float] = {}
         """Peers that downloaded this replica's state -> when (monotonic) their first request
         arrived: the round runner holds its boundary for them (decisions.join_hold)."""
-        self.holding = False
-        """Set while the round runner holds its boundary for them: the worker is paused, but the
-        state is committed and nothing averages, so it is served."""
 
     # serving ------------------------------------------------------------------------------------
-    @property
-    def averaging(self) -> bool:
-        return not self._settled.is_set()
-
-    def begin_averaging(self) -> None:
-        self._settled.clear()
-
-    def end_averaging(self) -> None:
-        self._settled.set()
-
     async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
         check_envelope(request.envelope, self.identity, [self.stage])
         names = list(request.names)
         if len(set(names)) != len(names) or any(n not in self.state.shapes for n in names):
             raise ProtocolError(pb.BAD_REQUEST, "state request names unknown or repeated tensors")
-        if self.averaging:
+        phase = self.phase.current
+        if phase is Phase.OVERLAPPED:
             # An overlapped round in flight: answer with the state it produces. Polling for a gap
             # would starve a joiner when averaging takes a whole round (each ends as the next begins).
+            # A stale replica re-syncs (JOINING) before its mean lands: the wait goes on through it.
             try:
-                await within(self._settled.wait(), self.t.matchmaking + self.t.allreduce)
+                phase = await within(self.phase.wait_while((Phase.OVERLAPPED, Phase.JOINING)),
+                                     self.t.matchmaking + self.t.allreduce)
             except asyncio.TimeoutError:
-                raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change") from None
-        elif self.worker.paused and not self.holding:
-            raise ProtocolError(pb.NOT_READY, "this replica is averaging; its state is about to change")
+                raise ProtocolError(pb.NOT_READY, REFUSED[Phase.AVERAGING]) from None
+            if phase is Phase.LEAVING:
+                raise ProtocolError(pb.NOT_READY, REFUSED[phase])
+            # landed, mid-round or at the boundary it ended in: the committed state is the one it made
+        elif not serves_state(phase):
+            raise ProtocolError(pb.NOT_READY, REFUSED[phase])
         snap = self.state.snapshot
-        if snap is None or not self.serving:
-            raise ProtocolError(pb.NOT_READY, "this replica has no committed state to share yet")
+        if snap is None:
+            raise ProtocolError(pb.NOT_READY, REFUSED[Phase.JOINING])
         self.served.setdefault(str(caller), time.monotonic())
         return state_response(snap, names)
 
