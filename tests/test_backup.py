@@ -93,8 +93,13 @@ class OneView:
 def test_a_slow_push_skips_the_rounds_its_share_does_not_cover() -> None:
     async def main() -> None:
         now, events, tasks = [0.0], [], []
+
+        def spawn(coro, name: str) -> asyncio.Task:
+            tasks.append(asyncio.create_task(coro, name=name))
+            return tasks[-1]
+
         holder = TimedHolder(now, seconds=2.0)
-        pusher = BackupPusher(holder, OneView(), ID, 1, every=1, timeout=5.0, tasks=tasks, link_share=0.1,
+        pusher = BackupPusher(holder, OneView(), ID, 1, every=1, timeout=5.0, spawn=spawn, link_share=0.1,
                               clock=lambda: now[0], emit=lambda event, **f: events.append(f))
         state = make_state()
         for k in range(1, 8):  # a round every 10 s; a push takes 2 s, so one every 20 s at most

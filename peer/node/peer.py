@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from hivemind import DHT
 
@@ -99,9 +99,9 @@ class Peer:
         self.resume_round = resume_round
         """The round of the private run's newest checkpoint (0: none): where a swarm that starts
         again puts its wall clock."""
-        self._admission_task: asyncio.Task | None = None
-        self._dial_out_task: asyncio.Task | None = None
-        self._revoked_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        """The peer's own tasks (admission, revocation watch, dial-out), started through `_spawn`;
+        each replica owns its own (Replica.spawn)."""
         self.revoked = False
         """True when the run's coordinator revoked this peer and it stopped for that reason."""
         self.model = model
@@ -135,8 +135,8 @@ class Peer:
         try:
             if self.admission is not None:
                 await self.admission.step()  # publish our certificate and learn the others' first
-                self._admission_task = asyncio.create_task(self.admission.run(), name="admission")
-                self._revoked_task = asyncio.create_task(self._stop_when_revoked(stop), name="revoked")
+                self._spawn(self.admission.run(), "admission")
+                self._spawn(self._stop_when_revoked(stop), "revoked")
             ctx, costs, rates = await self._context()
             stage = await self._choose_stage(costs, rates, ctx.memory)
             expected_rate = rates[stage] if rates else await self._pinned_rate(stage)
@@ -149,7 +149,7 @@ class Peer:
                                    stage=lambda: self.replicas[-1].stage if self.replicas else None,
                                    interval=self.m.timeouts.heartbeat, timeout=self.m.timeouts.dht, events=self.events,
                                    dht=self.dht, initial_peers=self.opt.initial_peer_ids)
-                self._dial_out_task = asyncio.create_task(dial_out.run(), name="dial-out")
+                self._spawn(dial_out.run(), "dial-out")
             replica = Replica(ctx, stage, expected_rate)
             self.replicas.append(replica)
             await replica.start()
@@ -161,6 +161,12 @@ class Peer:
             await self._serve(replica, rebalancer, stop)
         finally:
             await self._shutdown()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run `coro` as a task of the peer: `_shutdown` cancels and awaits it after the replicas."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        return task
 
     async def _context(self) -> tuple[PeerContext, tuple[StageCost, ...], tuple[float, ...]]:
         p2p = await self.dht.replicate_p2p()
@@ -320,10 +326,9 @@ class Peer:
             await replica.close()
         if self._backup_rpc is not None:
             await self._backup_rpc.remove_handlers()
-        for task in (self._admission_task, self._dial_out_task, self._revoked_task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
                          bytes_recv=self.traffic.recv)
         self.events.close()

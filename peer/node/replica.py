@@ -103,6 +103,7 @@ class Replica:
         measured itself, so others do not see the stage as empty and pile in."""
         self.events = ctx.events.view(stage=stage)
         self.tasks: list[asyncio.Task] = []
+        """Every task of this replica, started through `spawn`; `close` cancels and awaits them."""
         self.handlers: FramedRPC | None = None
         self.worker: StageWorker | None = None
         self.presence: Presence | None = None
@@ -166,7 +167,7 @@ class Replica:
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
-                                       seed=data_seed(m, ctx.peer_id, ctx.data_seed), tasks=self.tasks,
+                                       seed=data_seed(m, ctx.peer_id, ctx.data_seed), spawn=self.spawn,
                                        report_stats=presence.set_stats,
                                        memory_window=driver_memory_window(m, ctx.memory, ctx.model))
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
@@ -178,7 +179,7 @@ class Replica:
                                   byzantine=ctx.byzantine, overlap=m.rounds.overlap,
                                   overlap_steps=m.rounds.overlap_steps,
                                   backups=BackupPusher(ctx.backup_rpc, ctx.swarm, ctx.identity, stage,
-                                                       m.averaging.backup_every, t.state_download, self.tasks,
+                                                       m.averaging.backup_every, t.state_download, self.spawn,
                                                        link_share=m.averaging.backup_link_share,
                                                        emit=self.events.emit))
 
@@ -214,13 +215,13 @@ class Replica:
         if self.main is not None:
             return self.main
         assert self.presence is not None and self.rounds is not None
-        self._own(self.presence.run(), "heartbeat")
-        rounds = self._own(self.rounds.run(stop), "rounds")
+        self.spawn(self.presence.run(), "heartbeat")
+        rounds = self.spawn(self.rounds.run(stop), "rounds")
         watched = [rounds]
         if self.driving is not None:
-            watched.append(self._own(self.driving.run(), "driver"))
+            watched.append(self.spawn(self.driving.run(), "driver"))
         elif self.ctx.max_rounds:
-            watched.append(self._own(self._until_no_drivers(), "orphan-watch"))
+            watched.append(self.spawn(self._until_no_drivers(), "orphan-watch"))
 
         async def main() -> bool:
             """True if the rounds ended (the run is over or the replica left), False otherwise."""
@@ -233,7 +234,9 @@ class Replica:
         self.main = asyncio.create_task(main(), name=f"replica-{self.stage}")
         return self.main
 
-    def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run `coro` as a task this replica owns (`close` cancels and awaits it). The one way its
+        pieces start tasks: the driving loop's evaluations, the backup pushes."""
         task = asyncio.create_task(coro, name=f"{name}-{self.stage}")
         self.tasks.append(task)
         return task

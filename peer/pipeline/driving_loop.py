@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 from hivemind.p2p import PeerID
 
@@ -72,7 +72,8 @@ def driver_memory_window(manifest: Manifest, offered_bytes: int | None, model: S
 class DrivingLoop:
     def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
-                 tasks: list[asyncio.Task], report_stats: Callable[..., None] | None = None, memory_window: int | None = None):
+                 spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+                 report_stats: Callable[..., None] | None = None, memory_window: int | None = None):
         self.m = manifest
         self.memory_window = memory_window
         """Microbatches in flight the memory this peer offers holds (peer/pipeline/window.py); None: unknown."""
@@ -86,8 +87,8 @@ class DrivingLoop:
         self.clock = clock
         self.events = events
         self.seed = seed
-        self.tasks = tasks
-        """The peer's task list: evaluations started here are owned (cancelled, awaited) there."""
+        self.spawn = spawn
+        """Replica.spawn: evaluations started here are the replica's tasks (cancelled, awaited by it)."""
         self.driver: Driver | None = None
         self.stop_training = asyncio.Event()
         """Set after the last round: no more training microbatches (evaluation goes on)."""
@@ -135,7 +136,7 @@ class DrivingLoop:
                            rounds_done=done, finished=self.clock.finished) \
                 and decisions.evaluates(me=self.peer_id, group=group, run_id=self.m.run_id, round=round,
                                      evaluators=self.m.data.evaluators):
-            self.tasks.append(asyncio.create_task(self.evaluate(after_round=round), name="eval"))
+            self.spawn(self.evaluate(after_round=round), "eval")
 
     def report_pipeline(self) -> None:
         assert self.driver is not None

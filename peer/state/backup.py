@@ -22,7 +22,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 
@@ -131,7 +131,8 @@ class BackupPusher:
     committed state to the stage's holders, in a task the replica owns (the round does not wait)."""
 
     def __init__(self, rpc: FramedRPC, swarm: SwarmView, identity: RunIdentity, stage: int, every: int,
-                 timeout: float, tasks: list[asyncio.Task], link_share: float = 1.0,
+                 timeout: float, spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+                 link_share: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, emit: Callable[..., None] | None = None):
         self.rpc = rpc
         self.swarm = swarm
@@ -139,7 +140,9 @@ class BackupPusher:
         self.stage = stage
         self.every = every
         self.timeout = timeout
-        self.tasks = tasks
+        self.spawn = spawn
+        """The replica's Replica.spawn: a push is its task (cancelled and awaited on its way out)."""
+        self._pushing: asyncio.Task | None = None
         self.link_share = link_share
         self.clock = clock
         self.emit = emit
@@ -155,12 +158,12 @@ class BackupPusher:
             return
         if snapshot.applied_rounds == 0 or snapshot.applied_rounds % self.every:
             return
-        if any(not t.done() for t in self.tasks if t.get_name().startswith("backup")):
+        if self._pushing is not None and not self._pushing.done():
             return  # the previous push is still going: skip this one rather than pile up
         if self.clock() < self.due:
             self.paced += 1
             return
-        self.tasks.append(asyncio.create_task(self._push(snapshot), name=f"backup-{self.stage}"))
+        self._pushing = self.spawn(self._push(snapshot), "backup")
 
     async def _push(self, snapshot: StateSnapshot) -> None:
         view: dict[int, list[PeerRecord]] = {}
