@@ -4,6 +4,7 @@ not after the read, and the read must not outlive the wait."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.net.errors import RPCFailed, SwarmUnavailable
 from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.peer.pipeline.stage_server import DriverList
 from swarmgrad.peer.rounds.runner import RoundRunner
@@ -20,6 +22,8 @@ from swarmgrad.peer.net.rpc import Traffic
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.peer.compute.worker import StageWorker
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -118,3 +122,63 @@ def test_an_unlisted_peer_triggers_at_most_one_read_per_refresh() -> None:
         await asyncio.sleep(0.25)
         assert not await drivers.listed("stranger") and swarm.reads == 2
     asyncio.run(main())
+
+
+class DownSwarm(SlowSwarm):
+    """stage_records raises `error` (after a short wait, like a DHT read that times out)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(delay=0.01, driver_round=0)
+        self.error = error
+
+    async def stage_records(self, stage: int) -> list[PeerRecord]:
+        await super().stage_records(stage)
+        raise self.error
+
+
+RUNNER_LOG = "swarmgrad.peer.rounds.runner"
+
+
+def test_a_boundary_waits_on_through_unreadable_drivers_records(caplog: pytest.LogCaptureFixture) -> None:
+    """The drivers' records cannot be read: the round goes on (warned once), and a microbatch of
+    the next round still ends it."""
+    async def main() -> None:
+        swarm = DownSwarm(SwarmUnavailable("reading run/stage/0: no answer within 10s"))
+        runner, clock, worker = _runner(swarm)
+        waiting = asyncio.create_task(runner.wait_boundary(0, asyncio.Event()))
+        await asyncio.sleep(1.5)  # past one poll interval: it read again
+        assert not waiting.done() and swarm.reads >= 2
+        assert clock.observe(1)
+        await asyncio.wait_for(waiting, 2.0)
+        worker.close()
+    with caplog.at_level(logging.DEBUG, logger=RUNNER_LOG):
+        asyncio.run(main())
+    levels = [r.levelno for r in caplog.records if r.name == RUNNER_LOG and "drivers' records" in r.getMessage()]
+    assert levels[0] == logging.WARNING and set(levels[1:]) == {logging.DEBUG}, levels
+
+
+def test_a_bug_in_the_boundarys_read_propagates() -> None:
+    async def main() -> None:
+        runner, clock, worker = _runner(DownSwarm(TypeError("a refactoring's bug")))
+        try:
+            with pytest.raises(TypeError):
+                await asyncio.wait_for(runner.wait_boundary(0, asyncio.Event()), 2.0)
+        finally:
+            worker.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("error", [SwarmUnavailable("reading run/round/1/0: no answer within 10s"),
+                                   RPCFailed("part 0: stream ended"), asyncio.TimeoutError(),
+                                   ProtocolError(pb.GROUP_MISMATCH, "not our group"), TypeError("a bug")])
+def test_a_round_that_raised_is_incomplete_and_only_a_bug_is_logged_with_its_traceback(
+        error: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    runner = RoundRunner.__new__(RoundRunner)  # only what _failed touches
+    runner.stage = 1
+    with caplog.at_level(logging.DEBUG, logger=RUNNER_LOG):
+        result = runner._failed(0, error)
+    assert not result.complete and result.reason.startswith(type(error).__name__)
+    traced = [r for r in caplog.records if r.name == RUNNER_LOG and r.exc_info]
+    assert len(traced) == (1 if isinstance(error, TypeError) else 0)
+    if traced:
+        assert traced[0].levelno == logging.ERROR

@@ -27,6 +27,7 @@ from swarmgrad.peer.averaging.averager import Averager, RoundResult
 from swarmgrad.peer.state.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
@@ -37,6 +38,7 @@ from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.records import ONLINE
 from swarmgrad.peer.compute.worker import StageWorker
+from swarmgrad.protocol.framing import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ BOUNDARY_POLL_SECONDS = 1.0
 """How often a waiting boundary re-reads the drivers' records (events wake it sooner)."""
 JOIN_HOLD_POLL_SECONDS = 0.25
 """How often a boundary held for joiners re-reads the stage's records."""
+ROUND_FAILURES: tuple[type[BaseException], ...] = (*NETWORK_FAILURES, ProtocolError)
+"""What a round's averaging fails with when the swarm, not our code, failed it: the network's
+failures, or a member's refusal or malformed reply (ProtocolError)."""
 
 
 class RoundRunner:
@@ -98,6 +103,10 @@ class RoundRunner:
         """Samples this replica trained so far (the record's stats.samples)."""
         self.leave_after_round = False
         """Set when the peer moves to another stage: the current round is the last one here."""
+        self._counting = BestEffort(f"stage {stage}: counting its replicas", logger)
+        self._reading_drivers = BestEffort(f"stage {stage}: reading the drivers' records at a boundary", logger)
+        self._reading_joiners = BestEffort(f"stage {stage}: reading the stage's records to hold for joiners", logger)
+        self._listing = BestEffort(f"stage {stage}: listing connected peers", logger)
 
     def serve(self) -> None:
         """The replica's handlers are up and its state is committed: it serves (JOINING -> SERVING).
@@ -135,12 +144,9 @@ class RoundRunner:
     async def _count_replicas(self) -> None:
         """Until the first round's group is known, the replicas the stage records call ONLINE are
         the best guess of who this one's steps are averaged with (inner.swarm_second_moment)."""
-        try:
+        with self._counting:  # unknown: M stays 1 (no correction) until the first round's group
             online = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
-        except Exception as e:
-            logger.debug("stage %d: could not count its replicas: %s", self.stage, e)
-            return
-        self.worker.set_replicas(len(online | {self.peer_id}))
+            self.worker.set_replicas(len(online | {self.peer_id}))
 
     async def wait_boundary(self, round: int, stop: asyncio.Event) -> None:
         """Wait until round `round` ends (decisions.round_ended), waking on inner steps and on later
@@ -167,12 +173,8 @@ class RoundRunner:
                     await asyncio.wait([change, read], return_when=asyncio.FIRST_COMPLETED)
                     if ended(None):
                         return
-                    try:
-                        records = await read
-                    except Exception as e:
-                        logger.debug("stage %d: could not read drivers' records: %s", self.stage, e)
-                    else:
-                        if ended(decisions.drivers_min_round(records)):
+                    with self._reading_drivers:  # unknown: the clock and the next poll end the round
+                        if ended(decisions.drivers_min_round(await read)):
                             return
                     await change  # the rest of the poll interval, unless something changes
                 finally:
@@ -215,11 +217,10 @@ class RoundRunner:
         self.phase.enter(Phase.HOLDING)
         try:
             while True:
-                try:
+                records = None
+                with self._reading_joiners:
                     records = await within(self.swarm.stage_records(self.stage), self.dht_timeout)
-                except Exception as e:  # unknown: averaging now is what happened before the hold
-                    logger.info("stage %d: could not read the stage's records to hold for joiners: %s: %s",
-                                self.stage, type(e).__name__, e)
+                if records is None:  # unknown: average now, as a replica that does not hold would
                     break
                 waiting, settled = decisions.join_hold(dict(sync.served), records, self.state.digest,
                                                     time.monotonic(), hold, await self._connected())
@@ -239,11 +240,9 @@ class RoundRunner:
 
     async def _connected(self) -> set[str] | None:
         """The peers our p2p daemon is connected to (None if it did not say)."""
-        try:
+        with self._listing:
             return await within(self.sync.rpc.connected(), self.dht_timeout)
-        except Exception as e:
-            logger.debug("stage %d: could not list connected peers: %s: %s", self.stage, type(e).__name__, e)
-            return None
+        return None
 
     def _boundary_report(self, boundary: float) -> overlap.RoundReport:
         """The round's counters, taken with the worker paused. Its wall time and utilisation are
@@ -274,8 +273,11 @@ class RoundRunner:
         return corrupt(delta, self.byzantine, round) if self.byzantine else delta
 
     def _failed(self, round: int, e: Exception) -> RoundResult:
-        """A round that raised is an incomplete round, never a dead peer."""
-        logger.exception("stage %d round %d failed", self.stage, round)
+        """A round that raised is an incomplete round, never a dead peer. The swarm failing it
+        (ROUND_FAILURES) is its reason, which the caller logs; anything else is a bug, logged here
+        with its traceback and survived too: a replica that stopped on it would leave its stage short."""
+        if not isinstance(e, ROUND_FAILURES):
+            logger.error("stage %d round %d failed on an unexpected error", self.stage, round, exc_info=e)
         return RoundResult(False, f"{type(e).__name__}: {e}", (), None)
 
     async def _plain_round(self, round: int, report: overlap.RoundReport) -> RoundResult:
@@ -284,7 +286,7 @@ class RoundRunner:
         try:
             delta = await self._pseudo_gradient(round, report)
             result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)
-        except Exception as e:
+        except Exception as e:  # the whole round: whatever it raised, the replica goes on (_failed)
             result = self._failed(round, e)
         next_round = self.clock.next_round(get_dht_time())
         carry = False
@@ -375,7 +377,7 @@ class RoundRunner:
         worker, state, round = self.worker, self.state, flight.round
         try:
             result = await self.averager.run_round(round, delta, flight.weight, digest, applied_rounds)
-        except Exception as e:
+        except Exception as e:  # the whole round: whatever it raised, the replica goes on (_failed)
             result = self._failed(round, e)
         del delta
         moved = False
@@ -493,9 +495,6 @@ class RoundRunner:
                     "| group %d %s", self.stage, round, f"{train_loss:.3f}" if r.losses else "-", samples_per_s,
                     r.utilisation, r.lr, sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
-
-
-BYZANTINE_MODES = ("scale", "random")
 
 
 def corrupt(delta: dict[str, torch.Tensor], mode: str, round: int) -> dict[str, torch.Tensor]:
