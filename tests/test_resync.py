@@ -4,15 +4,20 @@ announces while a stale replica re-syncs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.averaging.outcome import vote
 from swarmgrad.peer.manifest import TimeoutsConfig
+from swarmgrad.peer.net.errors import RPCFailed, SwarmUnavailable
 from swarmgrad.peer.rounds.runner import RoundRunner
 from swarmgrad.peer.state.phase import Phase, ReplicaPhase
+from swarmgrad.peer.state.stage_state import CheckpointError
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
@@ -38,6 +43,9 @@ class Swarm:
     async def stage_records(self, stage: int) -> list[Any]:
         self.record_reads += 1
         return list(self.records)
+
+    async def swarm(self) -> dict[int, list[Any]]:
+        return {1: list(self.records)}
 
 
 def sync(swarm: Swarm, downloads: list[list[str]]) -> StateSync:
@@ -120,6 +128,128 @@ def test_a_member_that_voted_its_digest_and_said_nothing_more_is_waited_for() ->
                   [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
     assert downloads == [["b"]]
+
+
+class Flaky(Swarm):
+    """A swarm view whose reads and writes named in `failing` raise `error`; `stage_records` fails
+    its first `record_failures` reads (all of them if None) when it is named."""
+
+    def __init__(self, votes: dict[str, str], records: list[Any], error: Exception, failing: set[str],
+                 record_failures: int | None = None):
+        super().__init__(votes, records)
+        self.error, self.failing, self.record_failures = error, failing, record_failures
+
+    def _check(self, name: str) -> None:
+        if name in self.failing:
+            raise self.error
+
+    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+        self._check("round_checks")
+        return await super().round_checks(stage, round)
+
+    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+        self._check("post_abandoned")
+        return await super().post_abandoned(stage, round, peer_id, group_hash)
+
+    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
+        self._check("round_abandoned")
+        return await super().round_abandoned(stage, round)
+
+    async def stage_records(self, stage: int) -> list[Any]:
+        if "stage_records" in self.failing and (self.record_failures is None or self.record_failures > 0):
+            self.record_reads += 1
+            if self.record_failures is not None:
+                self.record_failures -= 1
+            raise self.error
+        return await super().stage_records(stage)
+
+    async def swarm(self) -> dict[int, list[Any]]:
+        self._check("swarm")
+        return {1: list(self.records)}
+
+
+SYNC_LOG = "swarmgrad.peer.state.sync"
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SYNC_LOG]
+
+
+def test_a_resync_reads_past_the_networks_failures_and_warns_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    """Votes unreadable, the abandon unsaid, the records unreadable twice: the re-sync goes on
+    without each (no votes: wait for a donor) and takes b's state once the records come back."""
+    g = group_hash(("a", "b"))
+    swarm = Flaky({"a": vote(g, None)}, [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")],
+                  SwarmUnavailable("reading run/round/1/7/check: no answer within 10s"),
+                  {"round_checks", "post_abandoned", "stage_records"}, record_failures=2)
+    downloads: list[list[str]] = []
+    result = RoundResult(False, "part 0: stream ended", ("a", "b"), None)
+    with caplog.at_level(logging.DEBUG, logger=SYNC_LOG):
+        assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
+    assert downloads == [["b"]] and swarm.record_reads == 3
+    log = logged(caplog)
+    warnings = [m for level, m in log if level == logging.WARNING]
+    assert len(warnings) == 3, log  # votes, abandon, records: each once
+    assert any("reading a failed round's votes" in m and "no answer within 10s" in m for m in warnings)
+    assert any("saying a failed round was abandoned" in m for m in warnings)
+    assert any("reading the stage's records to re-sync" in m for m in warnings)
+    assert [level for level, m in log if "to re-sync" in m] == [logging.WARNING, logging.DEBUG, logging.INFO]
+
+
+@pytest.mark.parametrize("failing", ["round_checks", "post_abandoned", "stage_records", "round_abandoned"])
+def test_a_bug_in_a_resync_read_propagates(failing: str) -> None:
+    """A TypeError is ours, not the network's: it is not read as 'the DHT did not answer'."""
+    g = group_hash(("a", "b", "c"))
+    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    swarm = Flaky({"a": vote(g, "m1"), "b": vote(g, "m1")}, records, TypeError("a refactoring's bug"), {failing})
+    result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
+    with pytest.raises(TypeError):
+        asyncio.run(sync(swarm, []).resync(7, result))
+
+
+def test_a_joiner_that_cannot_re_read_the_records_keeps_its_download(caplog: pytest.LogCaptureFixture) -> None:
+    down = Flaky({}, [], SwarmUnavailable("reading run/stage/1: no answer within 10s"), {"stage_records"})
+    with caplog.at_level(logging.DEBUG, logger=SYNC_LOG):
+        assert asyncio.run(sync(down, [])._superseded()) == []
+    assert [level for level, _ in logged(caplog)] == [logging.WARNING]
+    bug = Flaky({}, [], TypeError("a refactoring's bug"), {"stage_records"})
+    with pytest.raises(TypeError):
+        asyncio.run(sync(bug, [])._superseded())
+
+
+@pytest.mark.parametrize("error", [RPCFailed("the coordinator's checkpoint of stage 1: CoordinatorUnavailable"),
+                                   CheckpointError("its tensors are not this stage's")])
+def test_an_empty_stage_without_its_checkpoint_restores_nothing(error: Exception) -> None:
+    """The coordinator did not answer or sent something unusable: no restore, and the seed is no
+    fallback (`_checkpoint_unknown`: the joiner waits for the coordinator)."""
+    async def failing(stage: int) -> None:
+        raise error
+
+    s = sync(Swarm({}, []), [])
+    s.checkpoints = failing  # type: ignore[assignment]
+    assert asyncio.run(s.restore_backup()) is False
+    assert s._checkpoint_unknown
+
+
+def test_an_unreadable_swarm_leaves_the_checkpoint_and_bugs_propagate(caplog: pytest.LogCaptureFixture) -> None:
+    async def none(stage: int) -> None:
+        return None
+
+    async def buggy(stage: int) -> None:
+        raise TypeError("a refactoring's bug")
+
+    s = sync(Flaky({}, [], SwarmUnavailable("reading run/stage/0: no answer within 10s"), {"swarm"}), [])
+    s.checkpoints = none  # type: ignore[assignment]
+    with caplog.at_level(logging.DEBUG, logger=SYNC_LOG):
+        assert asyncio.run(s.restore_backup()) is False  # nothing to restore, and known to be nothing
+    assert not s._checkpoint_unknown
+    assert [(level, "reading the swarm to find backups" in m) for level, m in logged(caplog)] == [(logging.WARNING, True)]
+    for swarm, checkpoints in ((Flaky({}, [], TypeError("a refactoring's bug"), {"swarm"}), none),
+                               (Swarm({}, []), buggy)):
+        s = sync(swarm, [])
+        s.checkpoints = checkpoints  # type: ignore[assignment]
+        with pytest.raises(TypeError):
+            asyncio.run(s.restore_backup())
 
 
 class Presence:

@@ -8,6 +8,8 @@ The n-th wait (n = 1, 2, ...) is `first`·`growth`^(n−1), capped at `cap`, and
 - A driver's wait on a replica between rounds (peer/pipeline/driver.py: NOT_READY).
 - Bans of peers that failed us (peer/pipeline/routing.py: `BanList`), doubling per failure.
 - A start waiting for its initial peers (peer/cli/peer.py: --bootstrap-wait), at a fixed pace.
+- State sync's next try (peer/state/sync.py), at a fixed pace: a join or a re-sync after busy
+  donors or an unreadable record, and a joiner of an empty stage asking the coordinator again.
 
 Jitter spreads peers that failed together so they do not try again together; a wait with no
 jitter is exactly the formula, which is what tests of the rules above check.

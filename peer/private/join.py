@@ -28,6 +28,7 @@ from swarmgrad.peer.private.admission import Admission
 from swarmgrad.peer.private.coordinator_client import Admitted, CoordinatorClient, CoordinatorUnavailable
 from swarmgrad.peer.private.credentials import Authority, CredentialError, parse_invitation
 from swarmgrad.peer.private.dht_auth import AuthFiles, CertificateAuthorizer
+from swarmgrad.peer.net.errors import RPCFailed
 from swarmgrad.peer.net.identity import peer_id_of
 from swarmgrad.peer.manifest import Manifest, loads
 from swarmgrad.peer.model import StagedModel
@@ -65,14 +66,20 @@ class PrivateRun:
     def checkpoint_source(self, model: StagedModel, admission: Admission
                           ) -> Callable[[int], Awaitable[StateSnapshot | None]]:
         """The coordinator's newest checkpoint of a stage, checked against the stage's shapes and
-        its own digest (peer/state/stage_state.py), for an empty stage to restore."""
+        its own digest (peer/state/stage_state.py), for an empty stage to restore. The fetch returns
+        None if the coordinator has none; raises RPCFailed if it did not answer or its answer fails
+        the credential checks (state/ knows no coordinator errors), CheckpointError if the
+        checkpoint does not fit the stage."""
         async def fetch(stage: int) -> StateSnapshot | None:
             loop = asyncio.get_running_loop()
             shapes = {n: tuple(p.shape) for n, p in model.build_stage(stage).named_parameters()}
             # θ_global and momentum in fp32, and a header: nothing bigger is a checkpoint of this stage
             max_bytes = 8 * sum(math.prod(s) for s in shapes.values()) + (1 << 20)
-            got = await loop.run_in_executor(None, self.client.checkpoint, stage, admission.certificate.signed,
-                                             max_bytes)
+            try:
+                got = await loop.run_in_executor(None, self.client.checkpoint, stage, admission.certificate.signed,
+                                                 max_bytes)
+            except (CoordinatorUnavailable, CredentialError) as e:
+                raise RPCFailed(f"the coordinator's checkpoint of stage {stage}: {type(e).__name__}: {e}") from e
             if got is None:
                 return None
             info, data = got

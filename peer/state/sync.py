@@ -23,14 +23,16 @@ from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
+from swarmgrad.peer.net.retry import Backoff
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.state.phase import Phase, ReplicaPhase, serves_state
-from swarmgrad.peer.state.stage_state import StageState, StateSnapshot, state_digest
+from swarmgrad.peer.state.stage_state import CheckpointError, StageState, StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.records import ONLINE
+from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
@@ -46,8 +48,15 @@ so no stage is capped by one message's size and two donors can each send half.""
 
 MAX_JOIN_REFRESHES = 2
 """Downloads a joiner repeats because the state moved on while it travelled (decisions.join_superseded):
-over a slow link a download can span a short round's boundary every time; then the first round
-finds out, as before."""
+over a slow link a download can span a short round's boundary every time. Past them the joiner
+keeps the state it has: its first round finds out it is stale and re-syncs."""
+
+CHECKPOINT_WAIT = Backoff(first=2.0, cap=2.0)
+"""A joiner of an empty stage whose coordinator did not answer asks again at this pace (its
+newest checkpoint may be far ahead of the seed), until timeouts.state_download."""
+DONOR_RETRY = Backoff(first=0.5, cap=0.5)
+"""Between tries of a join or a re-sync: the donors were busy or the records unreadable; a round's
+boundary or a DHT hiccup is over within a fraction of a second."""
 
 REFUSED = {
     Phase.JOINING: "this replica has no committed state to share yet",
@@ -158,6 +167,12 @@ class StateSync:
         self.served: dict[str, float] = {}
         """Peers that downloaded this replica's state -> when (monotonic) their first request
         arrived: the round runner holds its boundary for them (decisions.join_hold)."""
+        self._rereading = BestEffort(f"stage {stage}: re-reading the stage's records after a download", logger)
+        self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
+        self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
+        self._reading_votes = BestEffort(f"stage {stage}: reading a failed round's votes", logger)
+        self._saying_abandoned = BestEffort(f"stage {stage}: saying a failed round was abandoned", logger)
+        self._reading_abandoned = BestEffort(f"stage {stage}: reading who abandoned a failed round", logger)
 
     # serving ------------------------------------------------------------------------------------
     async def handle(self, request: pb.StateRequest, caller: PeerID) -> pb.StateResponse:
@@ -214,6 +229,7 @@ class StateSync:
         round is about to replace (hivemind #445), so it retries until the round is over.
         """
         deadline = time.monotonic() + self.t.state_download
+        checkpoint_waits, donor_waits = CHECKPOINT_WAIT.waits(), DONOR_RETRY.waits()
         while True:
             records = await self.swarm.stage_records(self.stage)
             donors = decisions.join_donors(records, self.peer_id)
@@ -227,7 +243,7 @@ class StateSync:
                         raise RuntimeError(f"stage {self.stage} is empty and the coordinator, which holds its "
                                            "checkpoints, did not answer within timeouts.state_download; not "
                                            "starting the stage from the seed")
-                    await asyncio.sleep(2.0)
+                    await asyncio.sleep(next(checkpoint_waits))
                     continue
                 else:
                     self.clock.adopt(0, get_dht_time())
@@ -259,7 +275,7 @@ class StateSync:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"could not download stage {self.stage} state from {len(donors)} replicas "
                                    f"within timeouts.state_download")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(next(donor_waits))
 
     async def _download_any(self, donors: Sequence[str]) -> str | None:
         """Download from the donors (two at once when there are two; else each in turn); the
@@ -272,13 +288,11 @@ class StateSync:
     async def _superseded(self) -> list[str]:
         """The donors to download again from if they moved past the state just adopted
         (decisions.join_superseded), else none; a failed read says none: the first round then finds
-        out, as before."""
-        try:
+        out whether the state is stale."""
+        with self._rereading:
             records = await self.swarm.stage_records(self.stage)
-        except Exception as e:
-            logger.debug("stage %d: could not re-read the stage's records after a download: %s", self.stage, e)
-            return []
-        return decisions.join_superseded(records, self.peer_id, self.state.applied_rounds)
+            return decisions.join_superseded(records, self.peer_id, self.state.applied_rounds)
+        return []
 
     async def join_local(self, records: Sequence) -> bool:
         """A warm standby: this peer holds a backup of the stage (peer/state/backup.py) whose digest is
@@ -310,11 +324,9 @@ class StateSync:
         Reports how many rounds of the stage were lost (the swarm's round against the state's)."""
         if self.backup_rpc is None and self.checkpoints is None:
             return False
-        try:
+        view: dict[int, list[PeerRecord]] = {}
+        with self._finding_backups:  # unread: the coordinator's checkpoint is the one source left
             view = await self.swarm.swarm()
-        except Exception as e:
-            logger.info("stage %d: could not read the swarm to find backups: %s", self.stage, e)
-            view = {}
         best: tuple[str, StateSnapshot] | None = None
         if self.backup_rpc is not None and view:
             from swarmgrad.peer.state.backup import BACKUP_COPIES, backup_holders, fetch_backup
@@ -328,7 +340,7 @@ class StateSync:
         if self.checkpoints is not None:
             try:
                 snap = await self.checkpoints(self.stage)
-            except Exception as e:  # the coordinator is down or sent something unusable: backups only
+            except (*NETWORK_FAILURES, CheckpointError) as e:  # down, or sent something unusable: backups only
                 logger.warning("stage %d: no checkpoint from the coordinator: %s: %s", self.stage,
                                type(e).__name__, e)
                 snap = None
@@ -370,12 +382,13 @@ class StateSync:
         silent = [p for p in others if p not in votes] if votes is not None and result.voted_digest else []
         if member:
             await self._say_abandoned(round, group_hash(tuple(result.group)))
+        waits = DONOR_RETRY.waits()
         while time.monotonic() < deadline:
-            try:
+            records = None
+            with self._resync_records:
                 records = await self.swarm.stage_records(self.stage)
-            except Exception as e:
-                logger.info("stage %d: resync could not read records: %s: %s", self.stage, type(e).__name__, e)
-                await asyncio.sleep(0.5)
+            if records is None:
+                await asyncio.sleep(next(waits))
                 continue
             donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
                                           result.stale)
@@ -388,33 +401,25 @@ class StateSync:
                                                     abandoned=await self._abandoned(round) if member else (),
                                                     silent=silent):
                 return False
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(next(waits))
         return False
 
     async def _votes(self, round: int) -> dict[str, str] | None:
         """The round's outcome votes (None if they could not be read). If they say no replica
-        applied it (decisions.nobody_applied), there is no donor to wait for: before the votes, every
-        failed round waited here for the others to announce a later round, which they do only
-        after their own wait (several seconds of stall)."""
-        try:
+        applied it (decisions.nobody_applied), there is no donor to wait for: without them a failed
+        round waits for the others to announce a later round, which they do only after their own
+        wait (several seconds of stall)."""
+        with self._reading_votes:
             return await within(self.swarm.round_checks(self.stage, round), self.t.dht)
-        except Exception as e:
-            logger.info("stage %d: resync could not read round %d's votes: %s: %s", self.stage, round,
-                        type(e).__name__, e)
-            return None
+        return None
 
     async def _say_abandoned(self, round: int, hash_: str) -> None:
         """Tell the other members that we did not apply the round and will not (decisions.resync_settled)."""
-        try:
+        with self._saying_abandoned:  # unsaid: the others wait for our later round instead
             await within(self.swarm.post_abandoned(self.stage, round, self.peer_id, hash_), self.t.dht)
-        except Exception as e:
-            logger.info("stage %d: could not say that round %d was abandoned: %s: %s", self.stage, round,
-                        type(e).__name__, e)
 
     async def _abandoned(self, round: int) -> list[str]:
-        try:
+        """The members that said they abandoned round `round` (none if that could not be read)."""
+        with self._reading_abandoned:
             return list(await within(self.swarm.round_abandoned(self.stage, round), self.t.dht))
-        except Exception as e:
-            logger.info("stage %d: resync could not read who abandoned round %d: %s: %s", self.stage, round,
-                        type(e).__name__, e)
-            return []
+        return []
