@@ -27,6 +27,7 @@ from swarmgrad.peer.averaging.averager import Averager
 from swarmgrad.peer.state.backup import BackupPusher
 from swarmgrad.peer.clock import RoundClock, resume_epoch
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.pipeline.driving_loop import DrivingLoop, data_seed, driver_memory_window
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
@@ -115,6 +116,8 @@ class Replica:
         self.state: StageState | None = None
         self.main: asyncio.Task | None = None
         """Ends when the replica's run ends: its rounds are done (or it left), or a task failed."""
+        self._reading_drivers = BestEffort(f"stage {stage}: reading the drivers' records to see if they are gone",
+                                           logger)
 
     @property
     def is_driver(self) -> bool:
@@ -256,11 +259,11 @@ class Replica:
                 pass
 
     async def _drivers_gone(self) -> bool:
-        try:
+        """Whether every driver is gone (decisions.drivers_gone); False when the records could not
+        be read: a replica leaves on evidence, not on a DHT hiccup."""
+        with self._reading_drivers:
             return decisions.drivers_gone(await self.ctx.swarm.stage_records(0))
-        except Exception as e:
-            logger.info("could not read the drivers' records: %s: %s", type(e).__name__, e)
-            return False
+        return False
 
     async def _until_no_drivers(self) -> None:
         """In a bounded run (max_rounds), a later stage whose drivers are all gone for `linger`

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.state.stage_state import StageState
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.records import PeerRecord, ReplicaStats
 from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.peer.state.phase import ReplicaPhase
@@ -56,6 +57,8 @@ class Presence:
         or LEAVING on shutdown) may reach a DHT node out of order; the node keeps the one that
         expires later and refuses the other, and hivemind reports the refusal: an announce (LEAVING's
         on shutdown, which the `leaving` event reports) failed although a newer record was stored."""
+        self._announcing = BestEffort(f"stage {stage}: announcing this replica's record", logger)
+        self._refreshing = BestEffort(f"stage {stage}: refreshing the run's epoch", logger)
 
     @property
     def status(self) -> str:
@@ -90,15 +93,15 @@ class Presence:
                           backups=self.backups(self.stage) if self.backups is not None else ())
 
     async def announce(self) -> bool:
-        """Store our record now. A failed store is logged, not raised: the next heartbeat tries
-        again, and the record's expiry covers a dead DHT. A store queued behind one in flight
-        announces the phase as it is when the queued store begins (the record is built then)."""
-        try:
-            async with self._storing:
+        """Store our record now; False if the store failed or was refused. The network's failure
+        is logged, not raised (the first at warning): the next heartbeat tries again, and the
+        record's expiry covers a dead DHT. Anything else is a bug and propagates. A store queued
+        behind one in flight announces the phase as it is when the queued store begins (the record
+        is built then)."""
+        async with self._storing:
+            with self._announcing:
                 return await self.swarm.announce(self.record())  # built here: expires after the last
-        except Exception as e:
-            logger.warning("stage %d: announce failed: %s: %s", self.stage, type(e).__name__, e)
-            return False
+        return False
 
     async def run(self) -> None:
         """Heartbeat until cancelled."""
@@ -106,7 +109,5 @@ class Presence:
             await asyncio.sleep(self.heartbeat)
             await self.announce()
             if self.clock.epoch is not None:
-                try:
+                with self._refreshing:  # the next heartbeat tries again; the entry outlives a few misses
                     await self.swarm.refresh_epoch(self.clock.epoch)
-                except Exception as e:
-                    logger.debug("epoch refresh failed: %s: %s", type(e).__name__, e)
