@@ -19,6 +19,7 @@ from hivemind import DHT
 
 from swarmgrad.peer.private.admission import Admission
 from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import NETWORK_FAILURES
 from swarmgrad.peer.state.stage_state import StateSnapshot
 
 from swarmgrad.peer.net.dial_out import DialOut
@@ -286,7 +287,7 @@ class Peer:
         self.replicas.append(new)
         try:
             await new.start()
-        except Exception:
+        except Exception:  # the whole join (state download, handlers, ...): the old stage serves on
             logger.exception("could not join stage %d; staying on stage %d", decision.target, old.stage)
             self.replicas.remove(new)
             await new.close()
@@ -298,8 +299,10 @@ class Peer:
             await within(asyncio.shield(old.main), self.m.timeouts.move)
         except asyncio.TimeoutError:
             logger.warning("stage %d's round did not end within timeouts.move; leaving it anyway", old.stage)
-        except Exception as e:
+        except NETWORK_FAILURES as e:
             logger.warning("stage %d ended with %s: %s", old.stage, type(e).__name__, e)
+        except Exception as e:  # the old replica's whole run: a bug there must not stop the move
+            logger.error("stage %d ended with %s: %s", old.stage, type(e).__name__, e, exc_info=e)
         await old.close()
         self.replicas.remove(old)
         self.moves += 1
