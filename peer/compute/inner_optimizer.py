@@ -6,7 +6,7 @@ Microbatches may differ in size (inner.microbatch_sizes), so each one's gradient
 its samples: the last stage scales a microbatch's mean loss by n / inner.microbatch_size before its
 backward (`weighted`), every earlier stage receives gradients already scaled so, and a step divides
 the sum by the step's samples in the same unit. That is the whole step's mean gradient, and with
-equal microbatches both factors are exactly 1 and 1 / microbatches, as they were.
+equal microbatches both factors are exactly 1 and 1 / microbatches: the plain mean over them.
 
 Pure compute on tensors, called on the worker's compute thread; *when* a step may run (nothing in
 flight, nothing held) is the gate's and the worker's (peer/compute/gate.py, peer/compute/worker.py).
@@ -66,7 +66,8 @@ class InnerOptimizer:
 
     def weighted(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
         """The loss whose backward gives a microbatch of `batch` samples its share of a step
-        (module docstring); a full microbatch's loss itself, so equal ones compute as before."""
+        (module docstring). A full microbatch's loss is returned as it is, not multiplied by 1.0:
+        full microbatches then run exactly the unweighted loss's backward."""
         return loss if batch == self.cfg.microbatch_size else loss * self.weight(batch)
 
     def add(self, grads: list[Grads], batches: list[int]) -> None:
