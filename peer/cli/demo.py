@@ -30,9 +30,7 @@ def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | No
     code = 1
     with stop_on_signals(), LocalSwarm(run_manifest, workdir) as swarm:
         try:
-            swarm.start_first(0, "--max-rounds", str(rounds))
-            for i in range(1, n_peers):
-                swarm.start(i % n_stages, "--max-rounds", str(rounds))
+            swarm.start_swarm(n_stages, replicas, "--max-rounds", str(rounds))
             budget = (rounds + 3) * manifest.rounds.round_seconds + 180
             code = _follow(swarm, budget)
         except KeyboardInterrupt as e:

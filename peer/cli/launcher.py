@@ -26,6 +26,7 @@ from swarmgrad.peer.manifest import Manifest, from_dict
 
 @dataclass
 class PeerProcess:
+    """A process a LocalSwarm started (a peer, a coordinator, or a benchmark's other process)."""
     name: str
     proc: subprocess.Popen
     events_path: Path
@@ -107,9 +108,7 @@ class LocalSwarm:
     def start(self, stage: int | str | None = "auto", *extra: str, name: str | None = None) -> PeerProcess:
         index = len(self.peers)
         name = name or f"peer{index}"
-        self._private_tmp()
         events = self.workdir / f"{name}.events.jsonl"
-        log = self.workdir / f"{name}.log"
         cmd = [*self.command_prefix(index), sys.executable, "-m", "swarmgrad.peer.cli",
                *(["-v"] if self.verbose else []), "peer", "--manifest", str(self.manifest), "--events", str(events), "--stage", str(stage),
                *self.peer_args(index, name)]
@@ -118,13 +117,31 @@ class LocalSwarm:
             if self.bootstrap_wait is not None:
                 cmd += ["--bootstrap-wait", f"{self.bootstrap_wait:g}"]
         cmd += list(extra)
+        return self.spawn(name, cmd, stage if isinstance(stage, int) else None)
+
+    def spawn(self, name: str, cmd: list[str], stage: int | None = None) -> PeerProcess:
+        """Start `cmd` as a process of this swarm: in a session of its own, its output in
+        WORKDIR/NAME.log, its events expected in WORKDIR/NAME.events.jsonl, stopped by `close`
+        with the peers. `start` runs a peer through it; a benchmark runs its other processes
+        (a baseline's ranks, bare DHT nodes) through it too, so that one owner reaps them all."""
+        self._private_tmp()
+        log = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
-        peer = PeerProcess(name, proc, events, log, stage if isinstance(stage, int) else None)
-        self.peers.append(peer)
-        return peer
+        process = PeerProcess(name, proc, self.workdir / f"{name}.events.jsonl", log, stage)
+        self.peers.append(process)
+        return process
+
+    def start_swarm(self, stages: int, replicas: int, *extra: str) -> list[PeerProcess]:
+        """`stages` x `replicas` peers, as `swarmgrad demo` starts them: the first on stage 0
+        (the others join through it once it is up), then one per stage in turn; `extra` are
+        every peer's flags (e.g. ``--max-rounds N``)."""
+        self.start_first(0, *extra)
+        for i in range(1, stages * replicas):
+            self.start(i % stages, *extra)
+        return list(self.peers)
 
     def command_prefix(self, index: int) -> list[str]:
         """What the `index`-th peer's command runs under (e.g. `ip netns exec NS`); none here."""
@@ -251,17 +268,11 @@ class PrivateSwarm(LocalSwarm):
         self.state_dir = self.state_dir or self.workdir / "coordinator-state"
         n = sum(p.name.startswith(name) for p in self.peers)
         label = name if n == 0 else f"{name}{n}"
-        events, log = self.workdir / f"{label}.events.jsonl", self.workdir / f"{label}.log"
-        self._private_tmp()
+        events = self.workdir / f"{label}.events.jsonl"
         cmd = [sys.executable, "-m", "swarmgrad.peer.cli", "coordinator", "--manifest", str(self.manifest),
                "--key", str(self.key), "--state-dir", str(self.state_dir), "--listen", "127.0.0.1:0",
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--events", str(events), *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
-        with open(log, "w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        self.coordinator = PeerProcess(label, proc, events, log, None)
-        self.peers.append(self.coordinator)
+        self.coordinator = self.spawn(label, cmd)
         started = self.wait_for(self.coordinator, lambda e: e["event"] == "coordinator_started", timeout,
                                 "coordinator_started")
         self.address = started["grpc"]
