@@ -18,7 +18,8 @@ from swarmgrad.peer.state.sync import StateSync, state_response
 from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity, envelope
-from test_state_parts import Donors, trained  # same folder: pytest puts it on sys.path
+
+from support.state import Donors, trained
 
 ID = RunIdentity("run", "h" * 32)
 
