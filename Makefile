@@ -28,20 +28,20 @@ test-slow: $(STAMP)
 	SWARMGRAD_SLOW_TESTS=1 $(PY) -m pytest -q tests/test_rebalance_swarm.py tests/test_nat.py tests/test_join_hold.py
 
 bench: $(STAMP)
-	$(PY) benchmarks/codecs.py
-	$(PY) benchmarks/pipeline_overhead.py
-	$(PY) benchmarks/round_codecs.py
+	$(PY) -m benchmarks.codecs
+	$(PY) -m benchmarks.pipeline_overhead
+	$(PY) -m benchmarks.round_codecs
 
 # swarmgrad against DDP and hivemind.Optimizer over veth pairs in network namespaces, unshaped and
 # tbf 20mbit (needs root; skips otherwise). About an hour on 2 cores; WAN_ARGS=--quick for a smoke run.
 bench-wan: $(STAMP)
-	$(PY) benchmarks/wan.py --out runs/bench-wan $(WAN_ARGS)
+	$(PY) -m benchmarks.wan --out runs/bench-wan $(WAN_ARGS)
 
 # chaos soak: 6 peers on 2 stages, a random one SIGKILLed and replaced every 20 s for 10 minutes
 # (about 12 minutes on 2 cores; CHAOS_ARGS=--quick for a 2-minute smoke run). Not part of make test.
 .PHONY: bench-chaos
 bench-chaos: $(STAMP)
-	$(PY) benchmarks/chaos.py $(CHAOS_ARGS)
+	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 venv: $(STAMP)
 
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 clean-venv:

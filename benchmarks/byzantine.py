@@ -14,8 +14,8 @@ RMS (`random`) in every round. Runs, side by side:
 It prints the honest replicas' final validation bits/byte for each run and its ratio to the
 clean run (the issue's goal: within 2 %), and the replicas' digest agreement.
 
-    python benchmarks/byzantine.py             # 4 runs, about 8 minutes on 2 cores
-    python benchmarks/byzantine.py --rounds 4  # a smoke run
+    python -m benchmarks.byzantine             # 4 runs, about 8 minutes on 2 cores
+    python -m benchmarks.byzantine --quick     # a smoke run: clean and scale, 3 rounds of H = 5
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import hivemind
 
+from benchmarks.harness.report import Report, add_common_args, seed_or
 from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest
 from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.net.record_signing import SignedRecordValidator
 
 
-def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bool, h: int) -> dict:
-    m = small_manifest(run_id=f"byz-{name}", stages={"count": 1}, rounds={"inner_steps": h, "round_seconds": 0.0},
+def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bool, h: int, seed: int = 1) -> dict:
+    m = small_manifest(run_id=f"byz-{name}", seed=seed, stages={"count": 1}, rounds={"inner_steps": h, "round_seconds": 0.0},
                        averaging={"robust_min_members": 3 if robust else 0},
                        data={"max_bytes": 300_000, "eval_every": 0, "eval_batches": 8})
     path = workdir / f"{name}.toml"
@@ -67,25 +68,33 @@ def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--inner-steps", type=int, default=10)
+    add_common_args(parser, quick="a smoke run: clean and scale only, 3 rounds of H = 5",
+                    seed="the manifest's seed: weights and data (default 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 12 (3 with --quick)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="default 10 (5 with --quick)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 12)
+    inner_steps = args.inner_steps or (5 if args.quick else 10)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="swarmgrad-byzantine-"))
     workdir.mkdir(parents=True, exist_ok=True)
     configs = [("clean", None, True), ("scale", "scale", True), ("random", "random", True),
                ("scale-plain-mean", "scale", False)]
+    if args.quick:
+        configs = configs[:2]
     results = []
     for name, mode, robust in configs:
-        r = run(name, workdir, args.rounds, mode, robust, args.inner_steps)
+        r = run(name, workdir, rounds, mode, robust, inner_steps, seed_or(args, 1))
         results.append(r)
         print(json.dumps(r), flush=True)
     clean = results[0]["val"]
-    print(f"\n{'run':<18} {'honest val bits/byte':>21} {'vs clean':>9} {'samples/replica':>16} {'group':>6} "
-          f"{'digests agree':>14}")
-    for r in results:
-        print(f"{r['run']:<18} {r['val']:21.3f} {r['val'] / clean - 1:+9.2%} {min(r['samples']):16d} "
-              f"{r['mean_group']:6.2f} {str(r['agree']):>14}")
+    report = Report("A hostile replica against robust averaging", args.out)
+    print()
+    report.table(["run", "honest val bits/byte", "vs clean", "samples/replica", "group", "digests agree"],
+                 [[r["run"], f"{r['val']:.3f}", f"{r['val'] / clean - 1:+.2%}", min(r["samples"]),
+                   f"{r['mean_group']:.2f}", r["agree"]] for r in results])
+    report.results = {"rounds": rounds, "inner_steps": inner_steps, "runs": results}
+    report.finish()
     return 0
 
 

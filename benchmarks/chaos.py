@@ -1,7 +1,8 @@
 """Chaos soak: 6 peers on 2 stages, one SIGKILLed every few seconds and replaced at once.
 
-    python benchmarks/chaos.py [--minutes M] [--kill-every S] [--manifest PATH] [--workdir DIR]
+    python -m benchmarks.chaos [--minutes M] [--kill-every S] [--manifest PATH] [--workdir DIR]
                                [--seed N] [--verbose-peers] [--quick] [--link loopback|unshaped|20mbit]
+                               [--out DIR]
 
 Not a CI test (the "Chaos soak" item of the hostile-peers issue). Six peers on 127.0.0.1, three
 replicas of each of 2 fixed stages (`--stage N`, so no rebalancing moves; the three stage-0
@@ -11,7 +12,7 @@ round, every `--kill-every` seconds for `--minutes` a random live peer's whole p
 (peer, DHT child, p2pd) is SIGKILLed and a replacement starts on the same stage at once, joining
 through a live peer (the swarm's first peer is killed too, so the address new peers join through is
 refreshed from live peers' `started` events before every start). `--link 20mbit` (root: network
-namespaces, benchmarks/netns.py) puts each peer in a namespace slot of its own on a bridge, with
+namespaces, benchmarks/harness/netns.py) puts each peer in a namespace slot of its own on a bridge, with
 `tbf rate 20mbit` on every slot's egress (`unshaped`: the namespaces without tbf); a replacement
 takes its victim's slot: slow links are where a round's DHT read can finish as the round fails,
 which loopback rarely shows. A peer is only killed if its stage keeps another
@@ -23,7 +24,8 @@ and must exit 0 within 20 s; `LocalSwarm` then kills every process group it star
 whatever happened (also on SIGTERM/SIGINT of this script), and the script checks that no process of
 those groups is left.
 
-The report (one markdown table, then one JSON line) is computed from the peers' JSON-lines events:
+The report (one markdown table, then one JSON line; with --out also report.md and results.json) is
+computed from the peers' JSON-lines events:
 - hangs: a live peer with no `round` event for more than 3 round durations (from its `online`
   event, between round events, or until it was killed or stopped), a peer not online
   `--join-limit` s after it started, or a peer that did not exit within 20 s of SIGTERM. Each is
@@ -60,8 +62,8 @@ from typing import Any, Sequence
 
 import psutil
 
-import netns
-from _common import fmt, markdown_table
+from benchmarks.harness import netns
+from benchmarks.harness.report import Report, add_common_args, fmt, markdown_table, seed_or
 from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, small_manifest
 from swarmgrad.peer.manifest import Manifest, dumps, load
 
@@ -443,7 +445,7 @@ def _soak(args: argparse.Namespace, m: Manifest, swarm: LocalSwarm, workdir: Pat
           started: float) -> tuple[Soak, float, dict[str, tuple[int | None, float]]]:
     """Start the swarm, kill and replace peers for --minutes, stop every peer: (soak, chaos seconds,
     each peer's exit after SIGTERM)."""
-    soak = Soak(swarm, m, random.Random(args.seed), args.join_limit)
+    soak = Soak(swarm, m, random.Random(seed_or(args, 0)), args.join_limit)
     first = swarm.start_first(0, timeout=180)
     soak.spawned[first.name] = time.time()
     if isinstance(swarm, SlotSwarm):
@@ -477,15 +479,14 @@ def _raise_on_term(signum: int, _frame: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, quick="a smoke run: 2 minutes, a kill every 20 s", seed="the victim choice (default 0)")
     ap.add_argument("--minutes", type=float, default=None, help="length of the chaos phase (default 10; 2 with --quick)")
     ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20)")
     ap.add_argument("--manifest", type=Path, default=None, help="default: the tests' small manifest")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and events (default runs/chaos-TIME)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the victim choice")
     ap.add_argument("--join-limit", type=float, default=120.0,
                     help="a peer not online this many seconds after it started counts as a hang")
     ap.add_argument("--verbose-peers", action="store_true", help="peers log at DEBUG (swarmgrad -v)")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 minutes, a kill every 20 s")
     ap.add_argument("--link", choices=tuple(LINKS), default="loopback",
                     help="loopback, or one network namespace per peer slot: unshaped, or tbf 20mbit (root)")
     args = ap.parse_args()
@@ -507,12 +508,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _raise_on_term)
     s = run(args, m, workdir)
     print()
-    print(report(s, m.inner.microbatch_size, m.rounds.round_seconds))
+    out = Report("Chaos soak", args.out)
+    out.print(report(s, m.inner.microbatch_size, m.rounds.round_seconds))
     for i in s["incidents"]:
-        print(f"\n{i['kind'].upper()}: {i['peer']} (stage {i['stage']}) at "
-              f"{time.strftime('%H:%M:%S', time.localtime(i['at']))}: {i['detail']}\n{i['log_tail']}")
+        out.print(f"\n{i['kind'].upper()}: {i['peer']} (stage {i['stage']}) at "
+                  f"{time.strftime('%H:%M:%S', time.localtime(i['at']))}: {i['detail']}\n{i['log_tail']}")
     print(json.dumps({k: v for k, v in s.items() if k != "incidents"} |
                      {"incidents": [{k: v for k, v in i.items() if k != "log_tail"} for i in s["incidents"]]}))
+    out.results = s
+    out.finish()
     ok = s["hangs"] == 0 and s["duplicated"] == 0 and s["crashes"] == 0 and s["bad_exit_codes"] == 0 and not s["leftover_processes"] \
         and not s["digest_mismatches"] and s["val_loss_fell"]
     sys.exit(0 if ok else 1)

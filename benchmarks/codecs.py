@@ -1,6 +1,6 @@
 """swarmgrad codecs vs hivemind's, side by side on the same tensors, one CPU core.
 
-    python benchmarks/codecs.py [--sizes 1M,16M,64M] [--quick] [--speed-only] [--repeats 9]
+    python -m benchmarks.codecs [--sizes 1M,16M,64M] [--quick] [--speed-only] [--repeats 9] [--seed N] [--out DIR]
 
 Columns: ratio = fp32 bytes / wire bytes (payload only for swarmgrad; hivemind's serialized
 buffer, which includes its own small header), rel L2 error, encode / decode throughput in GB/s
@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from benchmarks.harness.report import Report, add_common_args, seed_or
 from swarmgrad.compression import decode, get_codec
 
 SWARMGRAD_SPECS = [
@@ -114,10 +115,10 @@ class Speed:
     gbps: float  # 4 * numel / median seconds of one encode followed by one decode
 
 
-def int8_speed(size: str, repeats: int) -> list[Speed]:
+def int8_speed(size: str, repeats: int, seed: int = 0) -> list[Speed]:
     """Median encode+decode GB/s per core of the int8 paths and two baselines, interleaved."""
     numel = parse_size(size)
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     reused = torch.empty(numel)
     codec = get_codec("int8")
     paths: dict[str, Callable[[], object]] = {
@@ -137,16 +138,16 @@ def int8_speed(size: str, repeats: int) -> list[Speed]:
     return [Speed(name, size, numel * 4 / 1e9 / statistics.median(t)) for name, t in times.items()]
 
 
-def print_speed(speeds: list[Speed]) -> None:
+def print_speed(report: Report, speeds: list[Speed]) -> None:
     sizes = list(dict.fromkeys(s.size for s in speeds))
     memcpy = {s.size: s.gbps for s in speeds if "memcpy" in s.path}
-    print("int8 encode+decode per core: GB/s of fp32 input (median), and as a fraction of memcpy")
+    report.print("int8 encode+decode per core: GB/s of fp32 input (median), and as a fraction of memcpy")
     head = f"| {'path':44s} | " + " | ".join(f"{size + ' GB/s':>9s} | {'/memcpy':>7s}" for size in sizes) + " |"
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    report.print(head)
+    report.print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for path in dict.fromkeys(s.path for s in speeds):
         cells = [next(s for s in speeds if s.path == path and s.size == size) for size in sizes]
-        print(f"| {path:44s} | " + " | ".join(f"{c.gbps:9.2f} | {c.gbps / memcpy[c.size]:7.3f}" for c in cells) + " |")
+        report.print(f"| {path:44s} | " + " | ".join(f"{c.gbps:9.2f} | {c.gbps / memcpy[c.size]:7.3f}" for c in cells) + " |")
 
 
 def make_tensor(numel: int, dist: str, gen: torch.Generator) -> torch.Tensor:
@@ -166,22 +167,26 @@ def parse_size(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, quick="1M only (smoke run)", seed="the random tensors (default 0)")
     parser.add_argument("--sizes", default="1M,16M,64M", help="comma-separated numels, e.g. 1M,16M")
-    parser.add_argument("--quick", action="store_true", help="1M only (smoke run)")
     parser.add_argument("--speed-only", action="store_true", help="only the int8 speed section (16M, 64M)")
     parser.add_argument("--repeats", type=int, default=9, help="timed repetitions per path in the speed section")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    seed = seed_or(args, 0)
+    report = Report("swarmgrad's codecs against hivemind's, one CPU core", args.out)
     if args.speed_only:
-        speeds = [s for size in SPEED_SIZES for s in int8_speed(size, args.repeats)]
-        print_speed(speeds)
-        print()
-        print_speed_targets(speeds)
+        speeds = [s for size in SPEED_SIZES for s in int8_speed(size, args.repeats, seed)]
+        print_speed(report, speeds)
+        report.print()
+        print_speed_targets(report, speeds)
+        report.results = {"speed": [vars(s) for s in speeds]}
+        report.finish()
         return
     sizes = ["1M"] if args.quick else args.sizes.split(",")
     hm, notes = hivemind_codecs()
     rows: list[Row] = []
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for size in sizes:
         numel = parse_size(size)
         for dist in ("normal", "student-t2"):
@@ -201,25 +206,27 @@ def main() -> None:
                     continue
                 rows.append(measure(name, enc_fn, dec_fn, nb_fn, x, size, dist))
             del x
-    print_table(rows)
-    print()
+    print_table(report, rows)
+    report.print()
     for note in notes:
-        print("note:", note)
-    print()
-    speeds = [] if args.quick else [s for size in SPEED_SIZES for s in int8_speed(size, args.repeats)]
+        report.print(f"note: {note}")
+    report.print()
+    speeds = [] if args.quick else [s for size in SPEED_SIZES for s in int8_speed(size, args.repeats, seed)]
     if speeds:
-        print_speed(speeds)
-        print()
-    print_targets(rows)
-    print_speed_targets(speeds)
+        print_speed(report, speeds)
+        report.print()
+    print_targets(report, rows)
+    print_speed_targets(report, speeds)
+    report.results = {"rows": [vars(r) for r in rows], "speed": [vars(s) for s in speeds], "notes": notes}
+    report.finish()
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(report: Report, rows: list[Row]) -> None:
     head = f"| {'codec':32s} | {'size':>4s} | {'dist':10s} | {'ratio':>7s} | {'rel L2':>8s} | {'enc GB/s':>8s} | {'dec GB/s':>8s} |"
-    print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    report.print(head)
+    report.print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r.codec:32s} | {r.size:>4s} | {r.dist:10s} | {r.ratio:7.1f} | {r.err:8.5f} | "
+        report.print(f"| {r.codec:32s} | {r.size:>4s} | {r.dist:10s} | {r.ratio:7.1f} | {r.err:8.5f} | "
               f"{r.enc:8.2f} | {r.dec:8.2f} |")
 
 
@@ -228,8 +235,8 @@ def both(r: Row) -> float:
     return 1.0 / (1.0 / r.enc + 1.0 / r.dec)
 
 
-def print_targets(rows: list[Row]) -> None:
-    print("targets (single core):")
+def print_targets(report: Report, rows: list[Row]) -> None:
+    report.print("targets (single core):")
     for size in dict.fromkeys(r.size for r in rows):
         for dist in ("normal", "student-t2"):
             sel = {r.codec: r for r in rows if r.size == size and r.dist == dist}
@@ -238,22 +245,22 @@ def print_targets(rows: list[Row]) -> None:
             if ours and hm8:
                 fastest = max(hm8, key=both)
                 ok = both(ours) >= both(fastest) and ours.err <= fastest.err
-                print(f"  {'PASS' if ok else 'FAIL'} int8 vs fastest hivemind 8-bit ({fastest.codec}) "
+                report.print(f"  {'PASS' if ok else 'FAIL'} int8 vs fastest hivemind 8-bit ({fastest.codec}) "
                       f"[{size} {dist}]: {both(ours):.2f} vs {both(fastest):.2f} GB/s enc+dec, "
                       f"err {ours.err:.4f} vs {fastest.err:.4f}")
             topk = sel.get("topk:fraction=0.01,values=fp16")
             if topk:
                 ok = topk.ratio >= 40
-                print(f"  {'PASS' if ok else 'FAIL'} topk 1% (fp16 values) >= 40x smaller than fp32 "
+                report.print(f"  {'PASS' if ok else 'FAIL'} topk 1% (fp16 values) >= 40x smaller than fp32 "
                       f"[{size} {dist}]: {topk.ratio:.1f}x")
 
 
-def print_speed_targets(speeds: list[Speed]) -> None:
+def print_speed_targets(report: Report, speeds: list[Speed]) -> None:
     for size in dict.fromkeys(s.size for s in speeds):
         by_path = {s.path: s.gbps for s in speeds if s.size == size}
         fast = by_path["int8 encode_borrowed + decode(out=reused)"]
         fresh = by_path["int8 encode + decode (fresh outputs)"]
-        print(f"  {'PASS' if fast >= 1.0 else 'FAIL'} int8 enc+dec >= 1 GB/s per core [{size}]: {fast:.2f} GB/s "
+        report.print(f"  {'PASS' if fast >= 1.0 else 'FAIL'} int8 enc+dec >= 1 GB/s per core [{size}]: {fast:.2f} GB/s "
               f"reusing buffers ({fresh:.2f} GB/s with fresh outputs)")
 
 

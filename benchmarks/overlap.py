@@ -1,9 +1,9 @@
 """Overlapped averaging (`[rounds] overlap`) against plain rounds, side by side in one run.
 
-    python benchmarks/overlap.py [--link 20mbit|unshaped] [--steps 500] [--modes off,on]
-        [--manifest PATH] [--inner-steps H] [--out DIR]
+    python -m benchmarks.overlap [--link 20mbit|unshaped] [--steps 500] [--modes off,on]
+        [--manifest PATH] [--inner-steps H] [--quick] [--seed N] [--out DIR]
 
-2 peers, each holding the whole model (the swarmgrad row of benchmarks/wan.py: the reference task
+2 peers, each holding the whole model (the swarmgrad row of benchmarks.wan: the reference task
 of examples/reference.toml, H = 50, int8 + error feedback), each in its own network namespace on
 one veth pair; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends. Root and
 `ip netns` are needed (the script says why it skips otherwise). `--steps` shortens the run: the
@@ -22,13 +22,14 @@ Per mode it prints:
   at every complete round (written to results.json with --out), and the time to reach 3.0 and
   2.7 (with `--score every-round`);
 - the seconds a replica waited for overlapped means (`mean_wait_s` of its round events), per round.
+With --out: report.md, results.json (every scored point, per-peer figures) and curves.png (val
+bits/byte of θ_global against time and samples, one line per mode).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -37,13 +38,11 @@ from typing import Callable
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import netns  # noqa: E402
-from _common import fmt, markdown_table  # noqa: E402
-from wan import Budget, CheckpointWatch, Task, manifest_for, stages_from, time_to  # noqa: E402
-from swarmgrad.peer.cli.launcher import stop_on_signals  # noqa: E402
-from swarmgrad.peer.manifest import dumps  # noqa: E402
+from benchmarks.harness import netns
+from benchmarks.harness.report import Report, add_common_args, fmt
+from benchmarks.wan import Budget, CheckpointWatch, Task, manifest_for, plot_curves, stages_from, time_to
+from swarmgrad.peer.cli.launcher import stop_on_signals
+from swarmgrad.peer.manifest import dumps
 
 LINKS = {"unshaped": None, "20mbit": "20mbit"}
 
@@ -122,29 +121,33 @@ def run_mode(mode: str, link: str, net: netns.WanNet, budget: Budget, task: Task
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--link", choices=tuple(LINKS), default="20mbit")
-    p.add_argument("--steps", type=int, default=500, help="global steps of 64 sequences (500: the reference task)")
-    p.add_argument("--inner-steps", type=int, default=50)
+    add_common_args(p, quick="smoke run: 10 steps of H = 5 per mode, unshaped unless --link",
+                    seed="the manifest's seed: weights and data (default: the manifest's)")
+    p.add_argument("--link", choices=tuple(LINKS), default=None, help="default 20mbit (unshaped with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="global steps of 64 sequences (default 500: the reference task)")
+    p.add_argument("--inner-steps", type=int, default=None, help="default 50")
     p.add_argument("--modes", default="off,on",
                    help="comma-separated, of off (plain rounds), on (rounds.overlap) and on:N (overlap_steps N)")
     p.add_argument("--manifest", default=None, type=Path,
                    help="the manifest the peers run (default examples/reference.toml; H from --inner-steps)")
     p.add_argument("--score", choices=("every-round", "final"), default="every-round",
                    help="score θ_global after every round (for curves) or only at the budget (faster on busy cores)")
-    p.add_argument("--out", default=None, help="write results.json (every scored point, per-peer figures) here")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here (default: a temp dir)")
     args = p.parse_args(argv)
     why = netns.why_unavailable()
     if why:
-        print(f"SKIP: benchmarks/overlap.py needs network namespaces: {why}")
+        print(f"SKIP: benchmarks.overlap needs network namespaces: {why}")
         return 0
+    link = args.link or ("unshaped" if args.quick else "20mbit")
+    steps = args.steps or (10 if args.quick else 500)
+    inner_steps = args.inner_steps or (5 if args.quick else 50)
     modes = args.modes.split(",")
     for m in modes:
         try:
             parse_mode(m)
         except ValueError as e:
             p.error(f"--modes: {e}")
-    budget = Budget(steps=args.steps, inner_steps=args.inner_steps, timeout_s=1800.0)
+    budget = Budget(steps=steps, inner_steps=inner_steps, timeout_s=150.0 if args.quick else 1800.0, seed=args.seed)
     if args.manifest:
         budget = replace(budget, reference=args.manifest.resolve())
     torch.set_num_threads(2)
@@ -155,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir:
             tmp = args.workdir
             Path(tmp).mkdir(parents=True, exist_ok=False)
-        task = Task(Path(tmp))
-        print(f"{budget.samples} samples per run, H={budget.inner_steps}, link {args.link}", flush=True)
+        task = Task(Path(tmp), windows=64 if args.quick else 512)  # a smoke run scores on fewer windows
+        print(f"{budget.samples} samples per run, H={budget.inner_steps}, link {link}", flush=True)
         for i, mode in enumerate(modes):
             print(f"--- overlap {mode}", flush=True)
-            with netns.WanNet(f"ov{i}", 2, LINKS[args.link], subnet=90 + i) as net:
-                res, score = run_mode(mode, args.link, net, budget, task, Path(tmp) / f"{args.link}-{mode}")
+            with netns.WanNet(f"ov{i}", 2, LINKS[link], subnet=90 + i) as net:
+                res, score = run_mode(mode, link, net, budget, task, Path(tmp) / f"{link}-{mode}")
             score(args.score == "every-round")
             results.append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "points"}, default=str), flush=True)
@@ -174,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                          fmt(time_to(r.get("points", []), 3.0), 0), fmt(time_to(r.get("points", []), 2.7), 0),
                          fmt(r["wall_s"], 0)])
     print()
-    print(markdown_table(["mode", "link", "peer", "utilisation", "samples/s", "round (s)", "averaging (s)",
-                          "mean wait (s)", "rounds", "val bits/byte", "at samples", "to 3.0 (s)", "to 2.7 (s)",
-                          "wall (s)"], rows))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    report = Report("Overlapped averaging against plain rounds", args.out)
+    report.table(["mode", "link", "peer", "utilisation", "samples/s", "round (s)", "averaging (s)",
+                  "mean wait (s)", "rounds", "val bits/byte", "at samples", "to 3.0 (s)", "to 2.7 (s)",
+                  "wall (s)"], rows)
+    report.results = results
+    report.figure("curves.png", lambda fig: plot_curves(fig, [(f"overlap {r['mode']} {r['link']}", r["points"])
+                                                              for r in results if r.get("points")]), size=(13.0, 5.5))
+    report.finish()
     return 0
 
 

@@ -2,11 +2,11 @@
 the code before the adaptive window, by the code now, and by the code now with pipeline.lookahead,
 side by side, unshaped and over 20 Mbit.
 
-    python benchmarks/pipeline_link.py [--links unshaped,20mbit] [--variants before,after,lookahead,...]
-                                       [--before REV] [--rounds N] [--quick]
+    python -m benchmarks.pipeline_link [--links unshaped,20mbit] [--variants before,after,lookahead,...]
+                                       [--before REV] [--rounds N] [--quick] [--seed N] [--out DIR]
 
 Two peers, one per stage (a driver on stage 0, the loss on stage 1), each in its own network
-namespace on one veth pair (benchmarks/netns.py, namespaces named `window-<pid>-...`); "20mbit"
+namespace on one veth pair (benchmarks/harness/netns.py, namespaces named `window-<pid>-...`); "20mbit"
 puts `tbf rate 20mbit burst 32kb latency 50ms` on both ends' egress. The task is the reference
 model (examples/reference.toml: byte-level GPT d 128, 4 layers, seq 128) split in two stages, fp16
 activations and gradients, microbatches of 16, 4 per inner step, pipeline.max_in_flight 4 (issue 9
@@ -38,6 +38,7 @@ in one run mean anything: the machine is shared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -53,13 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import netns  # noqa: E402
-from _common import fmt, markdown_table  # noqa: E402
-from swarmgrad.peer.cli.launcher import LocalSwarm  # noqa: E402
-from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
+from benchmarks.harness import REPO, netns
+from benchmarks.harness.report import Report, add_common_args, fmt, markdown_table
+from swarmgrad.peer.manifest import Manifest, dumps, load
 
 BEFORE = "6b832a8"
 """The last commit before the adaptive window and ordered sending (what `before` runs by default)."""
@@ -83,10 +80,11 @@ def tapered(sizes: list[int]) -> dict[str, Any]:
     return {"inner": {"microbatch_size": max(sizes), "microbatches_per_step": len(sizes), "microbatch_sizes": sizes}}
 
 
-def manifest(inner_steps: int, per_step: int, size: int, cap: int, codecs: tuple[str, str] = ("fp16", "fp16")
-             ) -> Manifest:
-    return load(REPO / "examples" / "reference.toml").replace(
-        run_id="pipeline-link", stages={"count": 2},
+def manifest(inner_steps: int, per_step: int, size: int, cap: int, codecs: tuple[str, str] = ("fp16", "fp16"),
+             seed: int | None = None) -> Manifest:
+    m = load(REPO / "examples" / "reference.toml")
+    return m.replace(
+        run_id="pipeline-link", seed=m.seed if seed is None else seed, stages={"count": 2},
         inner={"microbatch_size": size, "microbatches_per_step": per_step},
         pipeline={"activation_codec": codecs[0], "gradient_codec": codecs[1], "max_in_flight": cap},
         rounds={"inner_steps": inner_steps, "max_rounds": 0},
@@ -166,20 +164,6 @@ class TxSampler(threading.Thread):
 _READER = "import sys\nfor _ in sys.stdin:\n    print(open(sys.argv[1]).read().strip(), flush=True)\n"
 
 
-class NsSwarm(LocalSwarm):
-    def __init__(self, manifest_path: Path, workdir: Path, endpoints: list[netns.Endpoint], code: Path | None):
-        super().__init__(manifest_path, workdir)
-        self.endpoints = endpoints
-        if code is not None:  # the `before` snapshot first on the path, ahead of the editable install
-            self.env["PYTHONPATH"] = str(code)
-
-    def command_prefix(self, index: int) -> list[str]:
-        return self.endpoints[index].exec_prefix()
-
-    def peer_args(self, index: int, name: str) -> list[str]:
-        return ["--host-maddrs", f"/ip4/{self.endpoints[index].address}/tcp/0", "--data-seed", str(index)]
-
-
 def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest, workdir: Path,
             subnet: int, timeout_s: float) -> Row:
     row = Row(variant, link)
@@ -187,7 +171,9 @@ def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest
     text = dumps(m)
     (workdir / "manifest.toml").write_text(text if code is None else for_old_code(text, code))
     with netns.WanNet(f"{variant[:3]}{subnet}", 2, LINKS[link], subnet=subnet, name_prefix=NS_PREFIX) as net, \
-            NsSwarm(workdir / "manifest.toml", workdir, net.endpoints, code) as swarm:
+            netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
+        if code is not None:  # the `before` snapshot first on the path, ahead of the editable install
+            swarm.env["PYTHONPATH"] = str(code)
         sampler = TxSampler(net)
         sampler.start()
         try:
@@ -278,6 +264,8 @@ def table(rows: list[Row], first: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(p, quick="smoke run: 1 round of 2 steps per run",
+                    seed="the manifest's seed: weights and data (default: the manifest's)")
     p.add_argument("--links", default="unshaped,20mbit", help="comma-separated, of unshaped,20mbit")
     p.add_argument("--variants", default="before,after,lookahead",
                    help="comma-separated, of before,after,lookahead,unpaced,paced,no-backups,tapered "
@@ -293,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backup-every", type=int, default=None,
                    help="averaging.backup_every (default: the reference manifest's, 1; 0: no backups)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each variant per link, alternating (default 1)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 steps per run")
     p.add_argument("--workdir", default=None, help="keep every peer's log and events here")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks remove the namespaces
@@ -303,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{name}: choose from {','.join(allowed)}")
     why = netns.why_unavailable()
     if why:
-        print(f"SKIP: benchmarks/pipeline_link.py needs network namespaces: {why}")
+        print(f"SKIP: benchmarks.pipeline_link needs network namespaces: {why}")
         return 0
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.inner_steps)
     per_step, size = (int(x) for x in args.shape.split("x"))
@@ -315,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(";")
     if len(codecs) != 2:
         p.error(f"--codecs: two codec specs with ';' between them (got {args.codecs!r})")
-    m = manifest(steps, per_step, size, args.max_in_flight, (codecs[0], codecs[1]))
+    m = manifest(steps, per_step, size, args.max_in_flight, (codecs[0], codecs[1]), args.seed)
     if args.backup_every is not None:
         m = m.replace(averaging={"backup_every": args.backup_every})
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="window-pipeline-link-"))
@@ -351,16 +338,20 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(table(rows, variants[0]))
+    report = Report("Does the 2-stage pipeline fill its link?", args.out)
+    report.print(table(rows, variants[0]))
     for link in links:
         for variant in variants[1:]:
             ratios = sorted(r.samples_per_s / b.samples_per_s for r in rows for b in rows
                             if r.link == b.link == link and r.repeat == b.repeat and r.variant == variant
                             and b.variant == variants[0] and not (r.error or b.error))
             if ratios:
-                print(f"{link}: {variant} / {variants[0]} samples/s per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
-                      f"(median {statistics.median(ratios):.2f})")
-    print(f"\nload average after {os.getloadavg()[0]:.1f}")
+                report.print(f"{link}: {variant} / {variants[0]} samples/s per repeat "
+                             f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
+    report.print(f"\nload average after {os.getloadavg()[0]:.1f}")
+    report.results = {"before": args.before, "rounds": rounds, "inner_steps": steps, "shape": args.shape,
+                      "rows": [dataclasses.asdict(r) | {"samples_per_s": r.samples_per_s} for r in rows]}
+    report.finish()
     return 0
 
 

@@ -1,10 +1,12 @@
 """Pipeline overhead: the same model trained by one process alone vs by the demo swarm, in one run.
 
-    python benchmarks/pipeline_overhead.py [--manifest PATH] [--rounds N] [--seconds S] [--quick]
+    python -m benchmarks.pipeline_overhead [--manifest PATH] [--rounds N] [--seconds S] [--quick]
+                                           [--seed N] [--out DIR]
 
-(a) single process: the whole model (all stages as one nn.Sequential), AdamW with the manifest's
-    inner settings, inner.microbatches_per_step microbatches of inner.microbatch_size per step, for
-    S seconds, torch's default thread count -> samples/s.
+(a) single process: the whole model, every stage in this process (the benchmarks' training loop,
+    benchmarks/harness/training.py: each stage's inner optimiser with the manifest's settings),
+    inner.microbatches_per_step microbatches of inner.microbatch_size per step, for S seconds,
+    torch's default thread count -> samples/s.
 (b) swarm: stages.count x 2 replicas peer processes on this machine, same manifest, --max-rounds N
     with the manifest's rounds.round_seconds -> samples trained by the drivers / (last stage-0 round
     event - first "online" event). Pipeline-only: each driver's samples / (its last round event - its
@@ -25,40 +27,26 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from _common import DEFAULT_MANIFEST, SwarmFailed, SwarmRun, fail, fmt, markdown_table, run_swarm
+from benchmarks.harness.report import Report, add_common_args, fmt, seed_or
+from benchmarks.harness.swarm import DEFAULT_MANIFEST, SwarmFailed, SwarmRun, fail, run_swarm
+from benchmarks.harness.training import Trainer
 from swarmgrad.peer.data import MicrobatchStream, load_corpora
 from swarmgrad.peer.manifest import Manifest, load
-from swarmgrad.peer.model import from_manifest
 
 REPLICAS = 2
 
 
 def single_process(m: Manifest, seconds: float) -> dict[str, float]:
     """Train the whole model in this process for `seconds`; samples/s over whole inner steps."""
-    staged = from_manifest(m)
-    stages = [staged.build_stage(i) for i in range(staged.n_stages)]
-    model = nn.Sequential(*stages)
-    model.train()
+    trainer = Trainer(m)
     c = m.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
     d = m.data
     train, _ = load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None)
     stream = MicrobatchStream(train, m.model.seq_len, c.microbatch_size, m.seed)
 
     def step() -> float:
-        losses = []
-        for _ in range(c.microbatches_per_step):
-            x, y = next(stream)
-            loss = staged.loss_fn(model(x), y)
-            (loss / c.microbatches_per_step).backward()  # the mean over the step's microbatches
-            losses.append(loss.item())
-        if c.grad_clip > 0:
-            for stage in stages:  # clipped per stage, as every stage's worker does in the swarm
-                torch.nn.utils.clip_grad_norm_(stage.parameters(), c.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        losses = trainer.step([next(stream) for _ in range(c.microbatches_per_step)])
         return sum(losses) / len(losses)
 
     first_loss = step()  # warm-up (allocator, kernels), not timed
@@ -108,25 +96,28 @@ def swarm_figures(run: SwarmRun) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, quick="a short smoke run (about 1-2 minutes): 2 rounds, 15 s single process",
+                    seed="the manifest's seed: weights and data (default: the manifest's)")
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--rounds", type=int, default=None, help="swarm rounds (default 4; 2 with --quick)")
     ap.add_argument("--seconds", type=float, default=None, help="single-process seconds (default 60; 15 with --quick)")
-    ap.add_argument("--quick", action="store_true", help="a short smoke run (about 1-2 minutes)")
     ap.add_argument("--keep", action="store_true", help="keep the swarm's logs and events")
     args = ap.parse_args()
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 4)
     seconds = args.seconds if args.seconds is not None else (15.0 if args.quick else 60.0)
     m = load(args.manifest)
+    m = m.replace(seed=seed_or(args, m.seed))
     n_peers = m.stages.count * REPLICAS
     cores = os.cpu_count() or 1
+    report = Report("Pipeline overhead: one process alone against the demo swarm", args.out)
 
-    print(f"pipeline overhead: run {m.run_id} ({args.manifest}), {cores} cores on this machine", flush=True)
-    print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
+    report.print(f"pipeline overhead: run {m.run_id} ({args.manifest}), {cores} cores on this machine")
+    report.print(f"load average before: {os.getloadavg()[0]:.1f}")
     print(f"(a) single process, whole model, {seconds:g}s ...", flush=True)
     single = single_process(m, seconds)
-    print(f"    {single['samples']} samples in {single['seconds']:.1f}s, {single['threads']} torch threads using "
-          f"{single['cores_used']:.2f} cores on average (load average {os.getloadavg()[0]:.1f}), "
-          f"train loss {single['first_loss']:.3f} -> {single['last_loss']:.3f} nats", flush=True)
+    report.print(f"(a) single process: {single['samples']} samples in {single['seconds']:.1f}s, {single['threads']} torch "
+                 f"threads using {single['cores_used']:.2f} cores on average (load average {os.getloadavg()[0]:.1f}), "
+                 f"train loss {single['first_loss']:.3f} -> {single['last_loss']:.3f} nats")
 
     print(f"(b) swarm: {m.stages.count} stages x {REPLICAS} replicas = {n_peers} processes, {rounds} rounds of "
           f"{m.rounds.round_seconds:g}s ...", flush=True)
@@ -138,11 +129,11 @@ def main() -> None:
         print(f"logs kept in {workdir}", flush=True)
         fail(e)
     sw = swarm_figures(run)
-    print(f"    {sw['samples']} samples; first online -> last driver round {sw['window_s']:.1f}s, of which "
-          f"startup (until the drivers' first eval) {sw['startup_s']:.1f}s; per driver {sw['driving_s']:.1f}s "
-          f"driving, {sw['averaging_s']:.1f}s averaging; rounds complete {sw['complete']}/{sw['rounds']}; "
-          f"validation {sw['val_before']:.3f} -> {sw['val_after']:.3f} bits/byte; load average after "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+    report.print(f"(b) swarm: {sw['samples']} samples; first online -> last driver round {sw['window_s']:.1f}s, of "
+                 f"which startup (until the drivers' first eval) {sw['startup_s']:.1f}s; per driver "
+                 f"{sw['driving_s']:.1f}s driving, {sw['averaging_s']:.1f}s averaging; rounds complete "
+                 f"{sw['complete']}/{sw['rounds']}; validation {sw['val_before']:.3f} -> {sw['val_after']:.3f} "
+                 f"bits/byte; load average after {os.getloadavg()[0]:.1f}")
     if args.keep:
         print(f"    logs and events in {workdir}")
     else:
@@ -158,15 +149,18 @@ def main() -> None:
         ["swarm, pipeline only (driving: no startup, no averaging)", fmt(sw["pipeline_samples_per_s"]),
          fmt(sw["pipeline_samples_per_s"] / base, 2), ""],
     ]
-    print()
-    print(markdown_table(["mode", "samples/s", "ratio to single process", "bytes sent/sample"], rows))
-    print()
-    print(f"Note: the {n_peers} swarm processes (1 torch thread each) share this machine's {cores} cores with each "
-          f"other (the single process used {single['threads']} threads), so the ratio measures the pipeline's "
-          "overhead on one machine, not a multi-machine speed-up. On a machine shared with other jobs, the swarm's "
-          f"{n_peers} processes also get more of the CPU than one process does, which flatters the swarm; compare "
-          "the load averages and the single process's cores used. Bytes sent per sample: all peers' bytes_sent "
-          "(stopped events: activations, gradients, averaging) / samples trained by the drivers.")
+    report.print()
+    report.table(["mode", "samples/s", "ratio to single process", "bytes sent/sample"], rows)
+    report.print()
+    report.print(f"Note: the {n_peers} swarm processes (1 torch thread each) share this machine's {cores} cores with "
+                 f"each other (the single process used {single['threads']} threads), so the ratio measures the "
+                 "pipeline's overhead on one machine, not a multi-machine speed-up. On a machine shared with other "
+                 f"jobs, the swarm's {n_peers} processes also get more of the CPU than one process does, which flatters "
+                 "the swarm; compare the load averages and the single process's cores used. Bytes sent per sample: "
+                 "all peers' bytes_sent (stopped events: activations, gradients, averaging) / samples trained by the "
+                 "drivers.")
+    report.results = {"manifest": str(args.manifest), "rounds": rounds, "single_process": single, "swarm": sw}
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ and moves per peer-hour.
 Ratios, not absolute speeds: on a shared 2-core machine six processes contend, so rates are
 noisy, and both sides of the ratio use the same announced rates.
 
-    python benchmarks/rebalance.py                # 6 minutes
-    python benchmarks/rebalance.py --minutes 2    # a smoke run
+    python -m benchmarks.rebalance                # 6 minutes
+    python -m benchmarks.rebalance --quick        # a smoke run: 2 minutes, 30 s left out
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.harness.report import Report, add_common_args, seed_or
 from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest
 from swarmgrad.peer.manifest import dumps
 
@@ -43,15 +44,20 @@ def status(swarm: LocalSwarm) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=6.0)
+    add_common_args(parser, quick="a smoke run: 2 minutes, 30 s left out of the average",
+                    seed="the manifest's seed: weights and data (default 1)")
+    parser.add_argument("--minutes", type=float, default=None, help="default 6 (2 with --quick)")
     parser.add_argument("--every", type=float, default=15.0, help="seconds between two looks at the swarm")
-    parser.add_argument("--settle", type=float, default=90.0, help="seconds left out of the average")
+    parser.add_argument("--settle", type=float, default=None,
+                        help="seconds left out of the average (default 90; 30 with --quick)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--rate-clock", choices=("cpu", "wall"), default="cpu",
                         help="what peers measure their rate in (--rate-clock; cpu: their own CPU time, wall: "
                              "elapsed time, which counts the neighbours' share of the 2 cores)")
     args = parser.parse_args()
-    m = small_manifest(model={"d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 32}, stages={"count": 3},
+    args.minutes = args.minutes or (2.0 if args.quick else 6.0)
+    args.settle = args.settle if args.settle is not None else (30.0 if args.quick else 90.0)
+    m = small_manifest(seed=seed_or(args, 1), model={"d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 32}, stages={"count": 3},
                        timeouts={"rebalance_check": 3.0}, rounds={"max_rounds": 0})
     with tempfile.TemporaryDirectory(prefix="swarmgrad-rebalance-") as tmp:
         # the peers' logs and events are kept only where --workdir says
@@ -92,12 +98,35 @@ def run(args: argparse.Namespace, m, workdir: Path) -> int:
         moves = sum(len(p.events("moved")) for p in swarm.peers)
     settled = [r for t, r, _ in rows if t >= args.settle]
     mean = sum(settled) / len(settled) if settled else float("nan")
-    print(f"\nthroughput / reachable after {args.settle:.0f} s: mean {mean:.3f} over {len(settled)} looks "
-          f"(min {min(settled, default=float('nan')):.3f}); moves {moves} = "
-          f"{moves / (len(SLOWDOWNS) * elapsed_h):.2f} per peer-hour over {elapsed_h * 60:.1f} min")
-    print(json.dumps({"throughput_ratio": round(mean, 4), "moves": moves,
-                      "moves_per_peer_hour": round(moves / (len(SLOWDOWNS) * elapsed_h), 3)}))
+    summary = {"throughput_ratio": round(mean, 4), "moves": moves,
+               "moves_per_peer_hour": round(moves / (len(SLOWDOWNS) * elapsed_h), 3)}
+    report = Report("Unequal peers in a real swarm: throughput against the best placement", args.out)
+    report.print(f"\nthroughput / reachable after {args.settle:.0f} s: mean {mean:.3f} over {len(settled)} looks "
+                 f"(min {min(settled, default=float('nan')):.3f}); moves {moves} = "
+                 f"{moves / (len(SLOWDOWNS) * elapsed_h):.2f} per peer-hour over {elapsed_h * 60:.1f} min")
+    print(json.dumps(summary))
+    report.results = summary | {"looks": [{"t": t, "ratio": r, "moves": n} for t, r, n in rows]}
+    report.figure("ratio.png", lambda fig: plot_ratio(fig, rows, args.settle))
+    report.finish()
     return 0
+
+
+def plot_ratio(fig, rows: list[tuple[float, float, int]], settle: float) -> None:  # type: ignore[no-untyped-def]
+    """The swarm's throughput over what placement can reach, look by look, and the moves so far."""
+    ax = fig.subplots()
+    ax.plot([t for t, _, _ in rows], [r for _, r, _ in rows], marker="o", label="throughput / reachable")
+    ax.axvline(settle, color="0.4", linestyle="--", linewidth=1, label="settled (averaged from here)")
+    ax.set_title("Six unequal peers on 3 stages: the swarm against the best placement of the same peers")
+    ax.set_xlabel("seconds since the first peer started")
+    ax.set_ylabel("throughput / reachable")
+    ax.set_ylim(0, 1.05)
+    moves = ax.twinx()
+    moves.step([t for t, _, _ in rows], [n for _, _, n in rows], where="post", color="tab:orange", label="moves")
+    moves.set_ylabel("moves so far")
+    moves.grid(False)
+    lines = ax.get_legend_handles_labels()
+    more = moves.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Pseudo-gradient codecs at equal samples: the demo task run once per averaging codec, in one run.
 
-    python benchmarks/round_codecs.py [--rounds N] [--inner-steps H] [--codecs fp16,int8,...] [--quick]
+    python -m benchmarks.round_codecs [--rounds N] [--inner-steps H] [--codecs fp16,int8,...] [--quick]
+                                      [--seed N] [--out DIR]
 
-Each variant is the demo swarm (stages.count x 2 replicas, same manifest) with averaging.codec and
+Each variant is the demo swarm (stages.count x 2 replicas, same manifest, run by the swarm
+benchmarks' runner: benchmarks/harness/swarm.py) with averaging.codec and
 averaging.error_feedback set, rounds counted in inner steps (rounds.inner_steps = H,
 rounds.round_seconds = 0) and --max-rounds N, so every replica trains the same number of inner steps
 whatever the codec costs in time. Variants run one after another.
@@ -38,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import DEFAULT_MANIFEST, SwarmFailed, SwarmRun, fail, fmt, markdown_table, run_swarm
+from benchmarks.harness.report import Report, add_common_args, fmt, seed_or
+from benchmarks.harness.swarm import DEFAULT_MANIFEST, SwarmFailed, SwarmRun, fail, run_swarm
 from swarmgrad.peer.manifest import Manifest, ManifestError, load
 from swarmgrad.peer.model import from_manifest
 
@@ -96,20 +99,22 @@ def averaging_bytes(run: SwarmRun) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, quick="a short smoke run (about 2 minutes): 1 round of H=12, two codecs unless --codecs",
+                    seed="the manifest's seed: weights and data (default: the manifest's)")
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--rounds", type=int, default=None, help="rounds per variant (default 4; 1 with --quick)")
     ap.add_argument("--inner-steps", type=int, default=None, help="inner steps per round, H (default 20; 12 with --quick)")
     ap.add_argument("--codecs", default=None,
                     help=f"comma-separated codec specs, '+ef' for error feedback (default {DEFAULT_CODECS}; "
                          f"with --quick {QUICK_CODECS})")
-    ap.add_argument("--quick", action="store_true",
-                    help="a short smoke run (about 2 minutes): 1 round of H=12, two codecs unless --codecs")
     ap.add_argument("--keep", action="store_true", help="keep every variant's logs and events")
     args = ap.parse_args()
-    # H stays >= 12 in quick runs too: a smaller H loses the daemon's post-last-round race (see _common).
+    # H stays >= 12 in quick runs too: a smaller H loses the daemon's post-last-round race
+    # (benchmarks/harness/swarm.py).
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 4)
     H = args.inner_steps if args.inner_steps is not None else (12 if args.quick else 20)
     base = load(args.manifest)
+    base = base.replace(seed=seed_or(args, base.seed))
     codecs = parse_codecs(args.codecs or (QUICK_CODECS if args.quick else DEFAULT_CODECS))
     variants = []
     for spec, flags in codecs:
@@ -129,12 +134,13 @@ def main() -> None:
 
     per_round = H * base.inner.microbatches_per_step * base.inner.microbatch_size
     ddp = ddp_bytes_per_sample(base)
-    print(f"round codecs: run {base.run_id}, {base.stages.count} stages x {REPLICAS} replicas, {rounds} rounds of "
-          f"H={H} inner steps ({per_round} samples per driver per round); {len(variants)} variants", flush=True)
+    report = Report("Pseudo-gradient codecs at equal samples in the demo swarm", args.out)
+    report.print(f"round codecs: run {base.run_id}, {base.stages.count} stages x {REPLICAS} replicas, {rounds} rounds "
+                 f"of H={H} inner steps ({per_round} samples per driver per round); {len(variants)} variants")
     root = Path(tempfile.mkdtemp(prefix="swarmgrad-bench-codecs-"))
     # Generous: rounds end on inner steps, so time depends on the machine; this only catches a hang.
     budget = 240 + rounds * H * 10.0
-    rows = []
+    rows, results = [], []
     for i, (label, m) in enumerate(variants):
         print(f"[{i + 1}/{len(variants)}] {label} ...", flush=True)
         started = time.monotonic()
@@ -151,22 +157,30 @@ def main() -> None:
                fmt(run.bytes_sent / samples if samples else float("nan"), 0),
                "yes" if agree else "NO", f"{full}/{seen}"]
         rows.append(row)
+        results.append({"codec": label, "val_bpb": run.final_val_loss(), "samples": samples,
+                        "avg_bytes_per_sample": avg_per_sample, "ddp_ratio": ddp / avg_per_sample,
+                        "total_bytes_per_sample": run.bytes_sent / samples if samples else None,
+                        "replicas_identical": agree, "rounds_all_completed": full, "rounds_seen": seen})
         print(f"    done in {time.monotonic() - started:.0f}s: validation {run.first_val_loss():.3f} -> "
               f"{run.final_val_loss():.3f} bits/byte, {samples} samples", flush=True)
     if args.keep:
         print(f"logs and events in {root}")
     else:
         shutil.rmtree(root, ignore_errors=True)
-    print()
-    print(markdown_table(["codec", "val bits/byte", "samples", "avg bytes/sample", "DDP / avg", "total bytes/sample",
-                          "replicas identical", "rounds all replicas completed"], rows))
-    print()
-    print("avg bytes/sample: pseudo-gradient averaging bytes sent by all peers (each peer's median round x its "
-          "rounds: other traffic overlapping one averaging window is left out) / samples trained by the drivers; "
-          f"DDP / avg: DDP's fp32 all-reduce every step ({ddp:,.0f} bytes/sample) over avg bytes/sample, at H={H}; "
-          "total bytes/sample: everything all peers sent (pipeline activations and gradients too). Replicas "
-          "identical: every complete round left the replicas of its stage with one state digest. Variants ran "
-          "one after another on a shared machine: compare them with each other, not with other runs.")
+    report.print()
+    report.table(["codec", "val bits/byte", "samples", "avg bytes/sample", "DDP / avg", "total bytes/sample",
+                  "replicas identical", "rounds all replicas completed"], rows)
+    report.print()
+    report.print("avg bytes/sample: pseudo-gradient averaging bytes sent by all peers (each peer's median round x "
+                 "its rounds: other traffic overlapping one averaging window is left out) / samples trained by the "
+                 f"drivers; DDP / avg: DDP's fp32 all-reduce every step ({ddp:,.0f} bytes/sample) over avg "
+                 f"bytes/sample, at H={H}; total bytes/sample: everything all peers sent (pipeline activations and "
+                 "gradients too). Replicas identical: every complete round left the replicas of its stage with one "
+                 "state digest. Variants ran one after another on a shared machine: compare them with each other, "
+                 "not with other runs.")
+    report.results = {"manifest": str(args.manifest), "rounds": rounds, "inner_steps": H,
+                      "ddp_bytes_per_sample": ddp, "variants": results}
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ no-margin (any improving move, at once), each with links by device class and wit
 every peer; the full policy with the daemon's former 30 s checks, with 8 holders pushed in parallel
 (a what-if the daemon does not do yet) and with no backups (every mover downloads).
 
-    .venv/bin/python benchmarks/simulate.py [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2] [--extra] [--only NAME ...]
+    .venv/bin/python -m benchmarks.simulate [--peers 1000] [--hours 3] [--seeds 0 1 2] [--jobs 2] [--extra]
+                                            [--only NAME ...] [--quick] [--seed N] [--out DIR]
 
 Prints one markdown row per policy and seed, then the mean over seeds, then each variant against the
 first, seed by seed (mean difference ± its standard error: whether the seeds can tell them apart).
+With --out, ratio.png plots each variant's throughput over the optimum against time (first seed).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from benchmarks.harness.report import Report, add_common_args
 from swarmgrad.peer.sim.config import SimConfig, SimResult
 from swarmgrad.peer.sim.simulator import simulate
 
@@ -93,41 +96,66 @@ def _run(job: tuple[int, int, float, dict]) -> tuple[SimResult, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peers", type=int, default=1000)
-    ap.add_argument("--hours", type=float, default=3.0)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_common_args(ap, quick="200 peers, 0.5 h, seed 0 (seconds)",
+                    seed="one seed of the simulation (default: --seeds, or 0 1 2)")
+    ap.add_argument("--peers", type=int, default=None, help="default 1000 (200 with --quick)")
+    ap.add_argument("--hours", type=float, default=None, help="default 3 (0.5 with --quick)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (0 with --quick)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each is single-threaded and deterministic)")
     ap.add_argument("--extra", action="store_true", help="also the variants in EXTRA")
     ap.add_argument("--only", nargs="+", default=None, help="just these variants (exact names)")
     args = ap.parse_args(argv)
-    print(f"{args.peers} peers, {args.hours} h, 30 % leave at mid-run; ratio = throughput / fluid optimum, "
-          f"time-averaged; on paper = the same with joiners and movers counted at their target; "
-          f"recovery = seconds until the ratio is back at 0.95; reaction limit = the ratio if every "
-          f"departure were repaired exactly one switch time after it (download + warm-up; warm: warm-up only); "
-          f"GB/round: backups pushed and averaging sent per round, all stages; pinned bound = the bound with "
-          f"pinned peers kept in place over the free bound (peer/sim/simulator.py)")
-    print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves "
-          "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round "
-          "| pinned bound | run s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if args.seed is not None and args.seeds is not None:
+        ap.error("--seed and --seeds: give one or the other")
+    seeds = args.seeds or ([args.seed] if args.seed is not None else [0] if args.quick else [0, 1, 2])
+    peers = args.peers or (200 if args.quick else 1000)
+    hours = args.hours or (0.5 if args.quick else 3.0)
+    report = Report("The placement policy against its ablations (simulator)", args.out)
+    report.print(f"{peers} peers, {hours} h, 30 % leave at mid-run; ratio = throughput / fluid optimum, "
+                 f"time-averaged; on paper = the same with joiners and movers counted at their target; "
+                 f"recovery = seconds until the ratio is back at 0.95; reaction limit = the ratio if every "
+                 f"departure were repaired exactly one switch time after it (download + warm-up; warm: warm-up only); "
+                 f"GB/round: backups pushed and averaging sent per round, all stages; pinned bound = the bound with "
+                 f"pinned peers kept in place over the free bound (peer/sim/simulator.py)")
+    report.print("| policy (seed) | throughput ratio | moves/peer-hour | recovery s | min ratio after departure | moves "
+                 "| warm moves | on paper | reaction limit | reaction limit, warm | backup GB/round | averaging GB/round "
+                 "| pinned bound | run s |")
+    report.print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     variants = {**VARIANTS, **(EXTRA if args.extra else {})}
     if args.only:
         variants = {name: variants[name] for name in args.only}
-    jobs = [(seed, args.peers, args.hours, kw) for kw in variants.values() for seed in args.seeds]
+    jobs = [(seed, peers, hours, kw) for kw in variants.values() for seed in seeds]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         done = list(pool.map(_run, jobs))
-    summary, ratios = [], []
+    summary, ratios, runs = [], [], []
     for i, name in enumerate(variants):
-        chunk = done[i * len(args.seeds):(i + 1) * len(args.seeds)]
-        for seed, (r, dt) in zip(args.seeds, chunk):
-            print(row(f"{name} ({seed})", [r], dt))
+        chunk = done[i * len(seeds):(i + 1) * len(seeds)]
+        for seed, (r, dt) in zip(seeds, chunk):
+            report.print(row(f"{name} ({seed})", [r], dt))
+            runs.append({"variant": name, "seed": seed, "seconds": dt, **r.summary()})
         summary.append(row(f"**{name}, mean**", [r for r, _ in chunk], sum(dt for _, dt in chunk)))
         ratios.append([r.throughput_ratio for r, _ in chunk])
-    print("\n".join(summary), flush=True)
+    report.print("\n".join(summary))
     if len(variants) > 1:
-        print()
-        print("\n".join(paired_rows(list(variants), ratios)), flush=True)
+        report.print()
+        report.print("\n".join(paired_rows(list(variants), ratios)))
+    report.results = {"peers": peers, "hours": hours, "seeds": seeds, "runs": runs}
+    first = {name: done[i * len(seeds)][0].series for i, name in enumerate(variants)}
+    report.figure("ratio.png", lambda fig: plot_ratio(fig, first, seeds[0], peers), size=(11.0, 6.5))
+    report.finish()
     return 0
+
+
+def plot_ratio(fig, series: dict[str, list[tuple[float, float, float]]], seed: int, peers: int) -> None:  # type: ignore[no-untyped-def]
+    """Each variant's throughput over the optimum against simulated time."""
+    ax = fig.subplots()
+    for name, points in series.items():
+        ax.plot([t / 3600 for t, _, _ in points], [tp / best if best > 0 else 0.0 for _, tp, best in points],
+                label=name, linewidth=1.2)
+    ax.set_title(f"Throughput over the fluid optimum, {peers} peers (seed {seed}; 30 % leave at mid-run)")
+    ax.set_xlabel("simulated time (hours)")
+    ax.set_ylabel("throughput / optimum")
+    fig.legend(loc="outside lower center", ncols=3)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Pseudo-gradient codecs in one process: DiLoCo rounds of R replicas of the whole model, each
 variant trained on the same samples, to find out *why* a codec loses quality and by how much.
 
-    python benchmarks/sparse_rounds.py [--manifest examples/reference.toml] [--rounds N]
-        [--inner-steps H] [--variants NAME,...] [--list]
+    python -m benchmarks.sparse_rounds [--manifest examples/reference.toml] [--rounds N]
+        [--inner-steps H] [--variants NAME,...] [--list] [--quick] [--seed N] [--out DIR]
 
 No network: the replicas take turns in this process, so a variant costs only its compute and
-rounds are exact (every replica trains exactly H steps). The averaging path is the swarm's own
+rounds are exact (every replica trains exactly H steps). Each replica is the benchmarks' training
+loop (benchmarks/harness/training.py: the worker's inner optimiser, the manifest's schedule at
+the swarm's position); the averaging path is the swarm's own
 code: each replica encodes Δ with the manifest codec (small tensors fp32, `SizeAdaptive`) and
 its `ErrorFeedback`, the contributions are decoded and reduced with `peer.aggregate.reduce_part`,
 and then either
@@ -35,18 +37,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.report import Report, add_common_args, fmt
+from benchmarks.harness.training import REFERENCE, Trainer
 from swarmgrad.compression import ErrorFeedback, SizeAdaptive, decode, parse_codec_spec, reduce_codec
 from swarmgrad.peer.rounds import overlap
 from swarmgrad.peer.averaging.aggregate import reduce_part
 from swarmgrad.peer.averaging.group import partition
-from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
+from swarmgrad.peer.data import MicrobatchStream, load_corpora, validation_batches
 from swarmgrad.peer.manifest import Manifest, load
-from swarmgrad.peer.model import from_manifest
-from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.compute.schedule import TrainingProgress, lr_multiplier
 from swarmgrad.peer.state.stage_state import StageState
-
-REFERENCE = Path(__file__).resolve().parent.parent / "examples" / "reference.toml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,20 +173,15 @@ def payload(enc) -> int:
     return sum(len(b) for b in enc.buffers)
 
 
-def inner_step(model, mod: torch.nn.Module, opt: InnerOptimizer, x: torch.Tensor, y: torch.Tensor,
-               since_boundary: int) -> None:
-    """One inner step as a replica's worker takes it (peer/compute/inner_optimizer.py: mean, clip, the
-    schedule's lr at the run's samples at the last boundary + `since_boundary`); with SwarmAdamW
-    the batch as two microbatches of half its size, each observed, as the worker does."""
-    if opt.per_microbatch:
+def inner_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, since_boundary: int) -> None:
+    """One inner step as a replica's worker takes it, on one batch, at the lr of the run's samples
+    at the last boundary + `since_boundary`; with SwarmAdamW the batch as two microbatches of half
+    its size, each observed, as the worker does."""
+    if trainer.opts[0].per_microbatch:
         half = x.shape[0] // 2
-        for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
-            loss = opt.weighted(model.loss_fn(mod(xs), ys), half)
-            opt.add([torch.autograd.grad(loss, opt.params())], [half])
-        opt.step(2, since_boundary, x.shape[0])
-    else:  # the batch's mean loss: its gradient is the step's mean already (weight 1)
-        model.loss_fn(mod(x), y).backward()
-        opt.step(1, since_boundary, opt.cfg.microbatch_size)
+        trainer.step([(x[:half], y[:half]), (x[half:], y[half:])], at=since_boundary)
+    else:
+        trainer.step([(x, y)], at=since_boundary)
 
 
 def eager_start(state: StageState, own: dict[str, torch.Tensor], last_mean: dict[str, torch.Tensor] | None,
@@ -202,30 +197,17 @@ def eager_start(state: StageState, own: dict[str, torch.Tensor], last_mean: dict
     return preview
 
 
-def evaluate(model, mod: torch.nn.Module, val_batches) -> float:
-    """Val bits/byte of `mod` on the drivers' evaluation set."""
-    mod.eval()
-    with torch.no_grad():
-        losses = [float(model.loss_fn(mod(x), y)) for x, y in val_batches]
-    return bits_per_byte(sum(losses) / len(losses))
-
-
 def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_batches) -> dict:
-    torch.manual_seed(m.seed)
     outer = m.outer
     if v.outer_lr is not None or v.outer_momentum is not None:
         outer = dataclasses.replace(outer, lr=v.outer_lr if v.outer_lr is not None else outer.lr,
                                     momentum=v.outer_momentum if v.outer_momentum is not None else outer.momentum)
-    model = from_manifest(m)
-    state = StageState(model.build_stage(0), outer)
-    modules = [model.build_stage(0) for _ in range(replicas)]
-    inner = m.inner
     # every replica's position: the samples at the round's start (`trained`) + the whole run's since
     progress = TrainingProgress(m.schedule)
-    opts = [InnerOptimizer(mod, dataclasses.replace(inner, swarm_second_moment=v.swarm_moment), progress)
-            for mod in modules]
-    for opt in opts:
-        opt.set_replicas(replicas)
+    inner = dataclasses.replace(m.inner, swarm_second_moment=v.swarm_moment)
+    trainers = [Trainer(m, progress, replicas, inner) for _ in range(replicas)]
+    state = StageState(trainers[0].model.build_stage(0), outer)
+    modules = [t.stages[0] for t in trainers]
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
     small = parse_codec_spec(v.small)
@@ -250,12 +232,11 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
             last_mean, pending = pending[0], None
             shifts = [overlap.into_shift(a, state.params) if a is not None else None for a in anchors]
         deltas = []
-        for r, (mod, opt) in enumerate(zip(modules, opts)):
+        for r, (mod, trainer) in enumerate(zip(modules, trainers)):
             if not v.overlap or rnd == 0:
                 state.copy_to(mod)
-            mod.train()
             for step in range(H):
-                inner_step(model, mod, opt, *next(streams[r]), replicas * step * batch)
+                inner_step(trainer, *next(streams[r]), replicas * step * batch)
                 if shifts[r] is not None and step + 1 >= min(H, v.lands_after):
                     overlap.rebase(mod, shifts[r], state.params, moved=True)
                     shifts[r] = None
@@ -291,37 +272,36 @@ def run_variant(m: Manifest, v: Variant, rounds: int, replicas: int, train, val_
             anchors[r] = overlap.snapshot_local(mod)
     state.copy_to(modules[0])
     params = sum(t.numel() for t in state.params.values())
-    return {"val": evaluate(model, modules[0], val_batches), "bytes_per_sample": sent / samples,
+    return {"val": trainers[0].evaluate(val_batches), "bytes_per_sample": sent / samples,
             "ddp": 8.0 * params / batch, "samples": samples}
 
 
 def run_ddp(m: Manifest, steps: int, replicas: int, train, val_batches) -> dict:
     """What data-parallel training computes: one model, each step on every replica's microbatch
     (the same streams as the variants), AdamW on the mean gradient, the same lr schedule."""
-    torch.manual_seed(m.seed)
-    model = from_manifest(m)
-    mod = model.build_stage(0)
+    trainer = Trainer(m, inner=dataclasses.replace(m.inner, swarm_second_moment=False))
     inner = m.inner
-    opt = InnerOptimizer(mod, dataclasses.replace(inner, swarm_second_moment=False), TrainingProgress(m.schedule))
     batch = inner.microbatch_size * inner.microbatches_per_step
     streams = [MicrobatchStream(train, m.model.seq_len, batch, seed=m.seed * 1000 + r + 1) for r in range(replicas)]
-    mod.train()
     for step in range(steps):
         xs, ys = zip(*(next(s) for s in streams))
-        inner_step(model, mod, opt, torch.cat(xs), torch.cat(ys), step * replicas * batch)
-    ddp = 8.0 * sum(p.numel() for p in mod.parameters()) / batch
-    return {"val": evaluate(model, mod, val_batches), "bytes_per_sample": ddp, "ddp": ddp,
+        inner_step(trainer, torch.cat(xs), torch.cat(ys), step * replicas * batch)
+    ddp = 8.0 * sum(p.numel() for p in trainer.params()) / batch
+    return {"val": trainer.evaluate(val_batches), "bytes_per_sample": ddp, "ddp": ddp,
             "samples": steps * replicas * batch}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, quick="smoke run: 2 rounds of H=3 of fp32, int8+ef and ddp on 2 MB, 4 evaluation batches",
+                    seed="the manifest's seed: weights, batches, evaluation set (default: the manifest's)")
     ap.add_argument("--manifest", type=Path, default=REFERENCE)
     ap.add_argument("--rounds", type=int, default=None, help="default: the manifest's max_rounds")
     ap.add_argument("--inner-steps", type=int, default=None, help="default: the manifest's rounds.inner_steps")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--variants", default="fp32,int8+ef,ctk64b2+ef",
-                    help="names from --list, or ddp (one model on every replica's batches: the baseline)")
+    ap.add_argument("--variants", default=None,
+                    help="names from --list, or ddp (one model on every replica's batches: the baseline); "
+                         "default fp32,int8+ef,ctk64b2+ef")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lands-after", type=int, default=None,
                     help="overlapped variants: the mean lands after this many inner steps of the next round "
@@ -334,7 +314,11 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     m = load(args.manifest)
-    m = m.replace(stages={"count": 1})
+    m = m.replace(stages={"count": 1}, seed=m.seed if args.seed is None else args.seed)
+    if args.quick:  # fewer rounds, steps, bytes and evaluation batches: a smoke run, not a figure
+        args.rounds, args.inner_steps = args.rounds or 2, args.inner_steps or 3
+        m = m.replace(data={"max_bytes": 2_000_000, "eval_batches": 4})
+    variants = args.variants or ("fp32,int8+ef,ddp" if args.quick else "fp32,int8+ef,ctk64b2+ef")
     if args.inner_steps:
         m = m.replace(rounds={"inner_steps": args.inner_steps})
     rounds = args.rounds or m.rounds.max_rounds
@@ -346,13 +330,12 @@ def main() -> None:
     d = m.data
     train, val = load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None)
     val_batches = validation_batches(val, m.model.seq_len, m.inner.microbatch_size, d.eval_batches, seed=m.seed)
-    print(f"{args.replicas} replicas, {rounds} rounds of H={m.rounds.inner_steps}, manifest {args.manifest.name}"
-          + (f", overlapped means land after {args.lands_after} steps" if args.lands_after is not None else ""),
-          flush=True)
-    print("| variant | val bits/byte | gap | payload bytes/sample | DDP / that | s |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    report = Report("Pseudo-gradient codecs in exact DiLoCo rounds, one process", args.out)
+    report.print(f"{args.replicas} replicas, {rounds} rounds of H={m.rounds.inner_steps}, manifest {args.manifest.name}"
+                 + (f", overlapped means land after {args.lands_after} steps" if args.lands_after is not None else ""))
+    rows, results = [], []
     first = None
-    for name in args.variants.split(";") if ";" in args.variants else args.variants.split(","):
+    for name in variants.split(";") if ";" in variants else variants.split(","):
         t = time.monotonic()
         if name == "ddp":
             res = run_ddp(m, rounds * m.rounds.inner_steps, args.replicas, train, val_batches)
@@ -364,8 +347,16 @@ def main() -> None:
         first = res["val"] if first is None else first
         gap = 100.0 * (res["val"] / first - 1.0)
         ratio = res["ddp"] / res["bytes_per_sample"] if res["bytes_per_sample"] else math.inf
-        print(f"| {name} | {res['val']:.4f} | {gap:+.2f} % | {res['bytes_per_sample']:,.1f} | {ratio:,.0f} "
-              f"| {time.monotonic() - t:.0f} |", flush=True)
+        rows.append([name, f"{res['val']:.4f}", f"{gap:+.2f} %", fmt(res["bytes_per_sample"], 1), fmt(ratio, 0),
+                     f"{time.monotonic() - t:.0f}"])
+        results.append({"variant": name, **res, "gap_pct": gap, "seconds": time.monotonic() - t})
+        print(f"  {name}: {res['val']:.4f} bits/byte, {gap:+.2f} %, {fmt(res['bytes_per_sample'], 1)} bytes/sample "
+              f"({rows[-1][-1]} s)", flush=True)
+    report.print()
+    report.table(["variant", "val bits/byte", "gap", "payload bytes/sample", "DDP / that", "s"], rows)
+    report.results = {"manifest": str(args.manifest), "seed": m.seed, "replicas": args.replicas, "rounds": rounds,
+                      "inner_steps": m.rounds.inner_steps, "variants": results}
+    report.finish()
 
 
 if __name__ == "__main__":

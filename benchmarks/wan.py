@@ -1,9 +1,9 @@
 """swarmgrad against DDP and hivemind.Optimizer over emulated WAN links, side by side in one run.
 
-    python benchmarks/wan.py [--quick] [--systems a,b,...] [--links unshaped,20mbit] [--out DIR]
-    python benchmarks/wan.py --runs swarmgrad@20mbit,ddp@unshaped --repeats 3   # alternating pairs
+    python -m benchmarks.wan [--quick] [--systems a,b,...] [--links unshaped,20mbit] [--out DIR] [--seed N]
+    python -m benchmarks.wan --runs swarmgrad@20mbit,ddp@unshaped --repeats 3   # alternating pairs
 
-Every process runs in its own network namespace (benchmarks/netns.py): 2 namespaces on one veth
+Every process runs in its own network namespace (benchmarks/harness/netns.py): 2 namespaces on one veth
 pair, or 4 on a bridge for swarmgrad 2x2; "20mbit" puts `tbf rate 20mbit burst 32kb latency 50ms`
 on every peer's egress. The reference task (examples/reference.toml): the built-in byte-level GPT
 (d 128, 4 layers, 4 heads, seq 128), 32,000 sequences = 500 steps of a global batch of 64, AdamW
@@ -28,7 +28,9 @@ codecs: activations `lowrank:rank=32`, gradients `hadamard:bits=4,stochastic=tru
 than fp32), swarmgrad-pipe-la (swarmgrad-pipe with `pipeline.lookahead`: the next step's microbatches
 go out while this one drains, one step stale), swarmgrad-2x2 (2 stages x 2 replicas), ddp, hm-sync,
 hm-local.
-Without root or `ip netns` the script says why and exits 0.
+With --out: report.md (the table), results.json (every scored point) and curves.png (val bits/byte
+against time and samples, one line per run). Without root or `ip netns` the script says why and
+exits 0.
 """
 from __future__ import annotations
 
@@ -46,22 +48,20 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import netns  # noqa: E402
-from _common import DEFAULT_MANIFEST, fmt, markdown_table  # noqa: E402
-from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root  # noqa: E402
-from swarmgrad.peer.cli.launcher import PeerProcess  # noqa: E402
-from swarmgrad.peer.manifest import Manifest, dumps, load  # noqa: E402
-from swarmgrad.peer.model import from_manifest, gpt_loss  # noqa: E402
-from swarmgrad.peer.sim.png import Canvas  # noqa: E402
-from swarmgrad.peer.state.stage_state import load_checkpoint  # noqa: E402
+from benchmarks.harness import REPO, module_command, module_env, netns
+from benchmarks.harness.report import Report, add_common_args, fmt, markdown_table, save_png
+from benchmarks.harness.swarm import DEFAULT_MANIFEST
+from benchmarks.harness.training import REFERENCE
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
+from swarmgrad.peer.data import ByteCorpus, stdlib_python_files, stdlib_root
+from swarmgrad.peer.manifest import Manifest, dumps, load
+from swarmgrad.peer.model import from_manifest, gpt_loss
+from swarmgrad.peer.state.stage_state import load_checkpoint
 
-REFERENCE = HERE.parent / "examples" / "reference.toml"
 SWARMGRAD = ("swarmgrad", "swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la", "swarmgrad-2x2")
 PIPELINES = ("swarmgrad-pipe", "swarmgrad-pipe-c", "swarmgrad-pipe-la")
 """The systems with one peer per stage (one driver, nothing to average)."""
@@ -101,6 +101,8 @@ class Budget:
     reference: Path = REFERENCE
     """The manifest swarmgrad runs (its codec and outer step; H, rounds and schedule come from here);
     the baselines take its model, inner optimiser and schedule."""
+    seed: int | None = None
+    """The manifest's seed for every system (None: the manifest's own)."""
 
     @property
     def global_batch(self) -> int:
@@ -115,8 +117,6 @@ SWARM_PORT = 31337
 """Where swarmgrad's peers listen inside their namespaces (private to the run: no collision)."""
 
 QUICK = Budget(steps=10, inner_steps=5, ckpt_every=5, timeout_s=150.0)
-
-
 
 @dataclass
 class Result:
@@ -215,7 +215,9 @@ class Task:
 
 
 def manifest_for(system: str, budget: Budget, task: Task) -> Manifest:
-    m = load(budget.reference).replace(
+    m = load(budget.reference)
+    m = m.replace(
+        seed=m.seed if budget.seed is None else budget.seed,
         rounds={"inner_steps": budget.inner_steps, "max_rounds": budget.steps // budget.inner_steps},
         schedule={"warmup_samples": budget.samples // 10, "total_samples": budget.samples},
         data={"source": "files", "paths": [str(task.train_dir)], "val_fraction": 0.01, "eval_batches": 2})
@@ -365,53 +367,47 @@ def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task
     (workdir / "manifest.toml").write_text(dumps(manifest))
     res = Result(system, link, samples=budget.samples, processes=2)
     eps = net.endpoints
-    common = [sys.executable, str(HERE / "wan_baselines.py"), "--system", system, "--manifest",
+    common = [*module_command("wan_baselines"), "--system", system, "--manifest",
               str(workdir / "manifest.toml"), "--train-bytes", str(task.train_bytes), "--batch", str(budget.batch),
               "--steps", str(budget.steps), "--ckpt-every", str(budget.ckpt_every), "--ckpt-dir", str(workdir / "ckpt"),
               "--average-every", str(budget.inner_steps), "--master", eps[0].address]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "wan0",
-           "HIVEMIND_LOGLEVEL": "WARNING"}
-    procs: list[tuple[subprocess.Popen, Path, Path]] = []
-
-    def launch(rank: int, *extra: str) -> None:
-        events, log = workdir / f"rank{rank}.events.jsonl", workdir / f"rank{rank}.log"
-        cmd = [*eps[rank].exec_prefix(), *common, "--rank", str(rank), "--addr", eps[rank].address,
-               "--events", str(events), *extra]
-        with open(log, "w") as f:
-            procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env, start_new_session=True), events, log))
-
+    env = {"PYTHONPATH": module_env()["PYTHONPATH"], "GLOO_SOCKET_IFNAME": "wan0", "HIVEMIND_LOGLEVEL": "WARNING"}
     t0 = time.time()
     deadline = time.monotonic() + budget.timeout_s
-    try:
+    # the ranks are processes of a LocalSwarm (not peers): it stops each one's process group, the
+    # trainer with hivemind's DHT and averager children and p2pd, whatever happens here
+    with LocalSwarm(workdir / "manifest.toml", workdir, env=env) as ranks:
+        def launch(rank: int, *extra: str) -> PeerProcess:
+            return ranks.spawn(f"rank{rank}", [*eps[rank].exec_prefix(), *common, "--rank", str(rank), "--addr",
+                                               eps[rank].address, "--events", str(workdir / f"rank{rank}.events.jsonl"),
+                                               *extra])
+
         if system == "ddp":
             launch(0)
             launch(1)
         else:
             maddrs = workdir / "maddrs.json"
-            launch(0, "--maddrs-out", str(maddrs))
-            while not maddrs.exists() and procs[0][0].poll() is None and time.monotonic() < deadline:
+            first = launch(0, "--maddrs-out", str(maddrs))
+            while not maddrs.exists() and first.alive and time.monotonic() < deadline:
                 time.sleep(0.2)
             if maddrs.exists():
                 launch(1, "--initial-peers", *json.loads(maddrs.read_text()))
         while time.monotonic() < deadline:
-            done = [_events(ev, "done") for _, ev, _ in procs]
-            if len(procs) == 2 and all(done):
+            done = [p.events("done") for p in ranks.peers]
+            if len(ranks.peers) == 2 and all(done):
                 res.cpu_s = sum(d[0]["cpu_s"] for d in done)
                 break
-            failed = [(p, log) for p, _, log in procs if p.poll() not in (None, 0)] or \
-                     ([(procs[0][0], procs[0][2])] if len(procs) < 2 and procs[0][0].poll() is not None else [])
+            failed = [p for p in ranks.peers if p.proc.poll() not in (None, 0)] or \
+                     (ranks.peers[:1] if len(ranks.peers) < 2 and not ranks.peers[0].alive else [])
             if failed:
-                res.error = f"exit {failed[0][0].returncode}: " + _tail(failed[0][1])
+                res.error = f"exit {failed[0].proc.returncode}: " + failed[0].log_tail(8).replace("\n", " | ")
                 break
             time.sleep(0.25)
         else:
-            res.error = f"timeout {budget.timeout_s:.0f}s: " + _tail(procs[-1][2])
+            res.error = f"timeout {budget.timeout_s:.0f}s: " + ranks.peers[-1].log_tail(8).replace("\n", " | ")
         res.bytes_sent = sum(net.tx_bytes())
-    finally:
-        for p, _, _ in procs:
-            _kill_group(p)
-    ckpts = _events(workdir / "rank0.events.jsonl", "ckpt")
+        ranks.close(grace=5.0)
+        ckpts = ranks.peers[0].events("ckpt")
 
     def score() -> None:
         init = from_manifest(manifest).build_stage(0)
@@ -422,35 +418,6 @@ def run_baseline(system: str, link: str, net: netns.WanNet, budget: Budget, task
         res.points = points
         res.wall_s = points[-1][0] if len(points) > 1 else math.nan
     return res, score
-
-
-def _events(path: Path, kind: str) -> list[dict[str, Any]]:
-    from swarmgrad.peer.events import read_events
-    return [e for e in read_events(path) if e.get("event") == kind]
-
-
-def _tail(log: Path, n: int = 8) -> str:
-    try:
-        return " | ".join(log.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    """SIGTERM then SIGKILL the process group (trainer, hivemind's DHT/averager children, p2pd)."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            p.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # children that outlived their parent
-    except ProcessLookupError:
-        pass
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -517,7 +484,8 @@ def parse_runs(runs: str | None, systems: str | None, links: str | None, quick: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: swarmgrad and ddp, 10 steps, unshaped")
+    add_common_args(p, quick="smoke run: swarmgrad and ddp, 10 steps, unshaped",
+                    seed="the manifest's seed for every system: weights and data (default: the manifest's)")
     p.add_argument("--systems", default=None, help=f"comma-separated, of {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--links", default=None, help="comma-separated, of unshaped,20mbit (default: both)")
     p.add_argument("--runs", default=None,
@@ -525,13 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole list this many times, one pass after another (each run's ratio to "
                         "unshaped DDP uses the DDP run of its own pass: the machine's speed drifts)")
-    p.add_argument("--out", default=None, help="write table.md, results.json and curves.png here")
     p.add_argument("--code", choices=("head", "worktree"), default="head",
                    help="run everything from a `git archive HEAD` snapshot (default: uncommitted edits in the "
                         "checkout cannot break a run midway) or from the working tree")
     p.add_argument("--workdir", default=None, help="keep every process's log and events here (default: a temp dir)")
     p.add_argument("--manifest", default=None, type=Path,
-                   help=f"the manifest swarmgrad runs (default {REFERENCE.relative_to(HERE.parent)}), e.g. another codec")
+                   help=f"the manifest swarmgrad runs (default {REFERENCE.relative_to(REPO)}), e.g. another codec")
     p.add_argument("--inner-steps", type=int, default=None, help="H, and hm-local's steps between averages (default 50)")
     p.add_argument("--pipe-microbatches", type=int, default=None,
                    help="microbatches per step of the pipelines (default 8: 8 x 8; 2: 2 x 32; 16: 16 x 4)")
@@ -551,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be at least 1")
     why = netns.why_unavailable()
     if why:
-        print(f"SKIP: benchmarks/wan.py needs network namespaces: {why}")
+        print(f"SKIP: benchmarks.wan needs network namespaces: {why}")
         return 0
     if args.code == "head" and SNAPSHOT_ENV not in os.environ:
         return _rerun_in_snapshot(sys.argv[1:] if argv is None else argv)
@@ -562,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
                          inner_steps=args.inner_steps or budget.inner_steps)
     if args.pipe_microbatches:
         budget = replace(budget, pipe_microbatches=args.pipe_microbatches)
-    out = Path(args.out) if args.out else None
+    if args.seed is not None:
+        budget = replace(budget, seed=args.seed)
+    out = args.out
     torch.set_num_threads(2)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="swarmgrad-wan-") as tmp:
@@ -592,12 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  -> {res.system} {link}: {fmt(res.final(), 3)} bits/byte, {fmt(res.kb_per_sample(), 1)} kB/sample"
                       + (f", FAILED: {res.error}" if res.error else ""), flush=True)
                 if out:
-                    _write(out, results, budget)
+                    report(results, budget, out, echo=False).write()
     print()
-    print(table(results))
-    if out:
-        _write(out, results, budget)
-        print(f"\nwrote {out}/table.md, results.json, curves.png")
+    report(results, budget, out).finish()
     return 0
 
 
@@ -605,11 +571,12 @@ SNAPSHOT_ENV = "SWARMGRAD_WAN_SNAPSHOT"
 
 
 def _rerun_in_snapshot(argv: list[str]) -> int:
-    """--code head: run this script again with `git archive HEAD`'s peer/, protocol/ and compression/
+    """--code head: run this benchmark again with `git archive HEAD`'s peer/, protocol/ and compression/
     first on PYTHONPATH, so the orchestrator, the peers and the baselines all run the committed code
-    (uncommitted edits in a shared checkout broke runs midway: a manifest field one side lacked).
+    (uncommitted edits in a shared checkout broke runs midway: a manifest field one side lacked);
+    `benchmarks` itself comes from this checkout (the repository root after the snapshot on the path).
     Returns its exit code; SIGINT/SIGTERM are passed on (as SIGTERM) so that it stops its processes and namespaces."""
-    repo = HERE.parent
+    repo = REPO
     snap = Path(tempfile.mkdtemp(prefix="swarmgrad-wan-code-"))
     try:
         (snap / "swarmgrad").mkdir()
@@ -620,8 +587,8 @@ def _rerun_in_snapshot(argv: list[str]) -> int:
                               text=True).stdout.strip()
         print(f"code: swarmgrad at {head} (git archive HEAD; --code worktree runs the working tree)", flush=True)
         path = os.pathsep.join(x for x in (str(snap), os.environ.get("PYTHONPATH", "")) if x)
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv],
-                                env={**os.environ, "PYTHONPATH": path, SNAPSHOT_ENV: str(snap)})
+        proc = subprocess.Popen([*module_command("wan"), *argv],
+                                env=module_env({**os.environ, "PYTHONPATH": path, SNAPSHOT_ENV: str(snap)}))
         try:
             return proc.wait()
         except (KeyboardInterrupt, SystemExit):
@@ -631,47 +598,45 @@ def _rerun_in_snapshot(argv: list[str]) -> int:
         shutil.rmtree(snap, ignore_errors=True)
 
 
-def _write(out: Path, results: list[Result], budget: Budget) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(table(results) + "\n")
-    (out / "results.json").write_text(json.dumps({"budget": asdict(budget), "results": [asdict(r) for r in results]},
-                                                 indent=1, default=str))  # default: Budget.reference, a Path
-    plot([(f"{r.system} {r.link}", r.points) for r in results if r.points], out / "curves.png")
+def report(results: list[Result], budget: Budget, out: Path | None, echo: bool = True) -> Report:
+    """The run's report: the table (printed unless `echo` is False: a write after every run keeps
+    what was measured, quietly), every result with its scored points, and curves.png."""
+    rep = Report("swarmgrad, DDP and hivemind over emulated WAN links", out)
+    if echo:
+        rep.print(table(results))
+    else:
+        rep.lines.append(table(results))
+    rep.results = {"budget": asdict(budget), "results": [asdict(r) for r in results]}
+    rep.figure("curves.png", lambda fig: plot_curves(fig, [(f"{r.system} {r.link}", r.points) for r in results
+                                                           if r.points]), size=(13.0, 5.5))
+    return rep
 
 
-# --- the plot: a tiny PNG writer (matplotlib is not a dependency) --------------------------------
-_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 0), (255, 215, 0)]
+def plot(curves: list[tuple[str, list[tuple[float, int, float]]]], path: Path) -> bool:
+    """curves.png at `path`: `plot_curves` of these (label, (seconds, samples, val bits/byte))
+    curves. False (and one line) without matplotlib."""
+    return save_png(path, lambda fig: plot_curves(fig, curves), size=(13.0, 5.5))
 
 
-def plot(curves: list[tuple[str, list[tuple[float, int, float]]]], path: Path) -> None:
-    """Val bits/byte against seconds (left) and samples (right), one coloured line per run."""
-    cv = Canvas(1200, 520)
-    lo, hi = 2.2, 4.5
-    for panel, (col, title) in enumerate(((0, "seconds"), (1, "samples"))):
-        left, top, w, h = 70 + panel * 600, 20, 500, 300
-        xmax = max((pt[col] for _, pts in curves for pt in pts), default=1) or 1
-        X = lambda v: left + w * v / xmax  # noqa: E731
-        Y = lambda v: top + h * (hi - min(hi, max(lo, v))) / (hi - lo)  # noqa: E731
-        for a, b, c, d in ((0, 0, w, 0), (0, h, w, h), (0, 0, 0, h), (w, 0, w, h)):
-            cv.line(left + a, top + b, left + c, top + d, (0, 0, 0))
-        for v in (2.5, 3.0, 3.5, 4.0, 4.5, 2.7):
-            cv.line(left, Y(v), left + w, Y(v), (170, 170, 170), dash=4 if v in TARGETS else 0)
-            cv.text(left - 40, int(Y(v)) - 5, f"{v:.1f}")
-        for i in range(5):
-            v = xmax * i / 4
-            cv.text(int(X(v)) - 10, top + h + 8, f"{v:,.0f}".replace(",", ""))
-        cv.text(left + w // 2 - 30, top + h + 28, title)
-        cv.text(left - 60, top - 16, "val bits/byte")
-        for k, (_, pts) in enumerate(curves):
-            color = _COLORS[k % len(_COLORS)]
-            for p0, p1 in zip(pts, pts[1:]):
-                cv.line(X(p0[col]), Y(p0[2]), X(p1[col]), Y(p1[2]), color, r=1)
-    for k, (label, _) in enumerate(curves):
-        x, y = 70 + (k % 4) * 280, 385 + (k // 4) * 22
-        cv.line(x, y + 5, x + 24, y + 5, _COLORS[k % len(_COLORS)], r=2)
-        cv.text(x + 32, y, label)
-    path.write_bytes(cv.png())
+def plot_curves(fig, curves: list[tuple[str, list[tuple[float, int, float]]]]) -> None:  # type: ignore[no-untyped-def]
+    """Val bits/byte against seconds since launch (left) and samples trained (right), one line per
+    run, the targets dashed."""
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, col, xlabel in ((axes[0], 0, "seconds since launch"), (axes[1], 1, "samples trained")):
+        for label, points in curves:
+            ax.plot([p[col] for p in points], [p[2] for p in points], marker="o", markersize=3, label=label)
+        for target in TARGETS:
+            ax.axhline(target, color="0.4", linestyle="--", linewidth=1)
+            ax.text(0.99, target, f"target {target}", transform=ax.get_yaxis_transform(), ha="right",
+                    va="bottom", fontsize=9, color="0.3")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(2.2, 4.5)  # the untrained model's ~8 bits/byte would flatten the part that matters
+    axes[0].set_ylabel("validation bits/byte")
+    axes[0].set_title("Validation loss against time")
+    axes[1].set_title("Validation loss against samples")
+    axes[1].xaxis.set_major_formatter(lambda v, _: f"{v:,.0f}")
+    if curves:
+        axes[1].legend(loc="upper right")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
-"""The WAN benchmark's baselines, one training process per rank (run by benchmarks/wan.py inside a
+"""The WAN benchmark's baselines, one training process per rank (run by benchmarks.wan inside a
 network namespace): `torch.distributed` DDP (gloo, fp32 all-reduce every step) and
 `hivemind.Optimizer`, synchronous (fp16 gradients averaged every global batch) or with local updates
 (parameters averaged every `--average-every` steps, fp16).
 
 Every system trains the same model (the manifest's GPT with one stage, same seed), with the same
-AdamW, gradient clipping and lr schedule (swarmgrad's `lr_multiplier` over the samples of the whole
-run), on random windows of the same training bytes. Rank 0 saves its weights every `--ckpt-every`
+AdamW, gradient clipping and lr schedule (the manifest's over the samples of the whole run), on
+random windows of the same training bytes: the model, the data stream and the lr come from the
+benchmarks' training loop (benchmarks/harness/training.py), and DDP's step is the swarm workers'
+inner optimiser's (hivemind.Optimizer brings its own AdamW, at that lr). Rank 0 saves its weights every `--ckpt-every`
 steps with a wall-clock stamp; wan.py scores them afterwards, with the same code for every system.
 Each process appends JSON lines to `--events`: `ready`, `ckpt` (step, samples, time, path) and
 `done` (CPU seconds of this process, steps).
 
-    python benchmarks/wan_baselines.py --system ddp|hm-sync|hm-local --rank R --addr IP ...
+    python -m benchmarks.wan_baselines --system ddp|hm-sync|hm-local --rank R --addr IP ...
 """
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.training import Trainer
 from swarmgrad.peer.data import ByteCorpus, MicrobatchStream
 from swarmgrad.peer.manifest import load
-from swarmgrad.peer.model import from_manifest, gpt_loss
-from swarmgrad.peer.compute.schedule import lr_multiplier
 
 SYSTEMS = ("ddp", "hm-sync", "hm-local")
 
@@ -62,19 +63,18 @@ def patch_mp_pipe_nonblocking_recv() -> None:
     mpc.Connection._recv = _recv
 
 
-def _model(manifest_path: str) -> tuple[torch.nn.Module, object]:
-    m = load(manifest_path)
-    if m.stages.count != 1:
-        raise ValueError("the baselines train the whole model: give a manifest with stages.count = 1")
-    return from_manifest(m).build_stage(0), m
-
-
-class Trainer:
-    """The loop every baseline shares; `step_fn(loss)` does what differs (backward, sync, step)."""
+class Baseline:
+    """The loop every baseline shares; `step_fn(loss, step)` does what differs (backward, sync, step)."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.model, self.m = _model(args.manifest)
+        m = load(args.manifest)
+        if m.stages.count != 1:
+            raise ValueError("the baselines train the whole model: give a manifest with stages.count = 1")
+        # one microbatch of --batch per step: the step's mean gradient is this rank's batch's
+        self.trainer = Trainer(m.replace(inner={"microbatch_size": args.batch, "microbatches_per_step": 1}))
+        self.m = self.trainer.manifest
+        self.model = self.trainer.stages[0]
         self.net: torch.nn.Module = self.model  # what the loop calls: DDP wraps it
         corpus = ByteCorpus(torch.load(args.train_bytes))
         self.stream = MicrobatchStream(corpus, self.m.model.seq_len, args.batch, seed=1000 + args.rank)
@@ -82,8 +82,12 @@ class Trainer:
         self.ckpt_dir = Path(args.ckpt_dir)
         self.global_batch = args.batch * args.world
 
+    def samples(self, step: int) -> int:
+        """Samples of the whole run before `step`: the schedule's position."""
+        return step * self.global_batch
+
     def lr(self, step: int) -> float:
-        return self.m.inner.lr * lr_multiplier(self.m.schedule, step * self.global_batch)
+        return self.m.inner.lr * self.trainer.progress.multiplier(self.samples(step))
 
     def checkpoint(self, step: int) -> None:
         if self.args.rank != 0 or (step % self.args.ckpt_every and step != self.args.steps):
@@ -99,37 +103,27 @@ class Trainer:
         _emit(self.events, "ready", rank=self.args.rank)
         for step in range(self.args.steps):
             x, y = next(self.stream)
-            loss = gpt_loss(self.net(x), y)
-            step_fn(loss, self.lr(step))
+            loss = self.trainer.model.loss_fn(self.net(x), y)
+            step_fn(loss, step)
             self.checkpoint(step + 1)
         # CPU seconds since the process started (imports included, as psutil counts swarmgrad's peers)
         _emit(self.events, "done", rank=self.args.rank, steps=self.args.steps, cpu_s=time.process_time(),
               loop_cpu_s=time.process_time() - cpu0, **done_info())
 
 
-def _clip(model: torch.nn.Module, grad_clip: float) -> None:
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-
-
 def run_ddp(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    t = Trainer(args)
+    t = Baseline(args)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world)
     t.net = DistributedDataParallel(t.model)
-    c = t.m.inner
-    opt = torch.optim.AdamW(t.model.parameters(), lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
+    opt = t.trainer.opts[0]  # the workers' step: finiteness, mean, clipping, the schedule's lr, AdamW
 
-    def step(loss: torch.Tensor, lr: float) -> None:
-        opt.zero_grad(set_to_none=True)
+    def step(loss: torch.Tensor, index: int) -> None:
         loss.backward()  # DDP's hooks all-reduce (fp32, bucketed) during backward
-        _clip(t.model, c.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
+        opt.step(1, t.samples(index), args.batch)
 
     try:
         t.run(step)
@@ -143,7 +137,7 @@ def run_hivemind(args: argparse.Namespace) -> None:
     from hivemind.compression import Float16Compression
     from hivemind.utils import get_dht_time
 
-    t = Trainer(args)
+    t = Baseline(args)
     c = t.m.inner
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.addr}/tcp/0"], initial_peers=args.initial_peers)
     if args.maddrs_out:
@@ -171,11 +165,12 @@ def run_hivemind(args: argparse.Namespace) -> None:
     )
     inner = opt.state_averager.optimizer
 
-    def step(loss: torch.Tensor, lr: float) -> None:
+    def step(loss: torch.Tensor, index: int) -> None:
         loss.backward()
-        _clip(t.model, c.grad_clip)  # sync mode: clips each peer's gradient before averaging
+        if c.grad_clip > 0:  # sync mode: clips each peer's gradient before averaging
+            torch.nn.utils.clip_grad_norm_(t.model.parameters(), c.grad_clip)
         for g in inner.param_groups:
-            g["lr"] = lr
+            g["lr"] = t.lr(index)
         opt.step()
         opt.zero_grad()
 

@@ -1,13 +1,7 @@
 """The chaos soak's pure figures (benchmarks/chaos.py), computed from events without a swarm."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from chaos import duplicated, find_stalls  # noqa: E402
+from benchmarks.chaos import duplicated, find_stalls
 
 
 def test_duplicated_counts_every_extra_commit_of_an_id() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,13 +26,10 @@ from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, envelope
 
+from benchmarks.harness import netns
 from conftest import small_manifest
-from test_state_parts import trained  # same folder: pytest puts it on sys.path
+from support.state import trained
 from test_swarm import assert_replicas_agree, round_history
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netns  # noqa: E402
 
 WHY = netns.why_unavailable()
 ID = RunIdentity("run", "h" * 32)

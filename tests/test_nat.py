@@ -3,7 +3,7 @@ swarm in network namespaces where one stage replica cannot be dialled at all.
 
 The swarm test is skipped, with the reason, where namespaces cannot be made (not root, no
 iproute2). Its NAT is a tc filter that drops every new inbound TCP connection to the peer
-(benchmarks/netns.py `drop_inbound_connections`); the peer's own connections work both ways."""
+(benchmarks/harness/netns.py `drop_inbound_connections`); the peer's own connections work both ways."""
 from __future__ import annotations
 
 import contextlib
@@ -23,14 +23,11 @@ from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.net.reachability import plan
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE, PeerRecord
 
+from benchmarks.harness import netns
 from conftest import small_manifest
+from test_swarm import assert_replicas_agree, complete_rounds, round_history
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netns  # noqa: E402
-
-from test_swarm import assert_replicas_agree, complete_rounds, round_history  # noqa: E402
-
 EXAMPLE = ROOT / "examples" / "tiny-gpt.toml"
 WHY = netns.why_unavailable()
 

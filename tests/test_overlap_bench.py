@@ -3,13 +3,10 @@ scored points first reach a target (the swarm runs themselves need namespaces an
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import overlap as bench  # noqa: E402
+from benchmarks import overlap as bench
 
 
 def test_modes_name_the_rounds_fields() -> None:

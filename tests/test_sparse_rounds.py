@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from sparse_rounds import VARIANTS, eager_start, run_ddp, run_variant  # noqa: E402
-
-from swarmgrad.peer.data import load_corpora, validation_batches  # noqa: E402
-from swarmgrad.peer.manifest import OuterOptConfig, from_dict  # noqa: E402
-from swarmgrad.peer.state.stage_state import StageState  # noqa: E402
+from benchmarks.sparse_rounds import VARIANTS, eager_start, run_ddp, run_variant
+from swarmgrad.peer.data import load_corpora, validation_batches
+from swarmgrad.peer.manifest import OuterOptConfig, from_dict
+from swarmgrad.peer.state.stage_state import StageState
 
 pytestmark = pytest.mark.timeout(120)
 

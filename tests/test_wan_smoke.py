@@ -1,4 +1,4 @@
-"""benchmarks/wan.py --quick end to end: real processes in network namespaces, one table row per
+"""`python -m benchmarks.wan --quick` end to end: real processes in network namespaces, one table row per
 system. Timing is not asserted (the machine is shared); only that every system ran and was scored.
 Skipped where namespaces cannot be made (not root, no iproute2), as the script itself skips there."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import wan
+from benchmarks.harness import netns
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netns  # noqa: E402
 
 pytestmark = pytest.mark.timeout(280)
 
@@ -23,21 +24,21 @@ WHY = netns.why_unavailable()
 
 def test_skips_with_exit_0_where_namespaces_are_unavailable() -> None:
     """CI without root must not fail: as root, drop to `nobody` (setpriv) to reach the skip path."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick"]
+    cmd = [sys.executable, "-m", "benchmarks.wan", "--quick"]
     if WHY is None:
         if shutil.which("setpriv") is None:
             pytest.skip("root without setpriv: cannot reach the skip path")
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("SKIP:"), proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
 def test_quick_run_prints_one_row_per_system(tmp_path: Path) -> None:
     systems = ["swarmgrad", "ddp"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick", "--systems",
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.wan", "--quick", "--systems",
                              ",".join(systems), "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=250)
     finally:
@@ -67,7 +68,6 @@ def _namespaces() -> list[str]:
 
 # --- the benchmark's pure pieces: no namespaces, no processes -------------------------------------
 def test_time_to_target_interpolates_between_scored_points() -> None:
-    import wan
     r = wan.Result("x", "unshaped", samples=300, points=[(0.0, 0, 8.0), (10.0, 100, 4.0), (20.0, 200, 2.0), (30.0, 300, 1.5)])
     assert r.time_to(3.0) == pytest.approx(15.0)  # 4.0 at 10 s, 2.0 at 20 s
     assert r.time_to(1.0) != r.time_to(1.0)  # never reached: nan
@@ -77,7 +77,6 @@ def test_time_to_target_interpolates_between_scored_points() -> None:
 
 
 def test_throughput_and_start_leave_out_the_initial_weights() -> None:
-    import wan
     # trained from 4 s on at 10 samples/s: 100 samples at 14 s, 300 at 34 s
     r = wan.Result("x", "unshaped", samples=300, points=[(0.0, 0, 8.0), (14.0, 100, 4.0), (24.0, 200, 3.0),
                                                          (34.0, 300, 2.5)])
@@ -88,23 +87,41 @@ def test_throughput_and_start_leave_out_the_initial_weights() -> None:
 
 
 def test_png_writer_makes_a_decodable_rgb_image(tmp_path: Path) -> None:
-    import struct
-    import zlib
-
-    import wan
+    image = pytest.importorskip("matplotlib.image")
     path = tmp_path / "c.png"
-    wan.plot([("ddp unshaped", [(0.0, 0, 8.0), (5.0, 640, 3.0)]), ("swarmgrad 20mbit", [(0.0, 0, 8.0), (9.0, 640, 2.6)])], path)
+    assert wan.plot([("ddp unshaped", [(0.0, 0, 8.0), (5.0, 640, 3.0)]),
+                     ("swarmgrad 20mbit", [(0.0, 0, 8.0), (9.0, 640, 2.6)])], path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = struct.unpack(">II", data[16:24])
-    idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41:41 + idat_len])
-    assert len(raw) == h * (1 + 3 * w)  # one filter byte and w RGB pixels per row
-    assert len(set(raw[1:1 + 3 * w * h])) > 3  # not blank: lines and text were drawn
+    pixels = image.imread(path)  # decodes the whole file: rows of RGB(A) pixels
+    h, w, channels = pixels.shape
+    assert (w, h) == (1300, 550) and channels in (3, 4)
+    assert len({tuple(p) for p in pixels.reshape(-1, channels)[::7]}) > 3  # not blank: lines and text were drawn
+
+
+def test_a_missing_matplotlib_skips_the_plot_in_one_line_and_nothing_else(tmp_path: Path, monkeypatch, capsys) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    r = wan.Result("ddp", "unshaped", samples=640, points=[(0.0, 0, 8.0), (5.0, 640, 3.0)])
+    written = wan.report([r], wan.QUICK, tmp_path, echo=False).write()
+    assert [p.name for p in written] == ["report.md", "results.json"]
+    assert "| ddp " in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["results"][0]["points"][-1] == [5.0, 640, 3.0]
+    assert not (tmp_path / "curves.png").exists()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["plot curves.png skipped: matplotlib is not installed (pip install 'swarmgrad[bench]')"]
 
 
 def test_scored_rounds_are_thinned_evenly_and_keep_the_last() -> None:
-    from wan import thinned
+    thinned = wan.thinned
     assert thinned([1, 2, 3], most=5) == [1, 2, 3]
     picked = thinned(list(range(1, 252)), most=64)
     assert len(picked) == 64 and picked[-1] == 251 and picked == sorted(set(picked))
@@ -114,7 +131,6 @@ def test_scored_rounds_are_thinned_evenly_and_keep_the_last() -> None:
 
 
 def test_runs_parse_in_order_and_refuse_what_is_unknown() -> None:
-    import wan
     assert wan.parse_runs("swarmgrad@20mbit,ddp@unshaped", None, None, False) == [("swarmgrad", "20mbit"), ("ddp", "unshaped")]
     assert wan.parse_runs(None, "swarmgrad,ddp", "unshaped,20mbit", False) == [
         ("swarmgrad", "unshaped"), ("ddp", "unshaped"), ("swarmgrad", "20mbit"), ("ddp", "20mbit")]
@@ -126,8 +142,6 @@ def test_runs_parse_in_order_and_refuse_what_is_unknown() -> None:
 
 
 def test_ratios_compare_each_run_with_unshaped_ddp_of_its_own_pass() -> None:
-    import wan
-
     def run(system: str, link: str, repeat: int, t27: float) -> "wan.Result":
         # crosses 2.7 at t27: 3.0 at 0.5 t27, 2.4 at 1.5 t27
         return wan.Result(system, link, samples=100, repeat=repeat,
@@ -152,7 +166,6 @@ def test_ratios_compare_each_run_with_unshaped_ddp_of_its_own_pass() -> None:
 def test_pipelines_split_each_step_of_the_global_batch_into_the_chosen_microbatches(tmp_path: Path, k: int | None) -> None:
     import types
 
-    import wan
     budget = wan.Budget() if k is None else wan.Budget(pipe_microbatches=k)
     task = types.SimpleNamespace(train_dir=tmp_path)
     for system in wan.PIPELINES:

@@ -1,5 +1,5 @@
-"""Shared by the swarm benchmarks: run a local swarm of real peer processes to the end, read its
-JSON-lines events, and print markdown tables.
+"""The swarm benchmarks' runner: the demo's swarm of real peer processes (`LocalSwarm.start_swarm`,
+what `swarmgrad demo` starts) run to the end, and the figures its JSON-lines events give.
 
 A swarm always runs inside `LocalSwarm` as a context manager, so every peer's process group (peer,
 DHT child, p2pd) is stopped whatever happens; a failed run prints the failing peer's log tail and
@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
+from benchmarks.harness import REPO
+from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, stop_on_signals
 from swarmgrad.peer.manifest import Manifest, dumps
 
-DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "peer" / "defaults" / "tiny-gpt.toml"
+DEFAULT_MANIFEST = REPO / "peer" / "defaults" / "tiny-gpt.toml"
+"""The demo's manifest (`swarmgrad demo` runs it)."""
 
 
 class SwarmFailed(RuntimeError):
@@ -92,16 +94,9 @@ def run_swarm(manifest: Manifest, workdir: Path, rounds: int, replicas: int = 2,
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "manifest.toml"
     path.write_text(dumps(manifest))
-    n_stages = manifest.stages.count
-    n_peers = n_stages * replicas
-    extra = ("--max-rounds", str(rounds))
     started = time.monotonic()
-    # imported here: wan.py imports this module against other revisions of the package (--code)
-    from swarmgrad.peer.cli.launcher import stop_on_signals
     with stop_on_signals(), LocalSwarm(path, workdir) as swarm:
-        swarm.start_first(0, *extra)
-        for i in range(1, n_peers):
-            swarm.start(i % n_stages, *extra)
+        swarm.start_swarm(manifest.stages.count, replicas, "--max-rounds", str(rounds))
         _wait_all(swarm, budget_s, label, progress, rounds, final_eval_s)
     run = SwarmRun(manifest, swarm.peers, time.monotonic() - started, workdir)
     missing = [p for p in run.drivers if not any(e.get("final") for e in p.events("eval"))]
@@ -152,14 +147,3 @@ def _wait_all(swarm: LocalSwarm, budget_s: float, label: str, progress: bool, ro
 def fail(e: SwarmFailed) -> None:
     print(f"\nFAILED: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
-
-
-def fmt(x: float, digits: int = 1) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{digits}f}"
