@@ -620,7 +620,10 @@ def plot(curves: list[tuple[str, list[tuple[float, int, float]]]], path: Path) -
 
 def plot_curves(fig, curves: list[tuple[str, list[tuple[float, int, float]]]]) -> None:  # type: ignore[no-untyped-def]
     """Val bits/byte against seconds since launch (left) and samples trained (right), one line per
-    run, the targets dashed."""
+    run, the targets dashed. The y axis spans the scored points after each run's first (the
+    untrained model's ~8 bits/byte would flatten the part that matters) and the targets."""
+    trained = [p[2] for _, points in curves for p in points[1:]] or [p[2] for _, points in curves for p in points]
+    low, high = min([*trained, *TARGETS]) - 0.1, max([*trained, *TARGETS]) + 0.1
     axes = fig.subplots(1, 2, sharey=True)
     for ax, col, xlabel in ((axes[0], 0, "seconds since launch"), (axes[1], 1, "samples trained")):
         for label, points in curves:
@@ -630,7 +633,7 @@ def plot_curves(fig, curves: list[tuple[str, list[tuple[float, int, float]]]]) -
             ax.text(0.99, target, f"target {target}", transform=ax.get_yaxis_transform(), ha="right",
                     va="bottom", fontsize=9, color="0.3")
         ax.set_xlabel(xlabel)
-        ax.set_ylim(2.2, 4.5)  # the untrained model's ~8 bits/byte would flatten the part that matters
+        ax.set_ylim(low, high)
     axes[0].set_ylabel("validation bits/byte")
     axes[0].set_title("Validation loss against time")
     axes[1].set_title("Validation loss against samples")
