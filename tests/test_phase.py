@@ -16,7 +16,7 @@ from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, envelope
 
-from test_state_parts import trained  # same folder: pytest puts it on sys.path
+from support.state import trained
 
 PEER = Path(__file__).resolve().parent.parent / "peer"
 ID = RunIdentity("run", "h" * 32)

@@ -1,4 +1,5 @@
-"""Stage states and donors for the state-sync tests (test_state_parts, test_warm_join, test_join_hold)."""
+"""Stage states and donors for the state-sync tests (test_state_parts, test_warm_join, test_join_hold,
+test_phase)."""
 from __future__ import annotations
 
 from typing import Any
