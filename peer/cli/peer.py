@@ -158,7 +158,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.stage != "auto" and args.stage >= manifest.stages.count:
         print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
         return 2
-    from swarmgrad.peer.node.peer import Peer, PeerOptions
+    from swarmgrad.peer.node.peer import Peer, PeerNetwork, PeerOptions
     from swarmgrad.peer.model import from_manifest
     model = from_manifest(manifest)
     if args.device.startswith("cuda"):
@@ -215,8 +215,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
             admission = private.admission(dht)
             checkpoints = private.checkpoint_source(model, admission)
             resume_round = private.resume_round()
-        peer = Peer(manifest, model, dht, options, admission=admission, checkpoints=checkpoints,
-                    resume_round=resume_round)
+        peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
+                    checkpoints=checkpoints, resume_round=resume_round)
         asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
         if peer.revoked:
             print("this peer was revoked by the run's coordinator", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The peer daemon's life cycle: one process, one device, one stage replica at a time.
 
-`Peer` is built from its collaborators (manifest, model, a started hivemind DHT). It chooses a
+`Peer` is built from its collaborators (manifest, model, the network it reaches the swarm
+through: `PeerNetwork.from_dht` for a started hivemind DHT). It chooses a
 stage (placement policy over the swarm's records and its own benchmarked rates), runs a
 `Replica` of it (peer/node/replica.py: round clock, worker, state, averager, presence, state sync,
 round runner, driving loop), and, when the placement policy confirms a move, moves
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine
 
 from hivemind import DHT
+from hivemind.p2p import P2P
 
 from swarmgrad.peer.private.admission import Admission
 from swarmgrad.peer.net.deadline import within
@@ -23,7 +25,7 @@ from swarmgrad.peer.net.errors import NETWORK_FAILURES
 from swarmgrad.peer.state.stage_state import StateSnapshot
 
 from swarmgrad.peer.net.dial_out import DialOut
-from swarmgrad.peer.events import EventLog
+from swarmgrad.peer.events import EventLog, EventSink
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.node.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
@@ -42,6 +44,24 @@ from swarmgrad.protocol.validation import RunIdentity
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class PeerNetwork:
+    """What a peer reaches the swarm through: the DHT its records live in and the P2P instance its
+    RPC streams ride. `from_dht` is the real one (a hivemind DHT process and its p2pd); anything
+    with the same small interfaces will do (tests/support runs whole swarms in one event loop over
+    an in-memory DHT and a loopback transport)."""
+    dht: Any
+    """A hivemind DHT built with the record signer, or an object with the `peer_id`, `store` and
+    `get` that SwarmView uses (and `run_coroutine` for a NATed peer's dial-out)."""
+    p2p: Callable[[], Awaitable[P2P]]
+    """The P2P instance, asked for once the peer runs."""
+    maddrs: Callable[[], tuple[str, ...]]
+    """The addresses the peer announces, asked for once, while the DHT surely runs."""
+
+    @classmethod
+    def from_dht(cls, dht: DHT) -> "PeerNetwork":
+        return cls(dht=dht, p2p=dht.replicate_p2p, maddrs=lambda: visible_maddrs(dht))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,13 +101,17 @@ class PeerOptions:
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
     blocks do)."""
 
+    event_sink: EventSink | None = None
+    """Sees every event as it is emitted, beside --events and the metrics (an embedding program or
+    a test follows the peer live)."""
+
     @property
     def rebalancing(self) -> bool:
         return self.rebalance == "on" or (self.rebalance == "auto" and self.stage is None)
 
 
 class Peer:
-    def __init__(self, manifest: Manifest, model: StagedModel, dht: DHT, options: PeerOptions,
+    def __init__(self, manifest: Manifest, model: StagedModel, network: PeerNetwork, options: PeerOptions,
                  admission: Admission | None = None,
                  checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
                  resume_round: int = 0):
@@ -106,7 +130,8 @@ class Peer:
         self.revoked = False
         """True when the run's coordinator revoked this peer and it stopped for that reason."""
         self.model = model
-        self.dht = dht
+        self.network = network
+        self.dht = dht = network.dht
         self.opt = options
         self.peer_id = str(dht.peer_id)
         self.identity = RunIdentity(manifest.run_id, manifest.hash)
@@ -170,13 +195,13 @@ class Peer:
         return task
 
     async def _context(self) -> tuple[PeerContext, tuple[StageCost, ...], tuple[float, ...]]:
-        p2p = await self.dht.replicate_p2p()
+        p2p = await self.network.p2p()
         # get_visible_maddrs blocks on the DHT process: ask once, while it is surely alive
-        maddrs = self._maddrs = visible_maddrs(self.dht)
+        maddrs = self._maddrs = self.network.maddrs()
         if self.metrics is not None:
             self.metrics_port = self._serve_metrics(self.metrics)
-        self.events = EventLog(self.opt.events_path, sink=self.metrics.observe if self.metrics else None,
-                               peer=self.peer_id)
+        sink = _fan_out([s for s in (self.metrics.observe if self.metrics else None, self.opt.event_sink) if s])
+        self.events = EventLog(self.opt.events_path, sink=sink, peer=self.peer_id)
         memory = self.opt.max_memory or device_memory(self.opt.device)
         backup_rpc = await self._backups(p2p)
         ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
@@ -337,3 +362,14 @@ class Peer:
         self.events.close()
         if self.metrics is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics.close)
+
+
+def _fan_out(sinks: list[EventSink]) -> EventSink | None:
+    """One sink that hands each event to every one of `sinks` (None for none)."""
+    if len(sinks) <= 1:
+        return sinks[0] if sinks else None
+
+    def emit(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink(record)
+    return emit
