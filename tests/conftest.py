@@ -6,10 +6,11 @@ stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those 
 run's summary names the test, so a leak is seen and found rather than piling up on the machine."""
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -35,6 +36,37 @@ def local_swarm(tmp_path: Path) -> Iterator[Callable[[Manifest], LocalSwarm]]:
     yield make
     for swarm in swarms:
         swarm.close(grace=10.0)
+
+
+T = TypeVar("T")
+
+INPROCESS_TIMEOUT_S = 60.0
+"""Default deadline of an in-process scenario: each runs in seconds, so a hang fails fast."""
+
+
+@pytest.fixture
+def inprocess(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """Runs an in-process scenario (tests/support/swarm.py): `inprocess(coroutine_function,
+    timeout=...)` runs it in a fresh event loop and fails the test if it takes longer than
+    `timeout` seconds (INPROCESS_TIMEOUT_S by default). Marks the test `inprocess`."""
+    request.node.add_marker(pytest.mark.inprocess)
+
+    def run(scenario: Callable[[], Awaitable[T]], timeout: float = INPROCESS_TIMEOUT_S) -> T:
+        async def bounded() -> T:
+            try:
+                return await asyncio.wait_for(scenario(), timeout)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"the in-process scenario did not end within {timeout:g}s") from None
+        return asyncio.run(bounded())
+    return run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the `inprocess` fixture carries the marker from collection on, so that
+    `-m inprocess` (or `-m "not inprocess"`) selects it."""
+    for item in items:
+        if "inprocess" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.inprocess)
 
 
 _LEFT = pytest.StashKey[list]()  # (test id, socket names) per test that left sockets
