@@ -1,10 +1,11 @@
-"""Outer rounds in one event loop: several Averagers joined by an in-memory loopback RPC and a fake
-swarm view (no processes, no sockets), so failures land exactly where the test puts them instead
-of where a sleep hopes they land."""
+"""Outer rounds in one event loop: several Averagers joined by an in-memory loopback RPC
+(tests/support/rpc.py) and SwarmViews over an in-memory DHT (tests/support/dht.py), no
+processes, no sockets, so failures land exactly where the test puts them instead of where a sleep
+hopes they land."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,81 +17,39 @@ from swarmgrad.peer.records import FAILED
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.decisions import nobody_applied
+from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.rpc import RPCFailed
-from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.framing import ProtocolError
 
 from conftest import small_manifest
+from support.dht import MemoryDHT, announce, swarm_view
+from support.rpc import LoopbackNetwork
+from support.swarm import peer_ids
 
 pytestmark = pytest.mark.timeout(60)
 
-PEERS = ["QmAaaa1", "QmBbbb2", "QmCccc3", "QmDddd4"]
+PEERS = sorted(peer_ids(4, "averaging"))
+"""Ed25519 peer ids (the records accept no other), in the order of the parts they reduce."""
 SHAPES = {"w": (64, 64), "v": (4096 + 8,), "b": (16,)}
+STAGE = 1
 
 
-class Network:
-    """Loopback RPC between in-process peers: requests and responses are serialised and parsed as
-    on the wire; a ProtocolError in a handler becomes a refusal, as FramedRPC does."""
+class Stage:
+    """The stage's replicas as the DHT holds them: each member's own view, and its record."""
 
-    def __init__(self) -> None:
-        self.handlers: dict[str, Callable[[pb.AverageRequest, str], Awaitable[pb.AverageResponse]]] = {}
-        self.dead: set[str] = set()
+    def __init__(self, m: Manifest, members: list[str]):
+        self.dht = MemoryDHT()
+        self.views: dict[str, SwarmView] = {p: swarm_view(self.dht, p, m) for p in members}
 
-    def rpc(self, me: str) -> "LoopbackRPC":
-        return LoopbackRPC(self, me)
+    async def online(self, peer: str, applied_rounds: int = 0) -> None:
+        """`peer`'s record says ONLINE, with `applied_rounds` rounds applied."""
+        await announce(self.views[peer], STAGE, applied_rounds=applied_rounds)
 
+    async def registrations(self, round: int) -> dict[str, dict]:
+        return await next(iter(self.views.values())).round_registrations(STAGE, round)
 
-class LoopbackRPC:
-    def __init__(self, net: Network, me: str):
-        self.net, self.me = net, me
-
-    async def connected(self) -> set[str]:
-        """As a p2p daemon lists its connections: a dead peer's are gone."""
-        return set() if self.me in self.net.dead else {p for p in self.net.handlers if p not in self.net.dead}
-
-    async def call(self, peer: str, method: str, request: Any, response_type: type, timeout: float) -> Any:
-        if peer in self.net.dead or self.me in self.net.dead:
-            await asyncio.sleep(min(timeout, 0.2))
-            raise RPCFailed(f"{method} to {peer}: unreachable")
-        wire = type(request).FromString(request.SerializeToString())
-        try:
-            resp = await asyncio.wait_for(self.net.handlers[peer](wire, self.me), timeout)
-        except asyncio.TimeoutError:
-            raise RPCFailed(f"{method} to {peer} timed out") from None
-        except ProtocolError as e:
-            resp = response_type(status=e.status, reason=e.reason)
-        return response_type.FromString(resp.SerializeToString())
-
-
-class FakeSwarm:
-    """The DHT as a dict: every peer reads what every other peer wrote, at once."""
-
-    def __init__(self, members: list[str]):
-        self.members = members
-        self.regs: dict[tuple[int, int], dict[str, dict]] = {}
-        self.checks: dict[tuple[int, int], dict[str, str]] = {}
-        self.applied: dict[str, int] = {}
-        """applied_rounds a member's record announces (0 unless set)."""
-
-    async def register_round(self, stage: int, round: int, peer_id: str, value: dict) -> bool:
-        self.regs.setdefault((stage, round), {})[peer_id] = dict(value)
-        return True
-
-    async def round_registrations(self, stage: int, round: int) -> dict[str, dict]:
-        return {p: dict(v) for p, v in self.regs.get((stage, round), {}).items()}
-
-    async def stage_records(self, stage: int) -> list[PeerRecord]:
-        return [PeerRecord(peer_id=p, stage=stage, state=ONLINE, throughput=1.0, round=0,
-                           applied_rounds=self.applied.get(p, 0),
-                           digest="d", manifest_hash="h", driver=False) for p in self.members]
-
-    async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
-        self.checks.setdefault((stage, round), {})[peer_id] = digest
-        return True
-
-    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
-        return dict(self.checks.get((stage, round), {}))
+    async def votes(self, round: int) -> dict[str, str]:
+        return await next(iter(self.views.values())).round_checks(STAGE, round)
 
 
 def manifest(codec: str = "fp32", ef: bool = False, robust: int = 3) -> Manifest:
@@ -98,15 +57,18 @@ def manifest(codec: str = "fp32", ef: bool = False, robust: int = 3) -> Manifest
                           timeouts={"matchmaking": 0.5, "allreduce": 1.5})
 
 
-def group(n: int, m: Manifest) -> tuple[Network, FakeSwarm, list[Averager]]:
-    net, swarm = Network(), FakeSwarm(PEERS[:n])
+async def group(n: int, m: Manifest, online: int | None = None) -> tuple[LoopbackNetwork, Stage, list[Averager]]:
+    """`n` averagers of stage 1, the first `online` of them (default all) announced ONLINE."""
+    net, stage = LoopbackNetwork(), Stage(m, PEERS[:n])
     averagers = []
     for peer in PEERS[:n]:
         clock = RoundClock(m.rounds, counts_steps=False, max_rounds=0, epoch=None)
-        avg = Averager(m, 1, peer, SHAPES, net.rpc(peer), swarm, 1 << 24, clock)  # type: ignore[arg-type]
+        avg = Averager(m, STAGE, peer, SHAPES, net.rpc(peer), stage.views[peer], 1 << 24, clock)  # type: ignore[arg-type]
         net.handlers[peer] = avg.reducer.handle
         averagers.append(avg)
-    return net, swarm, averagers
+    for peer in PEERS[:n if online is None else online]:
+        await stage.online(peer)
+    return net, stage, averagers
 
 
 def deltas(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -122,7 +84,7 @@ async def run_all(averagers: list[Averager], inputs: list[dict[str, torch.Tensor
 
 def test_three_members_agree_on_the_weighted_mean() -> None:
     async def main() -> None:
-        _, _, avgs = group(3, manifest())
+        _, _, avgs = await group(3, manifest())
         inputs, weights = [deltas(i) for i in range(3)], [10.0, 20.0, 30.0]
         results = await run_all(avgs, inputs, weights)
         assert all(r.complete for r in results), [r.reason for r in results]
@@ -139,7 +101,7 @@ def test_three_members_agree_on_the_weighted_mean() -> None:
 
 def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
     async def main() -> None:
-        net, swarm, avgs = group(3, manifest())
+        net, swarm, avgs = await group(3, manifest())
         dying = avgs[2]
         await dying.matchmake(0, {"digest": "digest", "applied_rounds": 0, "weight": 5.0})  # it registered...
         net.dead.add(dying.peer_id)  # ...then vanished before sending or reducing anything
@@ -148,7 +110,7 @@ def test_a_member_that_dies_mid_round_fails_the_round_for_everyone() -> None:
         assert all(r.mean_delta is None for r in results)
         # a re-sync must not wait for the dead: both survivors voted the round failed, so the votes
         # say nobody applied it (before the votes: it skipped members listed as unreachable)
-        votes = swarm.checks[(1, 0)]
+        votes = await swarm.votes(0)
         assert {p: v.split(":")[1] for p, v in votes.items()} == {a.peer_id: FAILED for a in avgs[:2]}, votes
         assert all(nobody_applied(votes, a.peer_id, group_hash(r.group), r.voted_digest) for a, r in zip(avgs, results))
     asyncio.run(main())
@@ -161,12 +123,13 @@ def test_a_member_killed_between_the_exchange_and_its_vote_fails_the_round_at_on
     and their re-sync does not wait for it (it is listed as unreachable)."""
     async def main() -> None:
         m = manifest().replace(timeouts={"allreduce": 30.0})  # a wait for the vote would fail the test's timeout
-        net, swarm, avgs = group(3, m)
+        net, swarm, avgs = await group(3, m)
         dying = avgs[2]
+        view = swarm.views[dying.peer_id]
 
         class KilledAtItsVote:  # the DHT as the dying member sees it: it dies as it is about to vote
             def __getattr__(self, name: str) -> Any:
-                return getattr(swarm, name)
+                return getattr(view, name)
 
             async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
                 net.dead.add(peer_id)
@@ -182,14 +145,14 @@ def test_a_member_killed_between_the_exchange_and_its_vote_fails_the_round_at_on
         for r in results:
             assert not r.complete and "left before voting" in r.reason, r.reason
             assert r.voted_digest and r.unreachable == (dying.peer_id,)
-        votes = swarm.checks[(1, 0)]
+        votes = await swarm.votes(0)
         assert set(votes) == {a.peer_id for a in avgs[:2]}, "the dying member posted nothing"
     asyncio.run(main())
 
 
 def test_failed_round_restores_error_feedback_residuals() -> None:
     async def main() -> None:
-        net, _, avgs = group(2, manifest(codec="int8", ef=True))
+        net, _, avgs = await group(2, manifest(codec="int8", ef=True))
         first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
@@ -211,7 +174,7 @@ def test_a_stale_member_keeps_its_residuals_though_it_encoded_during_matchmaking
     """Δ is encoded while matchmaking runs; a member that then finds itself stale (another θ_global
     is the group's reference) must get its residuals back as they were before that encode."""
     async def main() -> None:
-        _, _, avgs = group(2, manifest(codec="int8", ef=True))
+        _, _, avgs = await group(2, manifest(codec="int8", ef=True))
         first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
@@ -232,15 +195,15 @@ def test_a_member_that_finished_the_round_without_us_makes_us_stale_at_once() ->
     to fail the round with GROUP_MISMATCH, conclude that nobody applied it, and fail the next one as
     stale; now its matchmaking sees the donor's record announce the round applied."""
     async def main() -> None:
-        _, swarm, avgs = group(2, manifest())
+        _, swarm, avgs = await group(2, manifest())
         donor, joiner = avgs
         await donor.matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})  # registered, then
-        swarm.applied[donor.peer_id] = 1  # ...completed round 1 alone and announced it
+        await swarm.online(donor.peer_id, applied_rounds=1)  # ...completed round 1 alone and announced it
         result = await joiner.run_round(1, deltas(0), 1.0, "digest", 0)
         assert not result.complete and result.stale, result.reason
         assert "already applied this round without us" in result.reason and donor.peer_id[-8:] in result.reason
         assert set(result.phases) == {"matchmaking"}, result.phases  # no exchange was attempted
-        swarm.applied[donor.peer_id] = 0  # the same registrations, the donor still matching: a normal round
+        await swarm.online(donor.peer_id)  # the same registrations, the donor still matching: a normal round
         group_, _, superseded = await joiner.matchmake(1, {"digest": "digest", "applied_rounds": 0, "weight": 1.0})
         assert group_ is not None and set(group_.members) == {donor.peer_id, joiner.peer_id} and superseded == ""
     asyncio.run(main())
@@ -255,12 +218,12 @@ def test_the_last_members_request_wakes_a_member_waiting_in_matchmaking(monkeypa
     monkeypatch.setattr(matchmaking, "poll_intervals", lambda cap: itertools.repeat(60.0))
 
     async def main() -> None:
-        _, swarm, avgs = group(2, manifest())
+        _, swarm, avgs = await group(2, manifest())
         for a in avgs:
             a.patience = 120.0  # matchmaking's own deadline must not end the wait either
         first = asyncio.ensure_future(avgs[0].run_round(0, deltas(0), 1.0, "digest", 0))
-        while (1, 0) not in swarm.regs:  # the first member registered and is waiting
-            await asyncio.sleep(0.01)
+        while not await swarm.registrations(0):  # until the first member registered and is waiting
+            await swarm.dht.next_store()
         results = await asyncio.wait_for(asyncio.gather(first, avgs[1].run_round(0, deltas(1), 1.0, "digest", 0)), 20)
         assert all(r.complete for r in results), [r.reason for r in results]
     asyncio.run(main())
@@ -279,7 +242,7 @@ def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(mo
     monkeypatch.setattr(Averager, "_send_early", counted)
 
     async def main() -> None:
-        _, _, avgs = group(2, manifest(codec="int8", ef=True))
+        _, _, avgs = await group(2, manifest(codec="int8", ef=True))
         first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 3.0], round=0)
         assert all(r.complete for r in first) and early_senders == []  # no last round to send to early
         inputs = [deltas(2), deltas(3)]
@@ -305,11 +268,10 @@ def test_parts_sent_early_to_a_group_that_changed_are_refused_and_sent_again() -
     the reducer refuses them, the senders send their parts for the group of three, and the mean
     is that of all three."""
     async def main() -> None:
-        _, swarm, avgs = group(3, manifest())
-        swarm.members = PEERS[:2]  # round 0: the third is not online yet
+        _, swarm, avgs = await group(3, manifest(), online=2)  # round 0: the third is not online yet
         first = await run_all(avgs[:2], [deltas(0), deltas(1)], [1.0, 1.0], round=0)
         assert all(r.complete for r in first) and all(len(r.group) == 2 for r in first)
-        swarm.members = PEERS[:3]
+        await swarm.online(PEERS[2])
         inputs, weights = [deltas(i) for i in range(3, 6)], [1.0, 2.0, 3.0]
         results = await run_all(avgs, inputs, weights, round=1)
         assert all(r.complete for r in results), [r.reason for r in results]
@@ -328,7 +290,7 @@ def test_a_byzantine_member_moves_the_mean_by_a_bounded_amount() -> None:
         clean = {n: weighted_mean([(1.0, d[n]) for d in honest]) for n in SHAPES}
         for bad in ({n: 100 * t for n, t in honest[0].items()}, {n: 30 * torch.randn_like(t) for n, t in honest[0].items()}):
             for robust, bound in ((3, 0.6), (0, None)):
-                _, _, avgs = group(4, manifest(robust=robust))
+                _, _, avgs = await group(4, manifest(robust=robust))
                 results = await run_all(avgs, [*honest, bad], [1.0] * 4)
                 assert all(r.complete for r in results)
                 shift = sum(float((results[0].mean_delta[n] - clean[n]).pow(2).sum()) for n in SHAPES) ** 0.5
@@ -342,7 +304,7 @@ def test_a_byzantine_member_moves_the_mean_by_a_bounded_amount() -> None:
 
 def test_a_reducer_sending_different_bytes_is_caught() -> None:
     async def main() -> None:
-        net, _, avgs = group(3, manifest())
+        net, _, avgs = await group(3, manifest())
         cheat = avgs[0]
 
         async def two_faced(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
@@ -363,7 +325,7 @@ def test_a_reducer_sending_different_bytes_is_caught() -> None:
 
 def test_a_contribution_claiming_more_weight_than_registered_is_refused() -> None:
     async def main() -> None:
-        net, _, avgs = group(2, manifest())
+        net, _, avgs = await group(2, manifest())
         liar = avgs[1]
         real_call = liar.rpc.call
 
@@ -386,7 +348,7 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
                                   "robust_min_members": 3}, timeouts={"matchmaking": 0.5, "allreduce": 1.5})
 
     async def main() -> None:
-        _, _, avgs = group(3, m)
+        _, _, avgs = await group(3, m)
         applied = {n: torch.zeros(s) for n, s in SHAPES.items()}
         sent = {n: torch.zeros(s) for n, s in SHAPES.items()}
         for round in range(4):
@@ -410,7 +372,7 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
     asyncio.run(main())
 
 
-def lose_answer_to(net: Network, reducer: Averager, victim: Averager) -> None:
+def lose_answer_to(net: LoopbackNetwork, reducer: Averager, victim: Averager) -> None:
     """The reducer serves `victim` in full, but the answer never arrives (a stream reset after the
     reducer wrote it: the victim sees its stream end without a response)."""
     async def lossy(request: pb.AverageRequest, caller: str) -> pb.AverageResponse:
@@ -429,14 +391,14 @@ def test_a_lost_answer_fails_the_round_for_every_member(n: int) -> None:
     whose answer was lost failed it (θ_global diverged until a later re-sync). The outcome vote
     makes every member fail it, at once (a failed vote, not a wait for a missing vote)."""
     async def main() -> None:
-        net, swarm, avgs = group(n, manifest())
+        net, swarm, avgs = await group(n, manifest())
         lose_answer_to(net, avgs[0], avgs[1])
         results = await run_all(avgs, [deltas(i) for i in range(n)], [1.0] * n)
         assert not any(r.complete for r in results), [r.reason for r in results]
         assert "stream ended" in results[1].reason
         others = [r for i, r in enumerate(results) if i != 1]
         assert all("voted the round failed" in r.reason for r in others), [r.reason for r in others]
-        votes = swarm.checks[(1, 0)]
+        votes = await swarm.votes(0)
         assert votes[avgs[1].peer_id].endswith(f":{FAILED}")
         # and every member knows nobody applied it: no re-sync waits for a donor that cannot exist
         assert all(nobody_applied(votes, a.peer_id, group_hash(r.group), r.voted_digest) for a, r in zip(avgs, results))
@@ -448,21 +410,21 @@ def test_a_member_that_voted_its_digest_but_could_not_read_the_votes_looks_for_d
     every vote fails, while the others (who read all votes) apply. It knows (voted_digest), so its
     re-sync looks for them instead of concluding that nobody applied."""
     async def main() -> None:
-        _, swarm, avgs = group(2, manifest())
+        _, swarm, avgs = await group(2, manifest())
         blind = avgs[1]
-        real_checks = swarm.round_checks
+        view = swarm.views[blind.peer_id]
 
         async def blind_checks(stage: int, round: int) -> dict[str, str]:
             raise TimeoutError("DHT get timed out")
 
         class BlindView:  # the same DHT, but this member cannot read the votes
             def __getattr__(self, name: str) -> Any:
-                return blind_checks if name == "round_checks" else getattr(swarm, name)
+                return blind_checks if name == "round_checks" else getattr(view, name)
 
         blind.swarm = BlindView()  # type: ignore[assignment]
         results = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0])
         assert results[0].complete, results[0].reason
         assert not results[1].complete and results[1].voted_digest
-        votes = await real_checks(1, 0)
+        votes = await swarm.votes(0)
         assert not nobody_applied(votes, blind.peer_id, group_hash(results[1].group), results[1].voted_digest)
     asyncio.run(main())
