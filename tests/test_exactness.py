@@ -1,6 +1,8 @@
 """The pipeline's math is exact: with one replica per stage, H = 1, outer lr 1 and no momentum, a
 round of the swarm equals one plain AdamW step of the whole model on the same microbatches, also
-when they differ in size (inner.microbatch_sizes: the step is the mean over its samples)."""
+when they differ in size (inner.microbatch_sizes: the step is the mean over its samples). The
+swarm is real peers in one event loop (tests/support/swarm.py): the driver's microbatches cross
+the loopback transport encoded as on the wire."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +15,15 @@ from swarmgrad.peer.model import from_manifest
 from swarmgrad.peer.state.stage_state import load_checkpoint
 
 from conftest import small_manifest
+from support.swarm import InProcessSwarm
 
 DATA_SEED = 1234
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("sizes", [(), (1, 4, 2)], ids=["equal", "tapered"])
-def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path, sizes: tuple[int, ...]) -> None:
+def test_one_round_equals_one_whole_model_step(inprocess, tmp_path: Path, sizes: tuple[int, ...]) -> None:
+    """Replaces the real-process version of this test (the same manifest and assertions)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
     m = small_manifest(
@@ -31,12 +35,14 @@ def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path, size
         pipeline={"activation_codec": "fp32", "gradient_codec": "fp32", "max_in_flight": 3},
         data={"source": "files", "paths": [str(corpus)], "max_bytes": 0, "eval_batches": 1, "eval_every": 0},
     )
-    swarm = local_swarm(m)
-    save = tmp_path / "ckpt"
-    args = ("--max-rounds", "1", "--data-seed", str(DATA_SEED), "--save-dir", str(save), "--linger", "5")
-    swarm.start_first(0, *args)
-    swarm.start(1, *args)
-    assert swarm.wait_exit(150) == [0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+
+    async def scenario() -> list[Path]:
+        async with InProcessSwarm(m, tmp_path=tmp_path) as swarm:
+            peers = [swarm.start(s, max_rounds=1, data_seed=DATA_SEED, save=True, linger=5.0) for s in (0, 1)]
+            await swarm.wait_exit(60)
+            return [Path(p.peer.opt.save_dir) for p in peers]  # type: ignore[union-attr,arg-type]
+
+    saves = inprocess(scenario)
 
     # the reference: the whole model, the same first microbatches of the driver's shard (drawn in
     # the order of their places in the step, each at its place's size), one AdamW step on the mean
@@ -59,7 +65,7 @@ def test_one_round_equals_one_whole_model_step(local_swarm, tmp_path: Path, size
     opt.step()
 
     for s, stage in enumerate(stages):
-        files = list(save.glob(f"stage{s}-*.safetensors"))
+        files = list(saves[s].glob(f"stage{s}-*.safetensors"))
         assert len(files) == 1, files
         params, _, meta = load_checkpoint(files[0])
         assert meta["applied_rounds"] == "1"

@@ -6,9 +6,11 @@ replica whose state was downloaded holds its next boundary (worker paused, state
 nothing averaged) until the downloader is ONLINE with its digest, so the joiner's first round is
 one the two average together.
 
-The swarm test runs two whole-model drivers in network namespaces joined by a 1 Mbit link, where
-the state (~0.3 MB) takes ~2.5 s and a round well under one; it is skipped, with the reason, where
-namespaces cannot be made (not root, no iproute2)."""
+Two whole-model drivers joined by a 1 Mbit link, where the state (~0.3 MB) takes ~2.5 s and a
+round well under one: in one event loop over a paced loopback link (tests/support/swarm.py), and,
+with `make test-slow` (SWARMGRAD_SLOW_TESTS=1), as real processes in network namespaces joined by
+a tbf-shaped veth pair (skipped, with the reason, where namespaces cannot be made: not root, no
+iproute2)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +31,8 @@ from swarmgrad.protocol.validation import RunIdentity, envelope
 from benchmarks.harness import netns
 from conftest import small_manifest
 from support.state import trained
+from support.swarm import InProcessSwarm, LinkSpec
+from support.swarm import assert_replicas_agree as replicas_agree
 from test_swarm import assert_replicas_agree, round_history
 
 WHY = netns.why_unavailable()
@@ -65,6 +69,47 @@ def test_a_paused_replica_serves_its_state_only_while_it_holds_for_joiners() -> 
 
 
 # --- two drivers over a 1 Mbit link -------------------------------------------------------------
+ONE_MBIT = LinkSpec(delay=0.001, bandwidth=1e6 / 8)
+"""bytes/s of the namespace test's tbf 1mbit, with a millisecond of latency each way."""
+
+
+def _check_first_round_paired(a_events: list[dict], b_events: list[dict], b_id: str, history: str) -> None:
+    """What both versions of the test assert of A's and B's events."""
+    loaded = [e for e in b_events if e["event"] == "state_loaded"]
+    assert len(loaded) == 1 and not [e for e in b_events if e["event"] == "resynced"], \
+        f"B's download was superseded\n{history}"
+    holds = [e for e in a_events if e["event"] == "join_hold" and b_id in e["joiners"]]
+    assert holds and b_id in holds[0]["joined"], f"A did not hold its boundary for B: {holds}\n{history}"
+    # the joiner's first round, in the round its download said, is averaged with its donor
+    first = [e for e in b_events if e["event"] == "round"][0]
+    assert first["round"] == loaded[0]["round"], history
+    assert first["complete"] and first["group_size"] == 2, f"B's first round was not with A\n{history}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_joiner_over_a_slow_link_pairs_in_its_first_round_in_process(inprocess, overlap: bool) -> None:
+    """The namespace test below (test_a_joiner_over_a_slow_link_pairs_in_its_first_round, now only in
+    `make test-slow`) over a loopback link paced at 1 Mbit: the same peers, manifest and assertions."""
+    async def scenario() -> None:
+        async with InProcessSwarm(_manifest(overlap)) as swarm:
+            a = swarm.start(0, max_rounds=0)  # until stopped
+            await swarm.wait_for(a, lambda e: e["event"] == "round" and e["round"] >= 3, 30, "A's third round alone")
+            b = swarm.start(0, max_rounds=6, linger=5.0)
+            swarm.set_link(a, b, ONE_MBIT)
+            await swarm.wait_exit(40, [b])
+            await swarm.stop(a)
+            assert b.events("stopped")
+            # the download really crossed the slow link: longer than a round alone took A
+            loaded = b.events("state_loaded")[0]
+            download_s = loaded["time"] - b.events("started")[0]["time"]
+            assert download_s > 1.0, download_s
+            _check_first_round_paired(a.events(), b.events(), b.peer_id, swarm.history())
+            replicas_agree([a, b], 0)
+
+    inprocess(scenario)
+
+
 PORT = 31340
 
 
@@ -83,13 +128,11 @@ def _manifest(overlap: bool) -> Any:
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
+@pytest.mark.skipif(not os.environ.get("SWARMGRAD_SLOW_TESTS"),
+                    reason="real processes over a shaped link (~25 s each; the in-process version above runs by "
+                           "default): set SWARMGRAD_SLOW_TESTS=1 or run `make test-slow`")
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("overlap", [
-    False,
-    pytest.param(True, marks=pytest.mark.skipif(
-        not os.environ.get("SWARMGRAD_SLOW_TESTS"),
-        reason="the same path with overlapped rounds (~25 s): set SWARMGRAD_SLOW_TESTS=1 or run `make test-slow`")),
-], ids=["plain", "overlapped"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_a_joiner_over_a_slow_link_pairs_in_its_first_round(slow_net: netns.WanNet, tmp_path: Path,
                                                             overlap: bool) -> None:
     manifest = tmp_path / "manifest.toml"
@@ -104,13 +147,5 @@ def test_a_joiner_over_a_slow_link_pairs_in_its_first_round(slow_net: netns.WanN
         history = round_history(swarm.peers, 0)
         logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in swarm.peers)
         assert codes == [0, 0], logs
-    b_id = b.events("started")[0]["peer"]
-    loaded = b.events("state_loaded")
-    assert len(loaded) == 1 and not b.events("resynced"), f"B's download was superseded\n{history}"
-    holds = [e for e in a.events("join_hold") if b_id in e["joiners"]]
-    assert holds and b_id in holds[0]["joined"], f"A did not hold its boundary for B: {holds}\n{history}"
-    # the joiner's first round, in the round its download said, is averaged with its donor
-    first = b.events("round")[0]
-    assert first["round"] == loaded[0]["round"], history
-    assert first["complete"] and first["group_size"] == 2, f"B's first round was not with A\n{history}"
+    _check_first_round_paired(a.events(), b.events(), b.events("started")[0]["peer"], history)
     assert_replicas_agree([a, b], 0)

@@ -129,33 +129,3 @@ def test_replica_killed_mid_round_swarm_keeps_training(local_swarm) -> None:
         peer.signal(signal.SIGTERM)
     for peer in (driver, survivor):
         assert peer.proc.wait(20) == 0, peer.log_tail()
-
-
-def test_late_joiner_receives_state_and_joins_next_round(local_swarm) -> None:
-    manifest = small_manifest()
-    swarm: LocalSwarm = local_swarm(manifest)
-    swarm.start_first(0)
-    old = swarm.start(1)
-    swarm.wait_for(old, lambda e: e["event"] == "round" and e["complete"] and e["samples"] > 0, 120,
-                   "a trained round on stage 1")
-    joiner = swarm.start(1)
-    loaded = swarm.wait_for(joiner, lambda e: e["event"] == "state_loaded", 60, "state download")
-    assert loaded["source"] == old.events("started")[0]["peer"]
-    # the state it received is the replica's θ_global as of the round it had completed
-    old_digests = {e["digest"] for e in old.events("round") if e["complete"]} | \
-                  {e["digest"] for e in old.events("online")}
-    assert loaded["digest"] in old_digests
-    # it takes part in the next round (or, if it came online too close to a boundary for the
-    # others to see it, the one after): same group, same θ_global afterwards
-    swarm.wait_for(joiner, lambda e: e["event"] == "round" and e["complete"], 60, "the joiner's first round")
-    joined = [e for e in joiner.events("round")][:2]
-    full = [e for e in joined if e["complete"] and e["group_size"] == 2]
-    assert full, joined
-    same = swarm.wait_for(old, lambda e: e["event"] == "round" and e["round"] == full[0]["round"], 30,
-                          "the old replica's event for the same round")
-    assert same["digest"] == full[0]["digest"], (same, full[0])
-    joiner.signal(signal.SIGTERM)
-    started = time.monotonic()
-    assert joiner.proc.wait(20) == 0, joiner.log_tail()
-    assert time.monotonic() - started < 15
-    assert joiner.events("stopped")
