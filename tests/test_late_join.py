@@ -29,12 +29,11 @@ def test_late_joiner_receives_state_and_joins_next_round(inprocess) -> None:
             assert loaded["digest"] in old_digests
             # it takes part in the next round (or, if it came online too close to a boundary for the
             # others to see it, the one after): same group, same θ_global afterwards
-            await swarm.wait_for(joiner, lambda e: e["event"] == "round" and e["complete"], 30, "the joiner's first round")
+            await swarm.wait_round(joiner, 30, "the joiner's first round", complete=True)
             joined = joiner.events("round")[:2]
             full = [e for e in joined if e["complete"] and e["group_size"] == 2]
             assert full, joined
-            same = await swarm.wait_for(old, lambda e: e["event"] == "round" and e["round"] == full[0]["round"], 30,
-                                        "the old replica's event for the same round")
+            same = await swarm.wait_round(old, 30, "the old replica's event for the same round", round=full[0]["round"])
             assert same["digest"] == full[0]["digest"], (same, full[0])
             started = time.monotonic()
             await swarm.stop(joiner, timeout=20)  # as SIGTERM: a clean exit

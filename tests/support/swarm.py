@@ -1,12 +1,13 @@
 """An in-process swarm: real peers (peer/node/peer.py's `Peer`, with its replicas, workers, round
 runners, state sync and RPC handlers) in one event loop, over an in-memory DHT
 (tests/support/dht.py) and a loopback transport with per-link delay and bandwidth
-(tests/support/transport.py). No processes, no sockets, no p2pd: a swarm starts in milliseconds,
-and a test waits for the events it needs instead of sleeping.
+(tests/support/transport.py). No processes, no sockets, no p2pd: a swarm starts in milliseconds
+(once torch has built its first model in the process), and a test waits for the events it needs
+instead of sleeping.
 
-    async with InProcessSwarm(manifest) as swarm:
+    async with InProcessSwarm(step_manifest(2)) as swarm:
         driver, server = swarm.start(0), swarm.start(1)
-        await swarm.wait_for(server, lambda e: e["event"] == "round" and e["complete"], 20, "a round")
+        await swarm.wait_round(server, 20, "a complete round", complete=True)
 
 Use manifests with step-count rounds (`rounds.round_seconds = 0`, `rounds.inner_steps = H`, as
 `step_manifest` makes): rounds end after H inner steps at the drivers, not by the wall clock.
@@ -74,7 +75,8 @@ class InProcessPeer:
         """The peer's event sink: any thread (the compute thread emits too)."""
         if not self.killed:
             self._events.append(event)
-            self.swarm._loop.call_soon_threadsafe(self.swarm._changed.set)
+            if not self.swarm._loop.is_closed():
+                self.swarm._loop.call_soon_threadsafe(self.swarm._changed.set)
 
 
 class InProcessSwarm:
@@ -168,6 +170,15 @@ class InProcessSwarm:
                        what: str) -> Event:
         """The first event of `peer` that satisfies `predicate` (as LocalSwarm.wait_for)."""
         return await self.until(lambda: next((e for e in peer.events() if predicate(e)), None), timeout, what)
+
+    async def wait_round(self, peer: InProcessPeer, timeout: float, what: str = "a round", **fields: Any) -> Event:
+        """The first round event of `peer` whose fields have the given values (e.g. complete=True)."""
+        return await self.wait_for(peer, lambda e: e["event"] == "round" and all(e[k] == v for k, v in fields.items()),
+                                   timeout, what)
+
+    def digests(self, stage: int) -> dict[int, set[str]]:
+        """The θ_global digests the replicas of `stage` reported after each round they completed."""
+        return {r: {e["digest"] for e in events} for r, events in complete_rounds(self.peers, stage).items()}
 
     async def wait_exit(self, timeout: float, peers: list[InProcessPeer] | None = None) -> None:
         """Wait until the peers (default: all) have ended; fails if one raised."""
