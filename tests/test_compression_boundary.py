@@ -14,6 +14,7 @@ import torch
 
 from swarmgrad.compression import CodecError, Encoded, decode, get_codec, parse_codec_spec
 from swarmgrad.compression.hadamard import _rotate, _unrotate
+from support.wire import rebuilt
 
 BOUNDARY = (4, 128, 128)  # batch, seq_len, d_model of the reference task (batch cut to 4)
 
@@ -133,7 +134,7 @@ def test_spec_round_trip_and_params_json(spec: str, gen: torch.Generator) -> Non
     codec = parse_codec_spec(spec)
     assert parse_codec_spec(codec.spec()) == codec
     enc = codec.encode(low_rank_activations(gen))
-    again = Encoded.from_fields(enc.codec, enc.shape, enc.dtype, enc.params_json(), enc.buffers)
+    again = rebuilt(enc)
     assert torch.equal(decode(again), decode(enc))
 
 

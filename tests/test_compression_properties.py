@@ -17,9 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmgrad.compression import Encoded, decode, get_codec
-from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.validation import encoded_from_proto, encoded_to_proto
+from swarmgrad.compression import decode, get_codec
+from support.wire import rebuilt
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -46,11 +45,6 @@ def blockwise_bound(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
     padded = torch.cat([flat.abs(), torch.zeros((-n) % block)])
     absmax = padded.view(-1, block).amax(1).repeat_interleave(block)[:n]
     return (absmax / (2 * levels) * (1 + 1e-5) + 1e-36).reshape(x.shape)
-
-
-def rebuilt(enc: Encoded) -> Encoded:
-    """The Encoded as a receiver rebuilds it from the wire (protocol/validation.py)."""
-    return encoded_from_proto(pb.EncodedTensor.FromString(encoded_to_proto(enc).SerializeToString()), 1 << 40)
 
 
 @SETTINGS

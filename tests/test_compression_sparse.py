@@ -21,13 +21,8 @@ from swarmgrad.compression import (ChunkTopKCodec, CodecError, Encoded, ErrorFee
 from swarmgrad.compression.topk import _pack_bits
 from swarmgrad.peer.averaging.aggregate import reduce_part
 from swarmgrad.protocol.codecs import averaging_codecs
-from swarmgrad.protocol import wire_pb2 as pb
-from swarmgrad.protocol.validation import encoded_from_proto, encoded_to_proto
-
-
-def rebuilt(enc: Encoded) -> Encoded:
-    """The Encoded as a receiver rebuilds it from the wire (protocol/validation.py)."""
-    return encoded_from_proto(pb.EncodedTensor.FromString(encoded_to_proto(enc).SerializeToString()), 1 << 40)
+from swarmgrad.protocol.validation import encoded_from_proto
+from support.wire import rebuilt
 
 
 def check_budget(x: torch.Tensor, y: torch.Tensor, chunk: int, k: int, bits: int) -> None:
@@ -406,7 +401,6 @@ def test_averager_reducer_sends_the_union() -> None:
     from swarmgrad.peer.averaging.averager import Averager
     from swarmgrad.peer.averaging.reducer import RoundSlot
     from swarmgrad.peer.averaging.group import Group
-    from swarmgrad.protocol.validation import encoded_from_proto
 
     spec = "chunktopk:chunk=512,k=8,bits=2"
     m = small_manifest(averaging={"codec": spec, "error_feedback": True, "small_tensor_threshold": 64})
