@@ -13,6 +13,7 @@ from swarmgrad.peer.sim.config import SimConfig, SimResult, sim_manifest
 from swarmgrad.peer.sim.report import write_png
 from swarmgrad.peer.sim.simulator import Simulation, simulate
 from swarmgrad.peer.placement.cost import stage_costs
+from support.imports import hide_package
 
 
 def small(**kw) -> SimConfig:
@@ -50,17 +51,8 @@ def test_png_is_valid(tmp_path) -> None:
 
 def test_without_matplotlib_the_plot_is_skipped_in_one_line_and_the_figures_still_print(tmp_path, monkeypatch,
                                                                                         capsys) -> None:
-    import builtins
-
     from swarmgrad.peer.cli.main import main
-    real_import = builtins.__import__
-
-    def no_matplotlib(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    hide_package(monkeypatch, "matplotlib")
     assert main(["simulate", "--peers", "40", "--hours", "0.3", "--seed", "1", "--json",
                  "--plot", str(tmp_path / "p.png")]) == 0
     captured = capsys.readouterr()

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import wan
 from benchmarks.harness import netns
+from support.imports import hide_package
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,16 +101,7 @@ def test_png_writer_makes_a_decodable_rgb_image(tmp_path: Path) -> None:
 
 
 def test_a_missing_matplotlib_skips_the_plot_in_one_line_and_nothing_else(tmp_path: Path, monkeypatch, capsys) -> None:
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_matplotlib(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    hide_package(monkeypatch, "matplotlib")
     r = wan.Result("ddp", "unshaped", samples=640, points=[(0.0, 0, 8.0), (5.0, 640, 3.0)])
     written = wan.report([r], wan.QUICK, tmp_path, echo=False).write()
     assert [p.name for p in written] == ["report.md", "results.json"]
