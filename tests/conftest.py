@@ -1,5 +1,14 @@
-"""Shared fixtures. Swarm tests start real peer processes (each with its DHT child and p2pd) on
-127.0.0.1 port 0; `local_swarm` always tears them down, by process group, whatever the test did.
+"""Shared fixtures, and the tiers they put tests in.
+
+Each test lands in a tier by the fixtures it uses (`TIER_OF_FIXTURE`), so that a test cannot
+start real processes and still be counted a unit test: `local_swarm`, `module_swarm` and
+`private_swarm` (real peer processes, each with its DHT child and p2pd, on 127.0.0.1 port 0; torn
+down by process group whatever the test did) and `spawned_peers` (peers a `swarmgrad demo` or a
+benchmark starts) make it `swarm`; `inprocess` (real peers in one event loop over tests/support's
+in-memory DHT and loopback transport) `inprocess`; `p2p_daemons` (real libp2p daemons in or under
+the test process, no peer) `wire`; `chromium` (headless Chromium) `browser`. A test with none of
+them is `unit`, unless its module names its tier itself (`pytestmark = pytest.mark.inprocess`).
+`pytest -m unit` runs the fast tier; docs/testing.md lists them.
 
 hivemind puts p2pd's control sockets in /tmp whatever TMPDIR says, and a p2pd that dies without
 stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those it left and the
@@ -12,30 +21,149 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
+import psutil
 import pytest
 
 from swarmgrad.peer.net.dht_process import remove_dead_sockets
-from swarmgrad.peer.cli.launcher import LocalSwarm, small_manifest  # noqa: F401  (tests import it from here)
+from swarmgrad.peer.cli.launcher import LocalSwarm, PrivateSwarm, small_manifest  # noqa: F401  (tests import it from here)
 from swarmgrad.peer.manifest import Manifest, dumps
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 
-@pytest.fixture
-def local_swarm(tmp_path: Path) -> Iterator[Callable[[Manifest], LocalSwarm]]:
+TIERS = ("unit", "inprocess", "wire", "swarm", "browser")
+TIER_OF_FIXTURE = {
+    "local_swarm": "swarm", "module_swarm": "swarm", "private_swarm": "swarm", "spawned_peers": "swarm",
+    "natted_net": "swarm", "two_natted_net": "swarm", "slow_net": "swarm",  # peers in network namespaces
+    "inprocess": "inprocess",
+    "p2p_daemons": "wire",
+    "chromium": "browser",
+}
+"""The tier each fixture puts a test in (a test may be in several: a swarm checked in a browser)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tiers = {TIER_OF_FIXTURE[name] for name in getattr(item, "fixturenames", ()) if name in TIER_OF_FIXTURE}
+        for tier in sorted(tiers):
+            item.add_marker(tier)
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker("unit")
+
+
+def _swarm_factory(folder: Path, make_swarm: Callable[[Path, Path], LocalSwarm]
+                   ) -> tuple[Callable[[Manifest], LocalSwarm], list[LocalSwarm]]:
     swarms: list[LocalSwarm] = []
 
     def make(manifest: Manifest) -> LocalSwarm:
-        path = tmp_path / f"manifest{len(swarms)}.toml"
+        path = folder / f"manifest{len(swarms)}.toml"
         path.write_text(dumps(manifest))
-        swarm = LocalSwarm(path, tmp_path / f"swarm{len(swarms)}")
+        swarm = make_swarm(path, folder / f"swarm{len(swarms)}")
         swarm.__enter__()
         swarms.append(swarm)
         return swarm
+    return make, swarms
 
+
+@pytest.fixture
+def local_swarm(tmp_path: Path) -> Iterator[Callable[[Manifest], LocalSwarm]]:
+    """local_swarm(manifest) -> a LocalSwarm of this test; every peer's process group is killed
+    at the end of the test whatever happened."""
+    make, swarms = _swarm_factory(tmp_path, LocalSwarm)
     yield make
     for swarm in swarms:
         swarm.close(grace=10.0)
+
+
+@pytest.fixture(scope="module")
+def module_swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[[Manifest], LocalSwarm]]:
+    """As `local_swarm`, for one swarm that a module's tests share (each checks one thing while it
+    runs): torn down after the module's last test, and the p2pd sockets it left are named in the
+    summary under the module."""
+    began = time.time()
+    make, swarms = _swarm_factory(tmp_path_factory.mktemp("module-swarm"), LocalSwarm)
+    yield make
+    for swarm in swarms:
+        swarm.close(grace=10.0)
+    _note_sockets_left(request.config, f"{request.node.nodeid} (module swarm)", began)
+
+
+@pytest.fixture
+def private_swarm(tmp_path: Path) -> Iterator[Callable[[Manifest], PrivateSwarm]]:
+    """private_swarm(manifest) -> a PrivateSwarm (a private run's coordinator and invited peers)
+    of this test, torn down as `local_swarm`'s."""
+    make, swarms = _swarm_factory(tmp_path, PrivateSwarm)
+    yield make  # type: ignore[misc]
+    for swarm in swarms:
+        swarm.close(grace=10.0)
+
+
+def processes_naming(folder: Path) -> list[psutil.Process]:
+    """Processes (not this one) whose command line names `folder`: peers started in it."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid != os.getpid() and any(str(folder) in part for part in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def spawned_peers(tmp_path: Path) -> Iterator[Path]:
+    """A folder for peers that the test starts other than through a LocalSwarm (`swarmgrad demo`, a
+    benchmark script): every process whose command line names it is killed at the end of the test."""
+    yield tmp_path
+    for p in processes_naming(tmp_path):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+_DAEMONS_LEFT = pytest.StashKey[list]()  # (test id, process descriptions) per wire test that left daemons
+
+
+def _daemons_under(me: psutil.Process) -> list[psutil.Process]:
+    """p2pd processes and forked DHT processes (this process's command line) under `me`; not
+    torch's shm manager, which this process may still use."""
+    out = []
+    for p in me.children(recursive=True):
+        try:
+            if p.name() == "p2pd" or p.cmdline() == me.cmdline():
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture
+def p2p_daemons(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a test that starts real libp2p daemons itself (hivemind `P2P` instances, DHT processes;
+    no peer process). Daemons under this process that the test started and that still run a few
+    seconds after it ended are killed and named in the run's summary, as leaked sockets are."""
+    me = psutil.Process()
+    before = {p.pid for p in _daemons_under(me)}
+    yield
+    new = [p for p in _daemons_under(me) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=5)
+    left = []
+    for p in alive:
+        try:
+            left.append(f"{p.pid} {p.name()}")
+            p.kill()
+        except psutil.Error:
+            pass
+    if left:
+        request.config.stash[_DAEMONS_LEFT].append((request.node.nodeid, left))
+
+
+@pytest.fixture
+def chromium() -> Path:
+    """Headless Chromium (tests/browser.py); the test skips where it is missing."""
+    from browser import CHROMIUM, SKIP_REASON, chromium_available
+    if not chromium_available():
+        pytest.skip(SKIP_REASON)
+    return CHROMIUM
 
 
 T = TypeVar("T")
@@ -45,11 +173,10 @@ INPROCESS_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
-def inprocess(request: pytest.FixtureRequest) -> Callable[..., Any]:
+def inprocess() -> Callable[..., Any]:
     """Runs an in-process scenario (tests/support/swarm.py): `inprocess(coroutine_function,
     timeout=...)` runs it in a fresh event loop and fails the test if it takes longer than
-    `timeout` seconds (INPROCESS_TIMEOUT_S by default). Marks the test `inprocess`."""
-    request.node.add_marker(pytest.mark.inprocess)
+    `timeout` seconds (INPROCESS_TIMEOUT_S by default). Puts the test in the `inprocess` tier."""
 
     def run(scenario: Callable[[], Awaitable[T]], timeout: float = INPROCESS_TIMEOUT_S) -> T:
         async def bounded() -> T:
@@ -61,12 +188,6 @@ def inprocess(request: pytest.FixtureRequest) -> Callable[..., Any]:
     return run
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the `inprocess` fixture carries the marker from collection on, so that
-    `-m inprocess` (or `-m "not inprocess"`) selects it."""
-    for item in items:
-        if "inprocess" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.inprocess)
 
 
 _LEFT = pytest.StashKey[list]()  # (test id, socket names) per test that left sockets
@@ -75,16 +196,21 @@ _BEGAN = pytest.StashKey[float]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_LEFT] = []
+    config.stash[_DAEMONS_LEFT] = []
     config.stash[_BEGAN] = time.time()
+
+
+def _note_sockets_left(config: pytest.Config, nodeid: str, began: float) -> None:
+    left = remove_dead_sockets(began)
+    if left:
+        config.stash[_LEFT].append((nodeid, [p.name for p in left]))
 
 
 @pytest.fixture(autouse=True)
 def _hivemind_sockets_left(request: pytest.FixtureRequest) -> Iterator[None]:
     began = time.time()
     yield
-    left = remove_dead_sockets(began)
-    if left:
-        request.config.stash[_LEFT].append((request.node.nodeid, [p.name for p in left]))
+    _note_sockets_left(request.config, request.node.nodeid, began)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
@@ -96,3 +222,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
         terminalreporter.section("hivemind sockets left in /tmp (removed)")
         for nodeid, names in left:
             terminalreporter.write_line(f"{nodeid}: {', '.join(names)}")
+    daemons = config.stash[_DAEMONS_LEFT]
+    if daemons:
+        terminalreporter.section("libp2p daemons left running by wire tests (killed)")
+        for nodeid, procs in daemons:
+            terminalreporter.write_line(f"{nodeid}: {', '.join(procs)}")

@@ -26,7 +26,7 @@ from support.dht import MemoryDHT, announce, swarm_view
 from support.rpc import LoopbackNetwork
 from support.swarm import peer_ids
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.inprocess]
 
 PEERS = sorted(peer_ids(4, "averaging"))
 """Ed25519 peer ids (the records accept no other), in the order of the parts they reduce."""

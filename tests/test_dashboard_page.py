@@ -21,10 +21,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from browser import SKIP_REASON, chromium_available, dump_dom, parse_dashboard, png_size, screenshot
+from browser import dump_dom, parse_dashboard, png_size, screenshot
 from swarmgrad.peer.coordinator.web import DASHBOARD_DIR, DashboardServer
-
-needs_chromium = pytest.mark.skipif(not chromium_available(), reason=SKIP_REASON)
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -267,10 +265,9 @@ def live(snapshot: dict) -> Callable[[], dict[str, Any]]:
     return lambda: dict(snapshot, time=time.time())
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n_stages,replicas,name", [(2, 1, "2peers"), (4, 50, "200peers")])
-def test_page_shows_the_swarm_of_the_api(serve: Callable[..., str], tmp_path: Path,
+def test_page_shows_the_swarm_of_the_api(chromium: Path, serve: Callable[..., str], tmp_path: Path,
                                          n_stages: int, replicas: int, name: str) -> None:
     snapshot, history = swarm_fixture(n_stages, replicas)
     base = serve(live(snapshot), lambda: history)
@@ -289,9 +286,8 @@ def test_page_shows_the_swarm_of_the_api(serve: Callable[..., str], tmp_path: Pa
     assert png_size(png) == (1366, 768)
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
-def test_page_survives_a_fresh_run_with_nothing_reported(serve: Callable[..., str]) -> None:
+def test_page_survives_a_fresh_run_with_nothing_reported(chromium: Path, serve: Callable[..., str]) -> None:
     snapshot, history = empty_fixture()
     base = serve(live(snapshot), lambda: history)
     view = parse_dashboard(dump_dom(base))
@@ -304,9 +300,8 @@ def test_page_survives_a_fresh_run_with_nothing_reported(serve: Callable[..., st
     assert "nothing sent yet" in view.texts["bytes-bars"]
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
-def test_page_survives_empty_documents(serve: Callable[..., str]) -> None:
+def test_page_survives_empty_documents(chromium: Path, serve: Callable[..., str]) -> None:
     """Not the schema at all ({}): the page shows dashes, not a broken script."""
     base = serve(dict, dict)
     view = parse_dashboard(dump_dom(base))
@@ -316,9 +311,8 @@ def test_page_survives_empty_documents(serve: Callable[..., str]) -> None:
     assert "no round finished yet" in view.texts["rounds-body"]
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
-def test_page_says_when_the_api_fails(serve: Callable[..., str]) -> None:
+def test_page_says_when_the_api_fails(chromium: Path, serve: Callable[..., str]) -> None:
     def broken() -> dict:
         raise RuntimeError("no snapshot yet")
 
@@ -330,9 +324,8 @@ def test_page_says_when_the_api_fails(serve: Callable[..., str]) -> None:
     assert "HTTP 500" in view.api_text and "no snapshot yet" in view.api_text
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
-def test_page_says_when_the_coordinator_goes_away() -> None:
+def test_page_says_when_the_coordinator_goes_away(chromium: Path) -> None:
     """Good answers first, then the server closes: the page keeps the last data and says the
     API is unreachable."""
     snapshot, history = swarm_fixture(2, 1)
@@ -358,9 +351,8 @@ def test_page_says_when_the_coordinator_goes_away() -> None:
     assert view.latest_round == str(snapshot["latest_round"]) and len(view.stages) == 2
 
 
-@needs_chromium
 @pytest.mark.timeout(120)
-def test_page_says_when_the_snapshot_is_old(serve: Callable[..., str]) -> None:
+def test_page_says_when_the_snapshot_is_old(chromium: Path, serve: Callable[..., str]) -> None:
     snapshot, history = swarm_fixture(2, 1)
     base = serve(lambda: dict(snapshot, time=time.time() - 600), lambda: history)
     view = parse_dashboard(dump_dom(base, budget_ms=3000))

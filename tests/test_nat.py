@@ -171,7 +171,7 @@ class _FixedSwarm:
         return self.records
 
 
-def test_dial_out_opens_a_connection_the_other_peer_can_call_back_over(tmp_path: Path) -> None:
+def test_dial_out_opens_a_connection_the_other_peer_can_call_back_over(p2p_daemons: None, tmp_path: Path) -> None:
     """Two real p2p daemons on loopback: X dials Y because Y's record says where it is; then Y sees
     X among its connections (what lets a NATed X be called back), the dial is reported as an
     event, and a second look dials nobody."""
@@ -265,7 +265,7 @@ async def _forget_every_peer(_dht, node) -> int:
     return len(table.uid_to_peer_id)
 
 
-def test_a_client_mode_dht_that_forgot_its_peers_is_put_back() -> None:
+def test_a_client_mode_dht_that_forgot_its_peers_is_put_back(p2p_daemons: None) -> None:
     """A client-mode DHT node (a NATed peer's) whose routing table lost its only peer reads
     nothing any more; DialOut's look pings the peers it knows back into the table, and reads work
     again. Two real DHT processes on loopback."""

@@ -217,7 +217,7 @@ def honest_record(peer_id: str, stage: int = 0, throughput: float = 3.0) -> Peer
 
 
 @pytest.mark.timeout(90)
-def test_forged_records_never_reach_honest_peers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_forged_records_never_reach_honest_peers(p2p_daemons: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from hivemind.utils import get_dht_time
 
     from swarmgrad.peer.cli.peer import start_dht

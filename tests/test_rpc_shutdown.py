@@ -18,7 +18,7 @@ from swarmgrad.protocol import wire_pb2 as pb
 pytestmark = pytest.mark.timeout(90)
 
 
-def test_a_stream_cancelled_mid_handler_ends_without_an_asyncio_error() -> None:
+def test_a_stream_cancelled_mid_handler_ends_without_an_asyncio_error(p2p_daemons: None) -> None:
     async def scenario() -> tuple[list[dict], BaseException | None]:
         loop = asyncio.get_running_loop()
         reported: list[dict] = []
@@ -61,7 +61,7 @@ def test_a_stream_cancelled_mid_handler_ends_without_an_asyncio_error() -> None:
     assert "no answer, the stream ended" in str(failure) and "bad response" not in str(failure), failure
 
 
-def test_a_peer_whose_daemon_was_killed_is_no_longer_connected() -> None:
+def test_a_peer_whose_daemon_was_killed_is_no_longer_connected(p2p_daemons: None) -> None:
     """outcome.agree stops waiting for the vote of a member we hold no connection to: the p2p daemon
     of a SIGKILLed peer resets its sockets, so ours drops it (FramedRPC.connected) within moments."""
     async def scenario() -> tuple[bool, bool]:
