@@ -1,35 +1,17 @@
-"""Prometheus metrics (peer/node/metrics.py): fed from events, bytes by kind, served over HTTP; and a
-live swarm whose /metrics move while it trains."""
+"""Prometheus metrics (peer/node/metrics.py): fed from events, bytes by kind, served over HTTP. A live
+peer's /metrics moving while it trains is checked on the shared swarm of tests/test_swarm.py."""
 from __future__ import annotations
 
 import math
-import signal
 import urllib.error
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarmgrad.peer.events import EventLog, read_events
-from swarmgrad.peer.cli.launcher import LocalSwarm
 from swarmgrad.peer.node.metrics import PeerMetrics
 from swarmgrad.peer.net.rpc import TRAFFIC_KINDS, Traffic, traffic_kind
 
-from conftest import small_manifest
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def scrape(port: int) -> Samples:
-    """Every sample of http://127.0.0.1:PORT/metrics, keyed by (name, labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
+from metrics_page import scrape, value
 
 
 def test_traffic_kind_of_each_method() -> None:
@@ -143,49 +125,5 @@ def test_serve_on_port_zero_and_close() -> None:
     finally:
         metrics.close()
     metrics.close()  # idempotent
-    with pytest.raises(urllib.error.URLError):
-        scrape(port)
-
-
-@pytest.mark.timeout(150)
-def test_live_peer_metrics_move(local_swarm) -> None:
-    """Two drivers and one stage-1 replica; the first driver serves /metrics on a free port. Its
-    rounds, activation and averaging bytes and samples move between two scrapes."""
-    swarm: LocalSwarm = local_swarm(small_manifest())
-    watched = swarm.start_first(0, "--metrics-port", "0", "--linger", "5")
-    port = watched.events("started")[0]["metrics_port"]
-    assert isinstance(port, int) and port > 0
-    before = scrape(port)  # alone in the swarm: nothing trained, nothing sent down the pipeline
-    assert value(before, "swarmgrad_round", stage="0") is None
-    assert value(before, "swarmgrad_bytes_sent_total", kind="activations") == 0
-
-    swarm.start(1, "--linger", "5")
-    swarm.start(0, "--linger", "5")
-    first = swarm.wait_for(watched, lambda e: e["event"] == "round" and e["samples"] > 0, 90, "a trained round")
-    early = scrape(port)
-    assert value(early, "swarmgrad_round", stage="0") >= first["round"]
-    assert value(early, "swarmgrad_samples_per_second", stage="0") > 0
-    swarm.wait_for(watched, lambda e: e["event"] == "round" and e["round"] > first["round"] and e["complete"]
-                   and e["group_size"] == 2 and e["samples"] > 0, 60, "a later round averaged by both drivers")
-    reported = sum(e["bytes_sent"] for e in watched.events("round"))  # read before the scrape: no newer round
-    late = scrape(port)
-
-    def grew(name: str, **labels: str) -> bool:
-        return (value(late, name, **labels) or 0) > (value(early, name, **labels) or 0)
-
-    assert grew("swarmgrad_round", stage="0")
-    assert grew("swarmgrad_samples_total", stage="0")
-    assert value(late, "swarmgrad_samples_per_second", stage="0") > 0
-    assert grew("swarmgrad_bytes_sent_total", kind="activations")
-    assert grew("swarmgrad_bytes_received_total", kind="gradients")
-    assert grew("swarmgrad_bytes_sent_total", kind="averaging")
-    assert grew("swarmgrad_bytes_received_total", kind="averaging")
-    assert value(late, "swarmgrad_group_size", stage="0") >= 1
-    assert value(late, "swarmgrad_rounds_total", stage="0", result="complete") >= 1
-    # the Prometheus byte counts are the ones the events report
-    assert sum(v for (name, _), v in late.items() if name == "swarmgrad_bytes_sent_total") >= reported > 0
-
-    watched.signal(signal.SIGTERM)  # a clean stop also stops the metrics server
-    assert watched.proc.wait(30) == 0, watched.log_tail()
     with pytest.raises(urllib.error.URLError):
         scrape(port)

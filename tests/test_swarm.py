@@ -1,19 +1,37 @@
-"""Swarm behaviour with real peer processes talking through hivemind on 127.0.0.1."""
+"""Swarm behaviour with real peer processes talking through hivemind on 127.0.0.1.
+
+One swarm of four peers (two drivers on stage 0, two replicas of stage 1, `--max-rounds ROUNDS`)
+serves the first four tests, in the order they are written, each checking one thing while it runs:
+an outside client lists every peer; a driver's /metrics move; a stage-1 replica is SIGKILLed
+mid-round and the swarm trains on (the only test that harms the swarm, so it comes after those that
+read it); then the run ends: every live peer exits 0, validation dropped, and the replicas of each
+stage agreed after every round. Each test waits for what it needs, so any one of them also runs
+alone (`-k`).
+"""
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 
 from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
 
 from conftest import small_manifest
+from metrics_page import Samples, scrape, value
 
 pytestmark = pytest.mark.timeout(240)
+
+ROUNDS = 10
+"""--max-rounds of the shared swarm: stage 1 averages at least 3 rounds with both replicas before
+the kill, and the survivor and the drivers still have rounds to train after it, though the tests
+before it (a `swarmgrad status` process: ~25 s at load 11 on 2 cores) delay it."""
 
 
 def complete_rounds(peers: list[PeerProcess], stage: int) -> dict[int, list[dict]]:
@@ -46,17 +64,64 @@ def round_history(peers: list[PeerProcess], stage: int) -> str:
     return "\n".join(lines)
 
 
-def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
-    manifest = small_manifest()
-    swarm: LocalSwarm = local_swarm(manifest)
-    # 6 rounds so that a replica slowed at start-up on 2 busy cores still shares 3 with its partner.
+def full_rounds(peers: list[PeerProcess], stage: int) -> list[int]:
+    """Rounds of `stage` that both of its replicas completed, averaged together."""
+    return sorted(r for r, events in complete_rounds(peers, stage).items()
+                  if len(events) == 2 and all(e["group_size"] == 2 for e in events))
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, peers: list[PeerProcess]) -> None:
+    """Poll `condition` (it reads the peers' event logs) until it holds; fail after `timeout` s, or at
+    once when one of `peers` exited."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [p for p in peers if not p.alive]
+        if dead or time.monotonic() > deadline:
+            cause = f"{dead[0].name} exited" if dead else f"not within {timeout:.0f}s"
+            pytest.fail(f"{what}: {cause}\n" + "\n".join(p.log_tail(15) for p in peers))
+        time.sleep(0.2)
+
+
+@dataclass
+class FourPeers:
+    swarm: LocalSwarm
+    watched: PeerProcess
+    """The first driver: it serves /metrics on `metrics_port`."""
+    metrics_port: int
+    alone: Samples
+    """The watched driver's /metrics before any other peer started."""
+    victim: PeerProcess
+    survivor: PeerProcess
+    """The two replicas of stage 1; the victim is SIGKILLed mid-round."""
+    killed: bool = False
+
+    @property
+    def drivers(self) -> list[PeerProcess]:
+        return [p for p in self.swarm.peers if p.stage == 0]
+
+
+@pytest.fixture(scope="module")
+def four_peers(module_swarm: Callable) -> FourPeers:
+    swarm: LocalSwarm = module_swarm(small_manifest())
     # Stage 1 serves until the drivers' records say they left (their final evaluations pass through
     # it); --linger only bounds that wait, and 15 s ran out once before a slowed driver's final eval
-    first = swarm.start_first(0, "--max-rounds", "6", "--linger", "60")
-    for stage in (1, 0, 1):
-        swarm.start(stage, "--max-rounds", "6", "--linger", "60")
-    # the swarm is visible to an outside client while it runs
-    swarm.wait_for(first, lambda e: e["event"] == "round" and e["round"] >= 2 and e["complete"], 120, "round 2")
+    common = ("--max-rounds", str(ROUNDS), "--linger", "60")
+    watched = swarm.start_first(0, *common, "--metrics-port", "0")
+    port = watched.events("started")[0]["metrics_port"]
+    assert isinstance(port, int) and port > 0
+    alone = scrape(port)
+    victim = swarm.start(1, *common)
+    swarm.start(0, *common)
+    survivor = swarm.start(1, *common)
+    return FourPeers(swarm, watched, port, alone, victim, survivor)
+
+
+def test_an_outside_client_lists_every_peer(four_peers: FourPeers) -> None:
+    swarm = four_peers.swarm
+    swarm.wait_for(four_peers.watched, lambda e: e["event"] == "round" and e["round"] >= 2 and e["complete"], 120,
+                   "round 2")
+    for peer in swarm.peers:  # the first one's rounds may begin before the others are up
+        swarm.wait_for(peer, lambda e: e["event"] == "online", 120, "online")
     status = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "status", "--initial-peers",
                              *swarm.initial_peers, "--manifest", str(swarm.manifest)],
                             capture_output=True, text=True, timeout=60)
@@ -71,15 +136,87 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
     expected = {p.name: p.events("started")[0]["expected_rate"] for p in swarm.peers}
     assert all(rate > 0 for rate in expected.values()), expected
 
-    codes = swarm.wait_exit(150)
-    assert codes == [0, 0, 0, 0], "\n".join(p.log_tail() for p in swarm.peers)
+
+def test_live_peer_metrics_move(four_peers: FourPeers) -> None:
+    """The first driver serves /metrics on a free port. Its rounds, activation and averaging bytes
+    and samples move between two scrapes a round apart."""
+    swarm, watched, port = four_peers.swarm, four_peers.watched, four_peers.metrics_port
+    before = four_peers.alone  # alone in the swarm: nothing trained, nothing sent down the pipeline
+    assert value(before, "swarmgrad_round", stage="0") is None
+    assert value(before, "swarmgrad_bytes_sent_total", kind="activations") == 0
+
+    first = swarm.wait_for(watched, lambda e: e["event"] == "round" and e["samples"] > 0, 90, "a trained round")
+    early = scrape(port)
+    seen = value(early, "swarmgrad_round", stage="0")
+    assert seen is not None and seen >= first["round"]
+    assert value(early, "swarmgrad_samples_per_second", stage="0") > 0
+    swarm.wait_for(watched, lambda e: e["event"] == "round" and e["round"] > seen and e["complete"]
+                   and e["group_size"] == 2 and e["samples"] > 0, 60, "a later round averaged by both drivers")
+    reported = sum(e["bytes_sent"] for e in watched.events("round"))  # read before the scrape: no newer round
+    late = scrape(port)
+
+    def grew(name: str, **labels: str) -> bool:
+        return (value(late, name, **labels) or 0) > (value(early, name, **labels) or 0)
+
+    assert grew("swarmgrad_round", stage="0")
+    assert grew("swarmgrad_samples_total", stage="0")
+    assert value(late, "swarmgrad_samples_per_second", stage="0") > 0
+    assert grew("swarmgrad_bytes_sent_total", kind="activations")
+    assert grew("swarmgrad_bytes_received_total", kind="gradients")
+    assert grew("swarmgrad_bytes_sent_total", kind="averaging")
+    assert grew("swarmgrad_bytes_received_total", kind="averaging")
+    assert value(late, "swarmgrad_group_size", stage="0") >= 1
+    assert value(late, "swarmgrad_rounds_total", stage="0", result="complete") >= 1
+    # the Prometheus byte counts are the ones the events report
+    assert sum(v for (name, _), v in late.items() if name == "swarmgrad_bytes_sent_total") >= reported > 0
+
+
+def test_replica_killed_mid_round_swarm_keeps_training(four_peers: FourPeers) -> None:
+    swarm, victim, survivor = four_peers.swarm, four_peers.victim, four_peers.survivor
+    drivers = four_peers.drivers
+    # first the rounds that the run's end asks stage 1 to have averaged with both replicas
+    wait_until(lambda: len(full_rounds([victim, survivor], 1)) >= 3, 150,
+               "3 rounds averaged by both stage-1 replicas", swarm.peers)
+    # mid-round: both stage-1 replicas and the drivers are past that round's averaging, so the
+    # drivers are training the next one and microbatches are in flight to the victim
+    last = full_rounds([victim, survivor], 1)[-1]
+    for driver in drivers:
+        swarm.wait_for(driver, lambda e: e["event"] == "round" and e["round"] >= last, 30,
+                       f"the drivers' round {last}")
+    victim.kill_group(signal.SIGKILL)
+    four_peers.killed = True
+    killed_at = time.time()
+    completed_before = [len(d.events("round")) for d in drivers]
+    swarm.wait_for(survivor, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
+                   and e["group_size"] == 1, 90, "a round completed by the survivor alone")
+    for driver in drivers:
+        swarm.wait_for(driver, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
+                       and e["samples"] > 0, 60, "a driver round with trained samples after the kill")
+    retries = [r for d in drivers for r in d.events("retry")]
+    assert retries, "no driver re-sent a microbatch after the replica died"
+    victim_id = victim.events("started")[0]["peer"]
+    assert any(r["failed_peer"] == victim_id for r in retries)
+    for driver, before in zip(drivers, completed_before):
+        assert not driver.events("lost"), "a microbatch was given up instead of re-routed"
+        assert len(driver.events("round")) > before
+    assert_replicas_agree(swarm.peers, 1)
+
+
+def test_four_peers_train_and_replicas_stay_identical(four_peers: FourPeers) -> None:
+    """The run ends after ROUNDS rounds: every peer still running exits 0 (the survivor and the
+    drivers after the kill too), and what the whole run did is checked."""
+    swarm = four_peers.swarm
+    codes = dict(zip((p.name for p in swarm.peers), swarm.wait_exit(150)))
+    expected = {p.name: -signal.SIGKILL if p is four_peers.victim and four_peers.killed else 0 for p in swarm.peers}
+    assert codes == expected, "\n".join(p.log_tail() for p in swarm.peers)
+    with pytest.raises(urllib.error.URLError):  # a clean stop also stops the metrics server
+        scrape(four_peers.metrics_port)
     for stage in (0, 1):
         assert_replicas_agree(swarm.peers, stage)
-        full = [r for r, events in complete_rounds(swarm.peers, stage).items()
-                if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
+        full = full_rounds(swarm.peers, stage)
         assert len(full) >= 3, (f"stage {stage}: too few rounds averaged by both replicas: {full}\n"
                                 + round_history(swarm.peers, stage))
-    drivers = [p for p in swarm.peers if p.stage == 0]
+    drivers = four_peers.drivers
     evals = sorted((e for d in drivers for e in d.events("eval") if e["val_loss"] is not None), key=lambda e: e["time"])
     assert evals[0]["val_loss"] > 7.0, "an untrained byte model scores about 8 bits/byte"
     finals = [e for e in evals if e["final"]]
@@ -88,44 +225,13 @@ def test_four_peers_train_and_replicas_stay_identical(local_swarm) -> None:
         assert final["val_loss"] < evals[0]["val_loss"] - 1.5, f"validation loss did not go down: {evals}"
     # between start and end, one driver per round evaluates (data.evaluators 1): both hold θ_global
     # bit for bit, so a second would score the same model again
-    full0 = {r for r, events in complete_rounds(swarm.peers, 0).items()
-             if len(events) == 2 and all(e["group_size"] == 2 for e in events)}
+    full0 = set(full_rounds(swarm.peers, 0))
     due = Counter(e["after_round"] for e in evals if e["after_round"] in full0)
     assert due and max(due.values()) == 1, (due, evals)
     # a driver's round weights are the samples it trained on
     samples = [e["samples"] for p in drivers for e in p.events("round")]
     assert sum(samples) > 0
     for peer in swarm.peers:
-        stopped = peer.events("stopped")
-        assert stopped and stopped[0]["bytes_sent"] > 0
-
-
-def test_replica_killed_mid_round_swarm_keeps_training(local_swarm) -> None:
-    manifest = small_manifest()
-    swarm: LocalSwarm = local_swarm(manifest)
-    driver = swarm.start_first(0, "--linger", "5")
-    victim = swarm.start(1)
-    survivor = swarm.start(1)
-    swarm.wait_for(survivor, lambda e: e["event"] == "round" and e["complete"] and e["group_size"] == 2, 120,
-                   "a round averaged by both stage-1 replicas")
-    # SIGKILL in the middle of the next round's inner steps: microbatches are in flight to it
-    time.sleep(1.5)
-    victim.kill_group(signal.SIGKILL)
-    killed_at = time.time()
-    completed_before = len(driver.events("round"))
-    swarm.wait_for(survivor, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
-                   and e["group_size"] == 1, 90, "a round completed by the survivor alone")
-    swarm.wait_for(driver, lambda e: e["event"] == "round" and e["time"] > killed_at + 1 and e["complete"]
-                   and e["samples"] > 0, 60, "a driver round with trained samples after the kill")
-    retries = driver.events("retry")
-    assert retries, "the driver never re-sent a microbatch after the replica died"
-    victim_id = victim.events("started")[0]["peer"]
-    assert any(r["failed_peer"] == victim_id for r in retries)
-    assert not driver.events("lost"), "a microbatch was given up instead of re-routed"
-    assert len(driver.events("round")) > completed_before
-    assert_replicas_agree(swarm.peers, 1)
-    # the survivor and the driver still shut down cleanly
-    for peer in (driver, survivor):
-        peer.signal(signal.SIGTERM)
-    for peer in (driver, survivor):
-        assert peer.proc.wait(20) == 0, peer.log_tail()
+        if codes[peer.name] == 0:
+            stopped = peer.events("stopped")
+            assert stopped and stopped[0]["bytes_sent"] > 0
