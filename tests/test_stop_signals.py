@@ -88,13 +88,15 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
         assert all(os.getpgid(q.pid) != p.proc.pid for q in dht_side), "DHT process or p2pd in the peer's group"
     witness = peers[3].events("started")[0]["maddrs"]
 
-    def stop(peer: PeerProcess, sig: int, records: Callable[[], dict[str, str]]) -> None:
+    def signal_and_announce(peer: PeerProcess, sig: int, records: Callable[[], dict[str, str]]) -> None:
         os.killpg(peer.proc.pid, sig)  # the whole group, as a terminal or supervisor does
         leaving = swarm.wait_for(peer, lambda e: e["event"] == "leaving", m.timeouts.shutdown + 10,
                                  "leaving")
         assert leaving["announced"] is True, peer.log_tail()
         # read at once: the record expires timeouts.announce_ttl after the announce
         assert records().get(leaving["peer"]) == "leaving"
+
+    def left_cleanly(peer: PeerProcess, sig: int) -> None:
         assert peer.proc.wait(m.timeouts.shutdown + 20) == 0, peer.log_tail()
         log = peer.log_path.read_text()
         assert "could not announce that it is leaving" not in log
@@ -104,10 +106,15 @@ def test_group_signals_leave_cleanly_and_leave_nothing(local_swarm) -> None:
         assert peer.events("stopped")
         assert not _running(trees[peer.name], 15), f"{signal.Signals(sig).name} left processes running"
 
+    # one peer after the other announces that it leaves; their shutdowns then overlap
+    stops = [(peers[0], signal.SIGINT),   # Ctrl-C
+             (peers[1], signal.SIGTERM),  # kill -TERM -PGID, a supervisor
+             (peers[2], signal.SIGHUP)]   # its terminal closed
     with _reader(witness, m) as records:
-        stop(peers[0], signal.SIGINT, records)   # Ctrl-C
-        stop(peers[1], signal.SIGTERM, records)  # kill -TERM -PGID, a supervisor
-        stop(peers[2], signal.SIGHUP, records)   # its terminal closed
+        for peer, sig in stops:
+            signal_and_announce(peer, sig, records)
+    for peer, sig in stops:
+        left_cleanly(peer, sig)
 
     sockets = _daemon_sockets(peers[3].proc.pid)  # a SIGKILLed process cannot remove its own
     os.killpg(peers[3].proc.pid, signal.SIGKILL)  # a group SIGKILL (the tests' own teardown)
@@ -133,26 +140,32 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("created_in", ["main", "thread"])
-def test_dht_process_dies_with_a_killed_parent(created_in: str) -> None:
+def test_dht_process_dies_with_a_killed_parent(p2p_daemons: None) -> None:
     """SIGKILL to the process that created the DHT, alone (its group untouched): the DHT process
-    and its p2pd stop within seconds instead of running on as orphans."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, created_in], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    tree: list[psutil.Process] = []
+    and its p2pd stop within seconds instead of running on as orphans. Created from the main thread
+    the DHT process has PR_SET_PDEATHSIG; from another thread it cannot (the signal follows the
+    creating thread) and its getppid() watchdog does it: two holders, one of each, run at once."""
+    modes = ("main", "thread")
+    procs = {mode: subprocess.Popen([sys.executable, "-c", _HOLDER, mode], stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True) for mode in modes}
+    trees: dict[str, list[psutil.Process]] = {mode: [] for mode in modes}
     try:
-        dht_pid = int(proc.stdout.readline())
-        tree = _tree(proc.pid)
-        assert sorted(p.name() for p in _dht_side(tree)) == ["p2pd", "python"], tree
-        assert os.getpgid(dht_pid) == dht_pid != proc.pid
-        proc.kill()  # the parent alone
-        proc.wait(10)
-        assert not _running(tree[1:], 15), f"the DHT process or p2pd outlived its parent ({created_in})"
+        for mode, proc in procs.items():
+            dht_pid = int(proc.stdout.readline())
+            trees[mode] = _tree(proc.pid)
+            assert sorted(p.name() for p in _dht_side(trees[mode])) == ["p2pd", "python"], trees[mode]
+            assert os.getpgid(dht_pid) == dht_pid != proc.pid
+        for proc in procs.values():
+            proc.kill()  # the parent alone
+            proc.wait(10)
+        for mode in modes:
+            assert not _running(trees[mode][1:], 15), f"the DHT process or p2pd outlived its parent ({mode})"
     finally:
-        proc.kill()
-        for p in tree:  # whatever a failed run left
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait(10)
+        for mode, proc in procs.items():
+            proc.kill()
+            for p in trees[mode]:  # whatever a failed run left
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.wait(10)
