@@ -24,6 +24,7 @@ from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, StageContract
 
 from conftest import small_manifest
+from until import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +104,7 @@ def test_a_lost_answer_is_trained_once() -> None:
         await driver.flush_commits()
         assert workers[B].tally.accumulated == 1 and workers[B].held == 0  # committed by the driver
         assert workers[A].tally.accumulated == 0 and workers[A].held == 1  # computed, answer lost: held
-        await asyncio.sleep(0.5)  # past timeouts.commit
+        await until(lambda: workers[A].held == 0, "A drops its held microbatch once timeouts.commit passed")
         assert workers[A].held == 0 and workers[A].uncommitted == 1 and workers[A].tally.accumulated == 0
         assert all(p.grad is None for p in workers[A].module.parameters())
         assert workers[DRIVER].tally.accumulated == 1  # the driver's own stage: once
@@ -215,7 +216,7 @@ def test_a_request_of_the_next_round_is_held_until_the_round_is_over() -> None:
                                      round=server.clock.current + ahead)
 
         answer = asyncio.create_task(server.handle(request(1), DRIVER))
-        await asyncio.sleep(0.1)
+        await until(lambda: server.clock.seen == server.clock.current + 1, "the server saw the next round")
         assert not answer.done() and server.clock.seen == server.clock.current + 1  # held; our round ends
         await w.pause()  # what the round runner does: pause, average, advance, resume
         # a late one of the round being ended is refused at once: its driver must get on to its own boundary

@@ -35,6 +35,8 @@ from swarmgrad.protocol.validation import (MAX_ROUND, RunIdentity, StageContract
                                            encoded_to_proto, envelope, raw_from_tensor, validate_average,
                                            validate_forward)
 
+from until import until
+
 IDENTITY = RunIdentity(run_id="run-a", manifest_hash="0123456789abcdef0123456789abcdef")
 SEQ, D, VOCAB = 4, 3, 16
 MAX_NUMEL = 1 << 16
@@ -630,7 +632,7 @@ def rss() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_server_survives_stream_attacks() -> None:
+def test_server_survives_stream_attacks(p2p_daemons: None) -> None:
     """Each attack is refused with its status; memory stays flat; a valid call works after each."""
     outcomes: dict[str, tuple[int, str, float]] = {}
 
@@ -672,7 +674,7 @@ def test_server_survives_stream_attacks() -> None:
 
         # 4. more concurrent streams than allowed: 3 held open (silent), a 4th and a real call refused
         held = [await raw_stream(b, a) for _ in range(3)]
-        await asyncio.sleep(0.2)  # let the server admit them
+        await until(lambda: server.open_streams == 3, "the server admitted the 3 held streams")
         reader, writer = await raw_stream(b, a)
         start = time.perf_counter()
         resp = await refusal_of(reader)
@@ -691,15 +693,15 @@ def test_server_survives_stream_attacks() -> None:
         frame = pb.Frame(data=b"\1" * 100_000, last=False).SerializeToString()
         writer.write(len(frame).to_bytes(HEADER_BYTES, "big") + frame)
         await writer.drain()
-        await asyncio.sleep(0.3)
+        await until(lambda: server.buffered_bytes >= 100_000, "the server holds the 100 kB frame")
         big = pb.StateRequest(envelope=pb.Envelope(run_id="x" * 100_000))
         over = await client.call(a.peer_id, "echo", big, pb.StateResponse, timeout=10)
         outcomes["bytes over budget"] = (over.status, over.reason, 0.0)
         assert (await refusal_of(reader)).status == pb.DEADLINE_EXCEEDED
         writer.close()
         await valid_call(client, a, "x" * 100_000)
-        await asyncio.sleep(0.1)
-        assert server.open_streams == 0 and server.buffered_bytes == 0
+        await until(lambda: server.open_streams == 0 and server.buffered_bytes == 0,
+                    "the server let go of every stream and byte")
         outcomes["rss growth MB"] = (0, "", (rss() - before) / 2**20)
 
     with_pair(body, max_streams_per_peer=3, max_buffered_bytes=150_000)
@@ -716,7 +718,7 @@ def test_server_survives_stream_attacks() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_client_survives_hostile_servers() -> None:
+def test_client_survives_hostile_servers(p2p_daemons: None) -> None:
     """A server that answers with a huge prefix, endless frames, silence, garbage or an unknown
     status: every call ends in RPCFailed (or a response the validators refuse), quickly."""
     from swarmgrad.peer.net.rpc import RPCFailed
@@ -792,7 +794,7 @@ def test_client_survives_hostile_servers() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_server_keeps_its_side_open_until_the_caller_has_the_answer() -> None:
+def test_server_keeps_its_side_open_until_the_caller_has_the_answer(p2p_daemons: None) -> None:
     """A handler that closed its stream right after writing the answer lost answers under load: the
     p2p daemon resets a stream whose handler side closed while the caller's side is open, and the
     reset drops what the caller's daemon had not yet handed over ("stream ended before the last
@@ -811,11 +813,7 @@ def test_server_keeps_its_side_open_until_the_caller_has_the_answer() -> None:
             await asyncio.wait_for(reader.read(1), 1.0)
         assert server.open_streams == 1
         writer.close()
-        for _ in range(100):  # once we closed, the server lets go of the stream
-            if server.open_streams == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert server.open_streams == 0
+        await until(lambda: server.open_streams == 0, "the server let go of the stream once we closed")
         await valid_call(client, a, "after")
 
     with_pair(body, drain_timeout=30.0)

@@ -18,6 +18,8 @@ from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.placement.cost import stage_costs
 from swarmgrad.peer.compute.worker import StageWorker
 
+from until import until
+
 pytestmark = pytest.mark.timeout(60)
 
 QUOTA = 2
@@ -95,7 +97,8 @@ def test_next_step_runs_against_a_stash_and_its_gradients_are_one_step_stale() -
         # the first two fill step 0; the next two were let in ahead, for step 1, against a stash
         assert [s.step for s in slots] == [0, 0, 1, 1] and [s.ahead for s in slots] == [False, False, True, True]
         assert slots[2].stash is slots[3].stash, "one stash per step"
-        await asyncio.sleep(0.1)  # the ahead ones finish first: held, step 0 is not taken without its own
+        # the ahead ones finish first: held, step 0 is not taken without its own
+        await until(lambda: w.lookahead.held == 2, "the two ahead microbatches held")
         assert w.lookahead.held == 2 and w.tally.accumulated == 0 and w.steps_total == 0
         release.set()
         await asyncio.wait_for(asyncio.gather(*lanes), 5)
@@ -176,7 +179,7 @@ def test_cancelled_ahead_microbatches_leave_no_count() -> None:
                 await release.wait()
 
         tasks = [asyncio.create_task(handler()) for _ in range(4)]
-        await asyncio.sleep(0.05)
+        await until(lambda: w.gate.in_flight == 4, "the 4 handlers admitted")
         assert w.gate.in_flight_current == 2 and w.gate.in_flight_ahead == 2
         for t in tasks:
             t.cancel()

@@ -15,6 +15,8 @@ from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
+from until import until
+
 
 class SlowSwarm:
     """Stores that take a while; records when each begins and ends."""
@@ -69,7 +71,7 @@ def test_a_leaving_announce_waits_for_the_store_in_flight_and_goes_last() -> Non
         p = presence(swarm, phase)
         phase.enter(Phase.SERVING)
         heartbeat = asyncio.ensure_future(p.announce())
-        await asyncio.sleep(0.01)  # the heartbeat's store is on its way
+        await until(lambda: swarm.log == [("begin", ONLINE)], "the heartbeat's store is on its way")
         phase.enter(Phase.LEAVING)
         leaving = asyncio.ensure_future(p.announce())
         await asyncio.sleep(0.01)

@@ -25,6 +25,8 @@ from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
+from until import until
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -64,7 +66,7 @@ def test_a_microbatch_of_the_next_round_ends_it_during_a_slow_read() -> None:
         swarm = SlowSwarm(delay=5.0, driver_round=0)  # the drivers' records say nothing yet, slowly
         runner, clock, worker = _runner(swarm)
         waiting = asyncio.create_task(runner.wait_boundary(0, asyncio.Event()))
-        await asyncio.sleep(0.2)
+        await until(lambda: swarm.reads == 1, "the drivers' records read")
         assert not waiting.done() and swarm.reads == 1  # the read is under way
         started = time.monotonic()
         assert clock.observe(1)  # what the stage server does with a request of round 1
@@ -91,7 +93,8 @@ def test_a_round_goes_on_while_the_drivers_are_in_it() -> None:
         runner, clock, worker = _runner(swarm)
         stop = asyncio.Event()
         waiting = asyncio.create_task(runner.wait_boundary(0, stop))
-        await asyncio.sleep(1.5)  # past one poll interval (BOUNDARY_POLL_SECONDS): it reads again
+        # one poll interval (BOUNDARY_POLL_SECONDS) later it reads again
+        await until(lambda: swarm.reads >= 2, "a second read of the drivers' records")
         assert not waiting.done() and swarm.reads >= 2
         stop.set()
         clock.wake()

@@ -14,6 +14,8 @@ from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.compute.worker import NonFiniteLoss, NotReady, StageWorker
 
+from until import until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -37,7 +39,7 @@ def test_cancelled_handlers_leave_no_phantom_in_flight() -> None:
                 await release.wait()
 
         tasks = [asyncio.create_task(handler()) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: w.gate.in_flight == 2, "both handlers admitted")
         assert w.gate.in_flight == 2
         for t in tasks:
             t.cancel()
