@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from swarmgrad.peer.net.dht_process import remove_dead_sockets
-from swarmgrad.peer.cli.launcher import LocalSwarm, PrivateSwarm, small_manifest  # noqa: F401  (tests import it from here)
+from swarmgrad.peer.cli.launcher import LocalSwarm, PrivateSwarm
+from swarmgrad.peer.cli.launcher import small_manifest  # noqa: F401  (tests import it from here)
 from swarmgrad.peer.manifest import Manifest, dumps
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
