@@ -28,6 +28,8 @@ from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
+from until import until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -206,7 +208,7 @@ def test_a_held_microbatch_leaves_once_by_commit_or_by_its_timeout() -> None:
         assert [(k[1], h.batch, h.loss) for k, h in popped] == [(1, 4, 2.5)], "the newer hold, unknown keys skipped"
         held.record([k for k, _ in popped])
         assert held.take_committed() == ["aaaaaaaa:1"] and held.take_committed() == []
-        await asyncio.sleep(0.25)
+        await until(lambda: len(held) == 0, "the rest dropped after their timeout")
         assert len(held) == 0 and held.uncommitted == 2 and dropped == [1, 2], "the rest dropped, each once"
         assert held.pop([("driver-aaaaaaaa", 2, 0)]) == [], "a dropped microbatch cannot be committed"
         held.hold(("driver-aaaaaaaa", 4, 0), 3, grads, None, step=0)
