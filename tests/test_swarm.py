@@ -1,6 +1,6 @@
 """Swarm behaviour with real peer processes talking through hivemind on 127.0.0.1.
 
-One swarm of four peers (two drivers on stage 0, two replicas of stage 1, `--max-rounds ROUNDS`)
+One swarm of four peers (two drivers on stage 0, two replicas of stage 1, a bounded run)
 serves the first four tests, in the order they are written, each checking one thing while it runs:
 an outside client lists every peer; a driver's /metrics move; a stage-1 replica is SIGKILLed
 mid-round and the swarm trains on (the only test that harms the swarm, so it comes after those that
@@ -28,10 +28,14 @@ from metrics_page import Samples, scrape, value
 
 pytestmark = pytest.mark.timeout(240)
 
-ROUNDS = 10
-"""--max-rounds of the shared swarm: stage 1 averages at least 3 rounds with both replicas before
-the kill, and the survivor and the drivers still have rounds to train after it, though the tests
-before it (a `swarmgrad status` process: ~25 s at load 11 on 2 cores) delay it."""
+ROUNDS = 11
+"""--max-rounds of the shared swarm's drivers: stage 1 averages at least 3 rounds with both replicas
+before the kill, and the survivor and the drivers still train 2 rounds after it, though the tests
+before it delay it (a `swarmgrad status` process takes ~25 s at load 10 on 2 cores: the kill came
+in the 8th round the drivers counted).
+Stage 1 gets two rounds more: each peer counts its rounds from the first it trained, so a driver
+that came up a round late ends a round after the others, and a stage-1 replica that has counted
+all its rounds refuses that driver's final evaluation as work of a later round."""
 
 
 def complete_rounds(peers: list[PeerProcess], stage: int) -> dict[int, list[dict]]:
@@ -105,14 +109,15 @@ def four_peers(module_swarm: Callable) -> FourPeers:
     swarm: LocalSwarm = module_swarm(small_manifest())
     # Stage 1 serves until the drivers' records say they left (their final evaluations pass through
     # it); --linger only bounds that wait, and 15 s ran out once before a slowed driver's final eval
-    common = ("--max-rounds", str(ROUNDS), "--linger", "60")
-    watched = swarm.start_first(0, *common, "--metrics-port", "0")
+    drives = ("--max-rounds", str(ROUNDS), "--linger", "60")
+    serves = ("--max-rounds", str(ROUNDS + 2), "--linger", "60")
+    watched = swarm.start_first(0, *drives, "--metrics-port", "0")
     port = watched.events("started")[0]["metrics_port"]
     assert isinstance(port, int) and port > 0
     alone = scrape(port)
-    victim = swarm.start(1, *common)
-    swarm.start(0, *common)
-    survivor = swarm.start(1, *common)
+    victim = swarm.start(1, *serves)
+    swarm.start(0, *drives)
+    survivor = swarm.start(1, *serves)
     return FourPeers(swarm, watched, port, alone, victim, survivor)
 
 
@@ -203,7 +208,7 @@ def test_replica_killed_mid_round_swarm_keeps_training(four_peers: FourPeers) ->
 
 
 def test_four_peers_train_and_replicas_stay_identical(four_peers: FourPeers) -> None:
-    """The run ends after ROUNDS rounds: every peer still running exits 0 (the survivor and the
+    """The run ends after its rounds: every peer still running exits 0 (the survivor and the
     drivers after the kill too), and what the whole run did is checked."""
     swarm = four_peers.swarm
     codes = dict(zip((p.name for p in swarm.peers), swarm.wait_exit(150)))
