@@ -209,8 +209,9 @@ def test_private_run(private_swarm, tmp_path: Path) -> None:
     assert revocation["lag"] <= heartbeat + m.timeouts.dht + 1.0, revocation
     print(f"revoked peer refused {revocation['lag']:.2f}s after `swarmgrad revoke` (heartbeat {heartbeat}s)")
 
-    # ---- the dashboard in a real browser matches the JSON API
-    swarm.wait_for(driver, lambda e: e["event"] == "round" and e["samples"] > 0, 120, "a trained round")
+    # ---- the dashboard in a real browser matches the JSON API, once both stages trained
+    for p in peers:
+        swarm.wait_for(p, lambda e: e["event"] == "round" and e["samples"] > 0, 120, "a trained round")
     if chromium_available():
         url = f"http://127.0.0.1:{swarm.http_port}/"
         view = parse_dashboard(dump_dom(url, budget_ms=6000))
