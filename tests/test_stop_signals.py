@@ -140,32 +140,26 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
-def test_dht_process_dies_with_a_killed_parent(p2p_daemons: None) -> None:
+@pytest.mark.parametrize("created_in", ["main", "thread"])
+def test_dht_process_dies_with_a_killed_parent(p2p_daemons: None, created_in: str) -> None:
     """SIGKILL to the process that created the DHT, alone (its group untouched): the DHT process
-    and its p2pd stop within seconds instead of running on as orphans. Created from the main thread
-    the DHT process has PR_SET_PDEATHSIG; from another thread it cannot (the signal follows the
-    creating thread) and its getppid() watchdog does it: two holders, one of each, run at once."""
-    modes = ("main", "thread")
-    procs = {mode: subprocess.Popen([sys.executable, "-c", _HOLDER, mode], stdout=subprocess.PIPE, text=True,
-                                    start_new_session=True) for mode in modes}
-    trees: dict[str, list[psutil.Process]] = {mode: [] for mode in modes}
+    and its p2pd stop within seconds instead of running on as orphans."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, created_in], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    tree: list[psutil.Process] = []
     try:
-        for mode, proc in procs.items():
-            dht_pid = int(proc.stdout.readline())
-            trees[mode] = _tree(proc.pid)
-            assert sorted(p.name() for p in _dht_side(trees[mode])) == ["p2pd", "python"], trees[mode]
-            assert os.getpgid(dht_pid) == dht_pid != proc.pid
-        for proc in procs.values():
-            proc.kill()  # the parent alone
-            proc.wait(10)
-        for mode in modes:
-            assert not _running(trees[mode][1:], 15), f"the DHT process or p2pd outlived its parent ({mode})"
+        dht_pid = int(proc.stdout.readline())
+        tree = _tree(proc.pid)
+        assert sorted(p.name() for p in _dht_side(tree)) == ["p2pd", "python"], tree
+        assert os.getpgid(dht_pid) == dht_pid != proc.pid
+        proc.kill()  # the parent alone
+        proc.wait(10)
+        assert not _running(tree[1:], 15), f"the DHT process or p2pd outlived its parent ({created_in})"
     finally:
-        for mode, proc in procs.items():
-            proc.kill()
-            for p in trees[mode]:  # whatever a failed run left
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            proc.wait(10)
+        proc.kill()
+        for p in tree:  # whatever a failed run left
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(10)
