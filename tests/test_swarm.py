@@ -1,7 +1,7 @@
 """Swarm behaviour with real peer processes talking through hivemind on 127.0.0.1.
 
 One swarm of four peers (two drivers on stage 0, two replicas of stage 1, a bounded run)
-serves the first four tests, in the order they are written, each checking one thing while it runs:
+serves the module's tests, in the order they are written, each checking one thing while it runs:
 an outside client lists every peer; a driver's /metrics move; a stage-1 replica is SIGKILLed
 mid-round and the swarm trains on (the only test that harms the swarm, so it comes after those that
 read it); then the run ends: every live peer exits 0, validation dropped, and the replicas of each
