@@ -229,9 +229,15 @@ def test_private_run(private_swarm, tmp_path: Path) -> None:
 
     # ---- the coordinator's metrics move
     metrics_url = f"http://127.0.0.1:{swarm.metrics_port}/metrics"
+    # every admission: each peer's and the revoked caller's (the page is rewritten once a heartbeat)
+    admitted = len(peers) + 1
+    deadline = time.monotonic() + 10 * heartbeat
     first = _get(metrics_url)
-    # every admission: each peer's and the revoked caller's
-    assert _metric(first, "swarmgrad_coordinator_grpc_calls_total", 'method="Admit"') >= len(peers) + 1
+    while _metric(first, "swarmgrad_coordinator_grpc_calls_total", 'method="Admit"') < admitted \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+        first = _get(metrics_url)
+    assert _metric(first, "swarmgrad_coordinator_grpc_calls_total", 'method="Admit"') >= admitted
     swarm.wait_for(swarm.coordinator, lambda e: e["event"] == "checkpoint", 120, "a checkpoint")
     deadline = time.monotonic() + 60
     second = _get(metrics_url)
