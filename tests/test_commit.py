@@ -24,7 +24,7 @@ from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.validation import RunIdentity, StageContract
 
 from conftest import small_manifest
-from until import until
+from support.until import until
 
 pytestmark = pytest.mark.timeout(60)
 

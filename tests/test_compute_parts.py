@@ -28,7 +28,7 @@ from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
-from until import until
+from support.until import until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from browser import dump_dom, parse_dashboard, png_size, screenshot
+from support.browser import dump_dom, parse_dashboard, png_size, screenshot
 from swarmgrad.peer.coordinator.web import DASHBOARD_DIR, DashboardServer
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"

@@ -35,7 +35,7 @@ from swarmgrad.protocol.validation import (MAX_ROUND, RunIdentity, StageContract
                                            encoded_to_proto, envelope, raw_from_tensor, validate_average,
                                            validate_forward)
 
-from until import until
+from support.until import until
 
 IDENTITY = RunIdentity(run_id="run-a", manifest_hash="0123456789abcdef0123456789abcdef")
 SEQ, D, VOCAB = 4, 3, 16

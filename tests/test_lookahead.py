@@ -18,7 +18,7 @@ from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.placement.cost import stage_costs
 from swarmgrad.peer.compute.worker import StageWorker
 
-from until import until
+from support.until import until
 
 pytestmark = pytest.mark.timeout(60)
 

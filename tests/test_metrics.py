@@ -11,7 +11,7 @@ from swarmgrad.peer.events import EventLog, read_events
 from swarmgrad.peer.node.metrics import PeerMetrics
 from swarmgrad.peer.net.rpc import TRAFFIC_KINDS, Traffic, traffic_kind
 
-from metrics_page import scrape, value
+from support.metrics_page import scrape, value
 
 
 def test_traffic_kind_of_each_method() -> None:

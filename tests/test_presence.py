@@ -15,7 +15,7 @@ from swarmgrad.peer.state.phase import Phase, ReplicaPhase
 from swarmgrad.peer.state.presence import Presence
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
-from until import until
+from support.until import until
 
 
 class SlowSwarm:

@@ -24,7 +24,7 @@ from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity, envelope
 
-from browser import SKIP_REASON, chromium_available, dump_dom, parse_dashboard, screenshot
+from support.browser import SKIP_REASON, chromium_available, dump_dom, parse_dashboard, screenshot
 from conftest import small_manifest
 
 

@@ -25,7 +25,7 @@ from swarmgrad.peer.compute.worker import StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
-from until import until
+from support.until import until
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -24,7 +24,7 @@ import pytest
 from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess
 
 from conftest import small_manifest
-from metrics_page import Samples, scrape, value
+from support.metrics_page import Samples, scrape, value
 
 pytestmark = pytest.mark.timeout(240)
 

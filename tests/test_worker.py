@@ -14,7 +14,7 @@ from swarmgrad.peer.manifest import InnerOptConfig, RoundsConfig, ScheduleConfig
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.compute.worker import NonFiniteLoss, NotReady, StageWorker
 
-from until import until
+from support.until import until
 
 pytestmark = pytest.mark.timeout(60)
 
