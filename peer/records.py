@@ -76,8 +76,8 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}/stage/{stage}"
 
 
-def round_key(run_id: str, stage: int, round: int) -> str:
-    return f"{run_id}/round/{stage}/{round}"
+def round_key(run_id: str, stage: int, round_no: int) -> str:
+    return f"{run_id}/round/{stage}/{round_no}"
 
 
 @dataclass
