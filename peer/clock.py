@@ -44,17 +44,17 @@ class RoundClock:
             return None
         return max(0, math.floor((now - self.epoch) / self.cfg.round_seconds))
 
-    def wall_end(self, round: int) -> float | None:
+    def wall_end(self, round_no: int) -> float | None:
         if self.epoch is None or not self.cfg.round_seconds:
             return None
-        return self.epoch + (round + 1) * self.cfg.round_seconds
+        return self.epoch + (round_no + 1) * self.cfg.round_seconds
 
-    def observe(self, round: int) -> bool:
+    def observe(self, round_no: int) -> bool:
         """A microbatch of `round` arrived. True if it is later than ours: we end our round first
         (and the caller answers NOT_READY meanwhile)."""
-        if round <= self.current:
+        if round_no <= self.current:
             return False
-        self.seen = max(self.seen, round)
+        self.seen = max(self.seen, round_no)
         self._wake.set()
         return True
 
@@ -80,13 +80,13 @@ class RoundClock:
         wall = self.wall_round(now)
         return max(self.current + 1, self.seen, wall if wall is not None else 0)
 
-    def advance(self, round: int) -> None:
-        self.current = max(self.current, round)
+    def advance(self, round_no: int) -> None:
+        self.current = max(self.current, round_no)
 
-    def adopt(self, round: int, now: float) -> None:
+    def adopt(self, round_no: int, now: float) -> None:
         """A downloaded state is ready for `round`: catch up, never move backwards."""
         wall = self.wall_round(now)
-        self.current = max(self.current, round, wall if wall is not None else 0)
+        self.current = max(self.current, round_no, wall if wall is not None else 0)
 
     def count(self, trained: bool) -> None:
         """A round ended; it counts once the stage group has trained at all (a swarm still

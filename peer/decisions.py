@@ -13,7 +13,7 @@ from swarmgrad.peer.records import FAILED
 from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
 
 
-def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
+def round_ended(*, round_no: int, seen: int, counts_steps: bool, inner_steps: int, steps_per_round: int,
                 now: float, wall_end: float | None, drivers_min_round: int | None) -> bool:
     """Has round `round` ended for this replica? Whichever comes first:
     - a microbatch of a later round arrived (`seen`);
@@ -22,13 +22,13 @@ def round_ended(*, round: int, seen: int, counts_steps: bool, inner_steps: int, 
     - on a later stage without a wall clock, every online driver is already past it (their
       records say so: a replica that gets no more work still ends its round).
     """
-    if seen > round:
+    if seen > round_no:
         return True
     if counts_steps and steps_per_round and inner_steps >= steps_per_round:
         return True
     if wall_end is not None and now >= wall_end:
         return True
-    return drivers_min_round is not None and drivers_min_round > round
+    return drivers_min_round is not None and drivers_min_round > round_no
 
 
 def drivers_min_round(drivers: Sequence[PeerRecord]) -> int | None:
@@ -134,7 +134,7 @@ def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int,
     return sorted(r.peer_id for r in newer if r.digest == digest)
 
 
-def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: int,
+def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round_no: int,
                    abandoned: Iterable[str] = (), silent: Iterable[str] = ()) -> bool:
     """Has every other member of the failed round applied it or not, as far as anyone can learn?
     Each one has announced a later round (if none of them applied it, nobody did), or said it
@@ -146,7 +146,7 @@ def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round: 
     for the other to announce a later round, which it does only after its own wait: both would
     stall for the whole wait (matchmaking + allreduce) and then keep their state anyway. A silent member
     that did apply the round (its vote unseen) is a replica the next round finds stale."""
-    finished = {r.peer_id for r in records if r.peer_id in others and r.round > round}
+    finished = {r.peer_id for r in records if r.peer_id in others and r.round > round_no}
     return set(others) <= finished | set(abandoned) | set(silent)
 
 
@@ -183,7 +183,7 @@ def eval_due(*, is_driver: bool, driving: bool, evaluating: bool, eval_every: in
     return rounds_done > 0 and rounds_done % eval_every == 0
 
 
-def evaluates(*, me: str, group: Sequence[str], run_id: str, round: int, evaluators: int) -> bool:
+def evaluates(*, me: str, group: Sequence[str], run_id: str, round_no: int, evaluators: int) -> bool:
     """Whether this driver is one of a due round's evaluators: the `evaluators` members of the
     round's averaging group that rank first under rendezvous hashing of (run, round). Every member
     knows the same group, so they agree without a message, and the round in the hash rotates the
@@ -191,7 +191,7 @@ def evaluates(*, me: str, group: Sequence[str], run_id: str, round: int, evaluat
     scores its own; `evaluators` 0: every driver evaluates."""
     if evaluators <= 0 or me not in group:
         return True
-    rank = sorted(group, key=lambda p: hashlib.sha256(f"{run_id}/eval/{round}/{p}".encode()).digest())
+    rank = sorted(group, key=lambda p: hashlib.sha256(f"{run_id}/eval/{round_no}/{p}".encode()).digest())
     return me in rank[:evaluators]
 
 

@@ -76,13 +76,13 @@ def test_byzantine_testing_aid_corrupts_as_documented() -> None:
     from swarmgrad.peer.rounds.runner import corrupt
     torch.manual_seed(0)
     delta = {"w": torch.randn(64, 64) * 0.01, "b": torch.zeros(8)}
-    scaled = corrupt(delta, "scale", round=3)
+    scaled = corrupt(delta, "scale", round_no=3)
     assert torch.equal(scaled["w"], delta["w"] * 100.0)
-    noise = corrupt(delta, "random", round=3)
+    noise = corrupt(delta, "random", round_no=3)
     rms = float(delta["w"].pow(2).mean().sqrt())
     assert noise["w"].shape == delta["w"].shape and 7 * rms < float(noise["w"].pow(2).mean().sqrt()) < 13 * rms
-    assert torch.equal(noise["w"], corrupt(delta, "random", round=3)["w"])  # seeded by the round
-    assert not torch.equal(noise["w"], corrupt(delta, "random", round=4)["w"])
+    assert torch.equal(noise["w"], corrupt(delta, "random", round_no=3)["w"])  # seeded by the round
+    assert not torch.equal(noise["w"], corrupt(delta, "random", round_no=4)["w"])
 
 
 def test_a_scaled_honest_update_weighs_like_an_honest_one() -> None:

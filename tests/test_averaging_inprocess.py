@@ -45,11 +45,11 @@ class Stage:
         """`peer`'s record says ONLINE, with `applied_rounds` rounds applied."""
         await announce(self.views[peer], STAGE, applied_rounds=applied_rounds)
 
-    async def registrations(self, round: int) -> dict[str, dict]:
-        return await next(iter(self.views.values())).round_registrations(STAGE, round)
+    async def registrations(self, round_no: int) -> dict[str, dict]:
+        return await next(iter(self.views.values())).round_registrations(STAGE, round_no)
 
-    async def votes(self, round: int) -> dict[str, str]:
-        return await next(iter(self.views.values())).round_checks(STAGE, round)
+    async def votes(self, round_no: int) -> dict[str, str]:
+        return await next(iter(self.views.values())).round_checks(STAGE, round_no)
 
 
 def manifest(codec: str = "fp32", ef: bool = False, robust: int = 3) -> Manifest:
@@ -78,8 +78,8 @@ def deltas(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 async def run_all(averagers: list[Averager], inputs: list[dict[str, torch.Tensor]], weights: list[float],
-                  round: int = 0) -> list[RoundResult]:
-    return await asyncio.gather(*(a.run_round(round, d, w, "digest", 0) for a, d, w in zip(averagers, inputs, weights)))
+                  round_no: int = 0) -> list[RoundResult]:
+    return await asyncio.gather(*(a.run_round(round_no, d, w, "digest", 0) for a, d, w in zip(averagers, inputs, weights)))
 
 
 def test_three_members_agree_on_the_weighted_mean() -> None:
@@ -131,7 +131,7 @@ def test_a_member_killed_between_the_exchange_and_its_vote_fails_the_round_at_on
             def __getattr__(self, name: str) -> Any:
                 return getattr(view, name)
 
-            async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
+            async def post_check(self, stage: int, round_no: int, peer_id: str, digest: str) -> bool:
                 net.dead.add(peer_id)
                 await asyncio.sleep(3600)
                 return False
@@ -153,7 +153,7 @@ def test_a_member_killed_between_the_exchange_and_its_vote_fails_the_round_at_on
 def test_failed_round_restores_error_feedback_residuals() -> None:
     async def main() -> None:
         net, _, avgs = await group(2, manifest(codec="int8", ef=True))
-        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round_no=0)
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
         assert before, "int8 leaves residuals behind"
@@ -175,7 +175,7 @@ def test_a_stale_member_keeps_its_residuals_though_it_encoded_during_matchmaking
     is the group's reference) must get its residuals back as they were before that encode."""
     async def main() -> None:
         _, _, avgs = await group(2, manifest(codec="int8", ef=True))
-        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 1.0], round_no=0)
         assert all(r.complete for r in first)
         before = avgs[0].feedback.state_dict()
         avgs[0].reducer.clock.current = avgs[1].reducer.clock.current = 1
@@ -243,7 +243,7 @@ def test_the_first_member_sends_its_parts_to_last_rounds_group_while_it_waits(mo
 
     async def main() -> None:
         _, _, avgs = await group(2, manifest(codec="int8", ef=True))
-        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 3.0], round=0)
+        first = await run_all(avgs, [deltas(0), deltas(1)], [1.0, 3.0], round_no=0)
         assert all(r.complete for r in first) and early_senders == []  # no last round to send to early
         inputs = [deltas(2), deltas(3)]
         waiting = asyncio.ensure_future(avgs[0].run_round(1, inputs[0], 1.0, "digest", 0))
@@ -269,11 +269,11 @@ def test_parts_sent_early_to_a_group_that_changed_are_refused_and_sent_again() -
     is that of all three."""
     async def main() -> None:
         _, swarm, avgs = await group(3, manifest(), online=2)  # round 0: the third is not online yet
-        first = await run_all(avgs[:2], [deltas(0), deltas(1)], [1.0, 1.0], round=0)
+        first = await run_all(avgs[:2], [deltas(0), deltas(1)], [1.0, 1.0], round_no=0)
         assert all(r.complete for r in first) and all(len(r.group) == 2 for r in first)
         await swarm.online(PEERS[2])
         inputs, weights = [deltas(i) for i in range(3, 6)], [1.0, 2.0, 3.0]
-        results = await run_all(avgs, inputs, weights, round=1)
+        results = await run_all(avgs, inputs, weights, round_no=1)
         assert all(r.complete for r in results), [r.reason for r in results]
         assert all(len(r.group) == 3 for r in results)
         for name in SHAPES:
@@ -351,12 +351,12 @@ def test_reducer_feedback_keeps_members_identical_and_loses_nothing() -> None:
         _, _, avgs = await group(3, m)
         applied = {n: torch.zeros(s) for n, s in SHAPES.items()}
         sent = {n: torch.zeros(s) for n, s in SHAPES.items()}
-        for round in range(4):
+        for round_no in range(4):
             for a in avgs:
-                a.reducer.clock.current = round
-            inputs = [deltas(10 * round + i) for i in range(3)]
+                a.reducer.clock.current = round_no
+            inputs = [deltas(10 * round_no + i) for i in range(3)]
             residuals_before = [a.feedback.state_dict() for a in avgs]
-            results = await run_all(avgs, inputs, [1.0, 1.0, 1.0], round=round)
+            results = await run_all(avgs, inputs, [1.0, 1.0, 1.0], round_no=round_no)
             assert all(r.complete for r in results), [r.reason for r in results]
             for name in SHAPES:
                 assert all(torch.equal(r.mean_delta[name], results[0].mean_delta[name]) for r in results)
@@ -414,7 +414,7 @@ def test_a_member_that_voted_its_digest_but_could_not_read_the_votes_looks_for_d
         blind = avgs[1]
         view = swarm.views[blind.peer_id]
 
-        async def blind_checks(stage: int, round: int) -> dict[str, str]:
+        async def blind_checks(stage: int, round_no: int) -> dict[str, str]:
             raise TimeoutError("DHT get timed out")
 
         class BlindView:  # the same DHT, but this member cannot read the votes

@@ -63,9 +63,9 @@ def current(tally: RoundTally) -> Slot:
 def test_the_gate_counts_in_flight_by_step_and_an_ahead_slot_joins_the_current_step_at_a_step() -> None:
     async def main() -> None:
         gate, tally, _, _ = make_gate()
-        async with gate.admit(lambda: current(tally), train=True, wait=False, hold=0, round=None):
-            async with gate.admit(lambda: Slot(tally.steps_total + 1, {}), train=True, wait=False, hold=0, round=None):
-                async with gate.admit(lambda: None, train=False, wait=False, hold=0, round=None) as evaluation:
+        async with gate.admit(lambda: current(tally), train=True, wait=False, hold=0, round_no=None):
+            async with gate.admit(lambda: Slot(tally.steps_total + 1, {}), train=True, wait=False, hold=0, round_no=None):
+                async with gate.admit(lambda: None, train=False, wait=False, hold=0, round_no=None) as evaluation:
                     assert evaluation is PLAIN, "an evaluation takes no place in the quota"
                     assert (gate.in_flight, gate.in_flight_current, gate.in_flight_ahead) == (3, 1, 1)
                 tally.stepped(True)  # the step was applied while the ahead one was in flight
@@ -85,7 +85,7 @@ def test_nothing_is_admitted_while_the_gate_is_closed() -> None:
                 mean.after_step(1)
             else:
                 setattr(gate, close, True)
-            admission = gate.admit(lambda: current(tally), train=True, wait=True, hold=0, round=None)
+            admission = gate.admit(lambda: current(tally), train=True, wait=True, hold=0, round_no=None)
             waiting = asyncio.create_task(admission.__aenter__())  # `admission` kept: its exit releases
             await asyncio.sleep(0.05)
             assert not waiting.done() and gate.in_flight == 0, close
@@ -100,15 +100,15 @@ def test_nothing_is_admitted_while_the_gate_is_closed() -> None:
 
 
 def test_a_caller_that_does_not_wait_is_refused_with_the_reason_or_held_for_a_resume() -> None:
-    async def refused(gate: Gate, round: int | None = None, hold: float = 0.0) -> str:
+    async def refused(gate: Gate, round_no: int | None = None, hold: float = 0.0) -> str:
         with pytest.raises(NotReady) as e:
-            async with gate.admit(lambda: Slot(0), train=True, wait=False, hold=hold, round=round):
+            async with gate.admit(lambda: Slot(0), train=True, wait=False, hold=hold, round_no=round_no):
                 pass
         return str(e.value)
 
     async def main() -> None:
         gate, _, mean, _ = make_gate(current_round=3)
-        assert "before 4" in await refused(gate, round=4), "a request of a later round"
+        assert "before 4" in await refused(gate, round_no=4), "a request of a later round"
         gate.paused = True
         assert await refused(gate) == "between rounds"
         gate.paused = False
@@ -119,7 +119,7 @@ def test_a_caller_that_does_not_wait_is_refused_with_the_reason_or_held_for_a_re
 
         gate.paused = True  # held for up to `hold` seconds: admitted when the resume comes within it
         entering = asyncio.create_task(gate.admit(lambda: Slot(0), train=True, wait=False, hold=5.0,
-                                                  round=None).__aenter__())
+                                                  round_no=None).__aenter__())
         await asyncio.sleep(0.05)
         assert not entering.done()
         async with gate.cond:
@@ -141,7 +141,7 @@ def test_a_dropped_commits_wake_reaches_waiting_admissions() -> None:
         gate, _, _, _ = make_gate()
         places = iter([None, Slot(0)])  # the quota is full until something wakes the gate
         entering = asyncio.create_task(gate.admit(lambda: next(places), train=True, wait=True, hold=0,
-                                                  round=None).__aenter__())
+                                                  round_no=None).__aenter__())
         await asyncio.sleep(0.05)
         assert not entering.done()
         gate.wake()  # from a plain callback, as HeldCommits' on_drop

@@ -6,8 +6,8 @@ from pathlib import Path
 from swarmgrad.peer.coordinator.store import StateDir
 
 
-def info(round: int) -> dict:
-    return {"round": round, "applied_rounds": round, "trained_samples": 10 * round, "digest": f"d{round}"}
+def info(round_no: int) -> dict:
+    return {"round": round_no, "applied_rounds": round_no, "trained_samples": 10 * round_no, "digest": f"d{round_no}"}
 
 
 def test_checkpoints_kept_and_indexed(tmp_path: Path) -> None:

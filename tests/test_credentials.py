@@ -247,8 +247,8 @@ def test_checkpoint_plan_waits_for_every_stage_and_the_majority() -> None:
 def test_checkpoint_store_keeps_the_newest(tmp_path) -> None:
     store = StateDir(tmp_path, RUN, keep_checkpoints=2)
     info = {"round": 1, "applied_rounds": 1, "trained_samples": 8, "digest": "d"}
-    for round in (2, 4, 6):
-        store.write_checkpoint(round, {0: (b"zero", info), 1: (b"one", info)}, "run_id = 'x'", 2)
+    for round_no in (2, 4, 6):
+        store.write_checkpoint(round_no, {0: (b"zero", info), 1: (b"one", info)}, "run_id = 'x'", 2)
     assert store.checkpoint_rounds() == [4, 6]
     assert store.newest(1).round == 1 and store.newest(1).path.read_bytes() == b"one"
     (tmp_path / "checkpoints" / "round-00000008").mkdir()  # a crash before the index: not a checkpoint

@@ -51,12 +51,12 @@ def test_two_members_apply_the_exact_mean_of_what_they_sent_bit_identically() ->
     async def main(m) -> list[float]:
         _, _, avgs = await group(2, m)
         errors = []
-        for round in range(3):
+        for round_no in range(3):
             for a in avgs:
-                a.reducer.clock.current = round
-            inputs, weights = [deltas(10 * round + i) for i in range(2)], [3.0, 5.0]
+                a.reducer.clock.current = round_no
+            inputs, weights = [deltas(10 * round_no + i) for i in range(2)], [3.0, 5.0]
             before = [a.feedback.state_dict() for a in avgs]
-            results = await run_all(avgs, inputs, weights, round=round)
+            results = await run_all(avgs, inputs, weights, round_no=round_no)
             assert all(r.complete for r in results), [r.reason for r in results]
             assert {r.total_weight for r in results} == {8.0}
             for name in SHAPES:

@@ -81,24 +81,24 @@ class Group:
         self.release: dict[int, asyncio.Event] = {}
         self.fail: set[int] = set()
 
-    def _events(self, round: int) -> tuple[asyncio.Event, asyncio.Event]:
-        ready = self.ready.setdefault(round, asyncio.Event())
-        release = self.release.setdefault(round, asyncio.Event())
+    def _events(self, round_no: int) -> tuple[asyncio.Event, asyncio.Event]:
+        ready = self.ready.setdefault(round_no, asyncio.Event())
+        release = self.release.setdefault(round_no, asyncio.Event())
         if not self.hold:
             release.set()
         return ready, release
 
-    async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float) -> RoundResult:
-        ready, release = self._events(round)
-        self.sent.setdefault(round, []).append((weight, {n: t.clone() for n, t in delta.items()}))
-        if len(self.sent[round]) == self.members:
+    async def run_round(self, round_no: int, delta: dict[str, torch.Tensor], weight: float) -> RoundResult:
+        ready, release = self._events(round_no)
+        self.sent.setdefault(round_no, []).append((weight, {n: t.clone() for n, t in delta.items()}))
+        if len(self.sent[round_no]) == self.members:
             ready.set()
         await ready.wait()
         await release.wait()
-        if round in self.fail:
+        if round_no in self.fail:
             return RoundResult(False, "failed on purpose", ("a", "b"), None)
-        total = sum(w for w, _ in self.sent[round])
-        mean = {n: sum(w * d[n] for w, d in self.sent[round]) / total for n in delta}
+        total = sum(w for w, _ in self.sent[round_no])
+        mean = {n: sum(w * d[n] for w, d in self.sent[round_no]) / total for n in delta}
         return RoundResult(True, "", ("a", "b"), mean, total_weight=total)
 
 
@@ -109,9 +109,9 @@ class Member:
     patience: float = 5.0
     resets: int = 0
 
-    async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
+    async def run_round(self, round_no: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
-        return await self.group.run_round(round, delta, weight)
+        return await self.group.run_round(round_no, delta, weight)
 
     def reset_feedback(self) -> None:
         self.resets += 1
@@ -124,7 +124,7 @@ class FakeSync:
     served: dict[str, float] = field(default_factory=dict)
     """Nobody downloads: no boundary is held for joiners (tests/test_join_hold.py)."""
 
-    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+    async def resync(self, round_no: int, result: RoundResult, overlapped: bool = False) -> bool:
         if self.donor is None:
             return False
         snap = self.donor.snapshot

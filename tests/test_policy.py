@@ -10,14 +10,14 @@ from swarmgrad.peer.manifest import RoundsConfig
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE, PeerRecord
 
 
-def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round: int = 0, applied: int = 0, digest: str = "d",
+def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round_no: int = 0, applied: int = 0, digest: str = "d",
         driver: bool = False) -> PeerRecord:
-    return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=round, applied_rounds=applied,
+    return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=round_no, applied_rounds=applied,
                       digest=digest, manifest_hash="h", driver=driver)
 
 
 def ended(**kw: Any) -> bool:
-    base = dict(round=3, seen=-1, counts_steps=False, inner_steps=0, steps_per_round=0, now=100.0, wall_end=None,
+    base = dict(round_no=3, seen=-1, counts_steps=False, inner_steps=0, steps_per_round=0, now=100.0, wall_end=None,
                 drivers_min_round=None)
     return decisions.round_ended(**{**base, **kw})
 
@@ -33,8 +33,8 @@ def test_round_ends_on_each_condition_and_not_before() -> None:
 
 
 def test_drivers_min_round_ignores_non_drivers_and_offline() -> None:
-    recs = [rec("a", stage=0, round=5, driver=True), rec("b", stage=0, round=2, driver=True, state=LEAVING),
-            rec("c", stage=0, round=1, driver=False)]
+    recs = [rec("a", stage=0, round_no=5, driver=True), rec("b", stage=0, round_no=2, driver=True, state=LEAVING),
+            rec("c", stage=0, round_no=1, driver=False)]
     assert decisions.drivers_min_round(recs) == 5
     assert decisions.drivers_min_round([]) is None
     assert decisions.drivers_gone([rec("b", state=LEAVING)]) and not decisions.drivers_gone(recs)
@@ -101,13 +101,13 @@ def test_resync_donors_are_newer_and_agree() -> None:
 
 
 def test_resync_settles_when_every_other_member_moved_on() -> None:
-    recs = [rec("a", round=4), rec("b", round=3)]
+    recs = [rec("a", round_no=4), rec("b", round_no=3)]
     assert not decisions.resync_settled(recs, ["a", "b"], 3)
-    assert decisions.resync_settled([rec("a", round=4), rec("b", round=5)], ["a", "b"], 3)
+    assert decisions.resync_settled([rec("a", round_no=4), rec("b", round_no=5)], ["a", "b"], 3)
     assert decisions.resync_settled([], [], 3)
     # a member that abandoned the round (it failed it too) or whose vote never came is not waited for
     assert decisions.resync_settled(recs, ["a", "b"], 3, abandoned=["b"])
-    assert decisions.resync_settled([rec("a", round=4)], ["a", "b"], 3, silent=["b"])
+    assert decisions.resync_settled([rec("a", round_no=4)], ["a", "b"], 3, silent=["b"])
     assert not decisions.resync_settled(recs, ["a", "b"], 3, abandoned=["x"], silent=["y"])
 
 
@@ -122,26 +122,26 @@ def test_eval_due() -> None:
 
 def test_one_evaluator_per_round_chosen_alike_by_every_member_and_rotating() -> None:
     group = tuple(f"peer{i}" for i in range(5))
-    for round in range(40):
-        chosen = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=round, evaluators=1)]
+    for round_no in range(40):
+        chosen = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round_no=round_no, evaluators=1)]
         assert len(chosen) == 1
         # the members' order in the group does not change the choice
         assert chosen == [p for p in reversed(group)
-                          if decisions.evaluates(me=p, group=tuple(reversed(group)), run_id="r", round=round,
+                          if decisions.evaluates(me=p, group=tuple(reversed(group)), run_id="r", round_no=round_no,
                                               evaluators=1)]
-    picks = {next(p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=r, evaluators=1))
+    picks = {next(p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round_no=r, evaluators=1))
              for r in range(40)}
     assert len(picks) >= 4, "the cost rotates among the drivers"
-    two = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=2)]
+    two = [p for p in group if decisions.evaluates(me=p, group=group, run_id="r", round_no=7, evaluators=2)]
     assert len(two) == 2
-    assert all(decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=0) for p in group)
-    assert all(decisions.evaluates(me=p, group=group, run_id="r", round=7, evaluators=9) for p in group)
+    assert all(decisions.evaluates(me=p, group=group, run_id="r", round_no=7, evaluators=0) for p in group)
+    assert all(decisions.evaluates(me=p, group=group, run_id="r", round_no=7, evaluators=9) for p in group)
 
 
 def test_a_driver_outside_the_group_evaluates_its_own_state() -> None:
     # an incomplete round has no group: this driver's θ_global may not be the others'
-    assert decisions.evaluates(me="a", group=(), run_id="r", round=3, evaluators=1)
-    assert decisions.evaluates(me="a", group=("b", "c"), run_id="r", round=3, evaluators=1)
+    assert decisions.evaluates(me="a", group=(), run_id="r", round_no=3, evaluators=1)
+    assert decisions.evaluates(me="a", group=("b", "c"), run_id="r", round_no=3, evaluators=1)
 
 
 # --------------------------------------------------------------------------- the round clock

@@ -30,14 +30,14 @@ class Swarm:
         self.abandoned = dict(abandoned or {})
         self.record_reads = 0
 
-    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
         return dict(self.votes)
 
-    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+    async def post_abandoned(self, stage: int, round_no: int, peer_id: str, group_hash: str) -> bool:
         self.abandoned[peer_id] = group_hash
         return True
 
-    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
+    async def round_abandoned(self, stage: int, round_no: int) -> dict[str, str]:
         return dict(self.abandoned)
 
     async def stage_records(self, stage: int) -> list[Any]:
@@ -66,7 +66,7 @@ def test_a_round_every_member_voted_failed_needs_no_wait() -> None:
     """Before the votes, every failed round waited here for the other members to announce a later
     round, which they only do after their own wait: seconds of stall on every member."""
     g = group_hash(("a", "b"))
-    swarm = Swarm({"a": vote(g, None), "b": vote(g, None)}, [rec("a", round=7, applied=5), rec("b", round=7, applied=5)])
+    swarm = Swarm({"a": vote(g, None), "b": vote(g, None)}, [rec("a", round_no=7, applied=5), rec("b", round_no=7, applied=5)])
     downloads: list[list[str]] = []
     result = RoundResult(False, "part 0: stream ended", ("a", "b"), None)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is False
@@ -76,7 +76,7 @@ def test_a_round_every_member_voted_failed_needs_no_wait() -> None:
 def test_a_member_that_voted_its_digest_takes_the_state_of_one_that_applied() -> None:
     g = group_hash(("a", "b"))
     swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")},
-                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
+                  [rec("a", round_no=7, applied=5), rec("b", round_no=8, applied=6, digest="e")])
     downloads: list[list[str]] = []
     result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b"), None, voted_digest=True)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
@@ -89,8 +89,8 @@ def test_a_group_that_excluded_us_may_have_applied_the_round() -> None:
     nothing about them: wait for them as donors, at once, instead of a round later as 'stale'."""
     ours, theirs = group_hash(("a", "b", "c")), group_hash(("b", "c"))
     swarm = Swarm({"a": vote(ours, None), "b": vote(theirs, "m1"), "c": vote(theirs, "m1")},
-                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e"),
-                   rec("c", round=8, applied=6, digest="e")])
+                  [rec("a", round_no=7, applied=5), rec("b", round_no=8, applied=6, digest="e"),
+                   rec("c", round_no=8, applied=6, digest="e")])
     downloads: list[list[str]] = []
     result = RoundResult(False, "part 1 refused by b: GROUP_MISMATCH", ("a", "b", "c"), None)
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
@@ -104,7 +104,7 @@ def test_members_left_by_a_member_that_died_before_its_vote_settle_at_once() -> 
     after which each kept its state anyway. Now each says it abandoned the round, and c, whose vote
     nobody could read by the end of the vote wait, is not waited for."""
     g = group_hash(("a", "b", "c"))
-    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    records = [rec("a", round_no=7, applied=5), rec("b", round_no=7, applied=5), rec("c", round_no=7, applied=5)]
     swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")}, records, abandoned={"b": g})
     downloads: list[list[str]] = []
     result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
@@ -117,7 +117,7 @@ def test_a_member_that_voted_its_digest_and_said_nothing_more_is_waited_for() ->
     """b voted the same digest and has neither abandoned the round nor announced a later one: it
     may have read c's vote and applied, so a waits (the whole wait, here) for it to become a donor."""
     g = group_hash(("a", "b", "c"))
-    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    records = [rec("a", round_no=7, applied=5), rec("b", round_no=7, applied=5), rec("c", round_no=7, applied=5)]
     swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")}, records)
     downloads: list[list[str]] = []
     result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
@@ -125,7 +125,7 @@ def test_a_member_that_voted_its_digest_and_said_nothing_more_is_waited_for() ->
     assert swarm.record_reads >= 3 and not downloads
     # and had b applied it, a would have taken b's state
     swarm = Swarm({"a": vote(g, "m1"), "b": vote(g, "m1")},
-                  [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")])
+                  [rec("a", round_no=7, applied=5), rec("b", round_no=8, applied=6, digest="e")])
     assert asyncio.run(sync(swarm, downloads).resync(7, result)) is True
     assert downloads == [["b"]]
 
@@ -143,17 +143,17 @@ class Flaky(Swarm):
         if name in self.failing:
             raise self.error
 
-    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
         self._check("round_checks")
-        return await super().round_checks(stage, round)
+        return await super().round_checks(stage, round_no)
 
-    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+    async def post_abandoned(self, stage: int, round_no: int, peer_id: str, group_hash: str) -> bool:
         self._check("post_abandoned")
-        return await super().post_abandoned(stage, round, peer_id, group_hash)
+        return await super().post_abandoned(stage, round_no, peer_id, group_hash)
 
-    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
+    async def round_abandoned(self, stage: int, round_no: int) -> dict[str, str]:
         self._check("round_abandoned")
-        return await super().round_abandoned(stage, round)
+        return await super().round_abandoned(stage, round_no)
 
     async def stage_records(self, stage: int) -> list[Any]:
         if "stage_records" in self.failing and (self.record_failures is None or self.record_failures > 0):
@@ -179,7 +179,7 @@ def test_a_resync_reads_past_the_networks_failures_and_warns_once_each(caplog: p
     """Votes unreadable, the abandon unsaid, the records unreadable twice: the re-sync goes on
     without each (no votes: wait for a donor) and takes b's state once the records come back."""
     g = group_hash(("a", "b"))
-    swarm = Flaky({"a": vote(g, None)}, [rec("a", round=7, applied=5), rec("b", round=8, applied=6, digest="e")],
+    swarm = Flaky({"a": vote(g, None)}, [rec("a", round_no=7, applied=5), rec("b", round_no=8, applied=6, digest="e")],
                   SwarmUnavailable("reading run/round/1/7/check: no answer within 10s"),
                   {"round_checks", "post_abandoned", "stage_records"}, record_failures=2)
     downloads: list[list[str]] = []
@@ -200,7 +200,7 @@ def test_a_resync_reads_past_the_networks_failures_and_warns_once_each(caplog: p
 def test_a_bug_in_a_resync_read_propagates(failing: str) -> None:
     """A TypeError is ours, not the network's: it is not read as 'the DHT did not answer'."""
     g = group_hash(("a", "b", "c"))
-    records = [rec("a", round=7, applied=5), rec("b", round=7, applied=5), rec("c", round=7, applied=5)]
+    records = [rec("a", round_no=7, applied=5), rec("b", round_no=7, applied=5), rec("c", round_no=7, applied=5)]
     swarm = Flaky({"a": vote(g, "m1"), "b": vote(g, "m1")}, records, TypeError("a refactoring's bug"), {failing})
     result = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "b", "c"), None, voted_digest=True)
     with pytest.raises(TypeError):
@@ -273,7 +273,7 @@ class Resync:
         self.presence, self.outcome = presence, outcome
         self.seen: list[str] = []
 
-    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+    async def resync(self, round_no: int, result: RoundResult, overlapped: bool = False) -> bool:
         self.seen.append(self.presence.status)
         return self.outcome
 

@@ -161,7 +161,10 @@ def test_live_peer_metrics_move(four_peers: FourPeers) -> None:
     late = scrape(port)
 
     def grew(name: str, **labels: str) -> bool:
-        return (value(late, name, **labels) or 0) > (value(early, name, **labels) or 0)
+        before, after = value(early, name, **labels) or 0, value(late, name, **labels) or 0
+        if after <= before:  # say which figures did not move, for a failure that a rerun would hide
+            print(f"{name}{labels}: {before} at round {seen}, {after} at round {value(late, 'swarmgrad_round', stage='0')}")
+        return after > before
 
     assert grew("swarmgrad_round", stage="0")
     assert grew("swarmgrad_samples_total", stage="0")

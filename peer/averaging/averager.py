@@ -136,11 +136,11 @@ class Averager:
                 feedback.reset()
 
     # the member's side ------------------------------------------------------------------------
-    async def matchmake(self, round: int, registration: dict[str, Any]
+    async def matchmake(self, round_no: int, registration: dict[str, Any]
                         ) -> tuple[Group | None, dict[str, float], str]:
         """peer/averaging/matchmaking.py for our stage; requests for the round knock on its slot."""
-        return await matchmake(self.swarm, self.stage, round, self.peer_id, registration, self.patience,
-                               self.reducer.slot(round).knock)
+        return await matchmake(self.swarm, self.stage, round_no, self.peer_id, registration, self.patience,
+                               self.reducer.slot(round_no).knock)
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -162,7 +162,7 @@ class Averager:
                 decoded[name] = decode(encoded[name])
         return {name: decoded[name] for name in names}
 
-    async def run_round(self, round: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
+    async def run_round(self, round_no: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:
         """Average `delta` with the stage group; the returned mean is what every member applies."""
         registration = {"digest": digest, "applied_rounds": applied_rounds, "weight": float(weight)}
@@ -180,14 +180,14 @@ class Averager:
         # sent early")
         expected = Group(self._last_members, digest, applied_rounds) \
             if len(self._last_members) > 1 and self.peer_id in self._last_members else None
-        sending = asyncio.ensure_future(self._send_early(round, expected, encoding, weight, digest)) \
+        sending = asyncio.ensure_future(self._send_early(round_no, expected, encoding, weight, digest)) \
             if expected is not None else None
         early: dict[int, asyncio.Future] = {}
         started = time.monotonic()
         result: RoundResult | None = None
         phases: dict[str, float] = {}
         try:
-            group, weights, superseded = await self.matchmake(round, registration)
+            group, weights, superseded = await self.matchmake(round_no, registration)
             phases["matchmaking"] = time.monotonic() - started
             if group is None or self.peer_id not in group.members:
                 result = RoundResult(False, superseded or "our θ_global is not the group's reference",
@@ -200,12 +200,12 @@ class Averager:
             elif sending is not None:  # sent to another group: its reducers refuse them; stop now
                 await self._drop_early(sending)
                 sending = None
-            self.reducer.own.add(round)
+            self.reducer.own.add(round_no)
             try:
-                result = await self._average(round, group, weights, encoded, decoded, weight, digest, phases,
+                result = await self._average(round_no, group, weights, encoded, decoded, weight, digest, phases,
                                              exchange_started, early)
             finally:
-                self.reducer.own.discard(round)
+                self.reducer.own.discard(round_no)
             return dataclasses.replace(result, phases=phases)
         finally:
             self._last_members = result.group if result is not None and result.complete else ()
@@ -217,12 +217,12 @@ class Averager:
                 for feedback, residuals in saved:
                     feedback.load_state_dict(residuals)
 
-    async def _average(self, round: int, group: Group, weights: dict[str, float], encoded: dict[str, Encoded],
+    async def _average(self, round_no: int, group: Group, weights: dict[str, float], encoded: dict[str, Encoded],
                        decoded: dict[str, torch.Tensor], weight: float, digest: str,
                        phases: dict[str, float], started: float, early: dict[int, asyncio.Future]) -> RoundResult:
         parts = partition(self.shapes, len(group.members))
         my_part = group.members.index(self.peer_id)
-        slot = self.reducer.slot(round)
+        slot = self.reducer.slot(round_no)
         slot.group = group
         slot.weights = weights
         slot.my_part = my_part
@@ -243,9 +243,9 @@ class Averager:
             return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
         calls = [early[p] if p in early else asyncio.ensure_future(
-                     local() if p == my_part else self._send_part(round, group, p, encoded, weight, digest))
+                     local() if p == my_part else self._send_part(round_no, group, p, encoded, weight, digest))
                  for p in range(len(group.members))]
-        results = await self._collect(round, group, calls)
+        results = await self._collect(round_no, group, calls)
         mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if gathers(
             len(group.members), self.gather_up_to) else None
         # in the gather exchange every member computes the mean itself: the same function of the
@@ -255,25 +255,25 @@ class Averager:
         phases["exchange"] = time.monotonic() - started
         if len(group.members) > 1:
             started = time.monotonic()
-            result = await self._vote(round, group, result)
+            result = await self._vote(round_no, group, result)
             phases["vote"] = time.monotonic() - started
         if not result.complete and not slot.result.done():
             slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
 
-    async def _send_part(self, round: int, group: Group, part: int, encoded: dict[str, Encoded], weight: float,
+    async def _send_part(self, round_no: int, group: Group, part: int, encoded: dict[str, Encoded], weight: float,
                          digest: str) -> pb.AverageResponse:
         """Our contribution to `part`, to its reducer; its answer (the mean, or the others' parts)."""
         parts = partition(self.shapes, len(group.members))
         request = pb.AverageRequest(
-            envelope=envelope(self.identity, self.stage), round=round, group_hash=group.hash,
+            envelope=envelope(self.identity, self.stage), round=round_no, group_hash=group.hash,
             state_digest=digest, weight=float(weight), part=part,
             tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n])) for n in sorted(parts) if parts[n] == part])
         # the slowest member may still be in matchmaking (or computing, for a part sent early)
         return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse,
                                    timeout=self.patience + self.m.timeouts.allreduce)
 
-    async def _send_early(self, round: int, expected: Group, encoding: asyncio.Future, weight: float,
+    async def _send_early(self, round_no: int, expected: Group, encoding: asyncio.Future, weight: float,
                           digest: str) -> dict[int, asyncio.Future]:
         """Start sending our parts to the members of `expected` (last round's group) as soon as Δ
         is encoded, before matchmaking has settled this round's group: a reducer holds a request
@@ -281,7 +281,7 @@ class Averager:
         by part; `run_round` keeps them if the group is `expected`, else cancels them."""
         encoded, _ = await asyncio.shield(encoding)
         me = expected.members.index(self.peer_id)
-        return {p: asyncio.ensure_future(self._send_part(round, expected, p, encoded, weight, digest))
+        return {p: asyncio.ensure_future(self._send_part(round_no, expected, p, encoded, weight, digest))
                 for p in range(len(expected.members)) if p != me}
 
     async def _drop_early(self, sending: asyncio.Future | None) -> None:
@@ -303,11 +303,11 @@ class Averager:
             logger.warning("stage %d: %d early part(s) did not end within timeouts.dht of their cancel; left behind",
                            self.stage, len(stuck))
 
-    async def _collect(self, round: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
+    async def _collect(self, round_no: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
         """Every part's answer, in part order; but as soon as one part failed, or another member
         voted anything but our group's digest, the parts still on the way are abandoned (Abandoned):
         the round has failed for everyone, and waiting for them would only stall this member."""
-        watcher = asyncio.ensure_future(outcome.first_failure(self.swarm, self.stage, round, group.members, group.hash,
+        watcher = asyncio.ensure_future(outcome.first_failure(self.swarm, self.stage, round_no, group.members, group.hash,
                                                               self.peer_id)) if len(group.members) > 1 else None
         pending: set[asyncio.Future] = set(calls)
         why = ""
@@ -333,7 +333,7 @@ class Averager:
                         task.exception()  # retrieved: a part that failed as it was abandoned is not news
                 if stuck:
                     logger.warning("stage %d round %d: %d task(s) did not end within timeouts.dht of their "
-                                   "cancel; left behind", self.stage, round, len(stuck))
+                                   "cancel; left behind", self.stage, round_no, len(stuck))
         return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
                 else (c.exception() or c.result()) for c in calls]
 
@@ -396,10 +396,10 @@ class Averager:
                                             avg.max_weight_ratio)
         return AverageResult(pb.OK, "", tensors, got.contributors, total)
 
-    async def _vote(self, round: int, group: Group, result: RoundResult) -> RoundResult:
+    async def _vote(self, round_no: int, group: Group, result: RoundResult) -> RoundResult:
         """The outcome vote (peer/averaging/outcome.py): ours is the digest of the mean we decoded, or failed."""
         digest = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else None
-        out = await outcome.agree(self.swarm, self.stage, round, group.members, group.hash, self.peer_id, digest,
+        out = await outcome.agree(self.swarm, self.stage, round_no, group.members, group.hash, self.peer_id, digest,
                                   self.m.timeouts.allreduce, self.m.timeouts.dht, gone=self._gone)
         if out.applied or digest is None:
             return result

@@ -28,20 +28,20 @@ peer/net/polling.py; a poll interval, not a deadline)."""
 class RoundBoard(Protocol):
     """What matchmaking reads and writes in the DHT (swarm.SwarmView)."""
 
-    async def register_round(self, stage: int, round: int, peer_id: str, value: dict[str, Any]) -> bool: ...
+    async def register_round(self, stage: int, round_no: int, peer_id: str, value: dict[str, Any]) -> bool: ...
 
-    async def round_registrations(self, stage: int, round: int) -> dict[str, dict[str, Any]]: ...
+    async def round_registrations(self, stage: int, round_no: int) -> dict[str, dict[str, Any]]: ...
 
     async def stage_records(self, stage: int) -> list[PeerRecord]: ...
 
 
-async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registration: dict[str, Any],
+async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, registration: dict[str, Any],
                     patience: float, knock: asyncio.Event) -> tuple[Group | None, dict[str, float], str]:
     """(the group, every registrant's declared weight, why our θ_global is superseded: "" when it
     is not; the group is then None)."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
-    registering = asyncio.ensure_future(board.register_round(stage, round, me, registration))
+    registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
     try:
         deadline = time.monotonic() + patience
         # The group is settled when every replica the stage records call ONLINE has registered:
@@ -53,7 +53,7 @@ async def matchmake(board: RoundBoard, stage: int, round: int, me: str, registra
         intervals = poll_intervals(MATCHMAKING_POLL_SECONDS)
         while True:
             knock.clear()  # before the read: a request that arrives during it wakes the wait below
-            regs, records = await asyncio.gather(board.round_registrations(stage, round), board.stage_records(stage))
+            regs, records = await asyncio.gather(board.round_registrations(stage, round_no), board.stage_records(stage))
             regs.setdefault(me, registration)
             alive = {r.peer_id for r in records if r.state == ONLINE}
             if alive <= set(regs) or time.monotonic() > deadline:

@@ -37,9 +37,9 @@ peer/net/polling.py; a poll interval, not a deadline)."""
 class VoteBoard(Protocol):
     """Where votes live (peer/net/dht_view.py: SwarmView; an in-memory dict in tests)."""
 
-    async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool: ...
+    async def post_check(self, stage: int, round_no: int, peer_id: str, digest: str) -> bool: ...
 
-    async def round_checks(self, stage: int, round: int) -> dict[str, str]: ...
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]: ...
 
 
 def vote(group_hash: str, digest: str | None) -> str:
@@ -59,7 +59,7 @@ class Outcome:
     """Members that posted no vote before the deadline."""
 
 
-async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str], group_hash: str, me: str,
+async def agree(board: VoteBoard, stage: int, round_no: int, members: Sequence[str], group_hash: str, me: str,
                 digest: str | None, timeout: float, dht_timeout: float,
                 gone: Callable[[Sequence[str]], Awaitable[Collection[str]]] | None = None) -> Outcome:
     """Post our vote (`digest` None: our round failed), then, if it is a digest, wait at most
@@ -73,7 +73,7 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
     (NETWORK_FAILURES) fail the vote or are read past; anything else propagates."""
     mine = vote(group_hash, digest)
     try:
-        await within(board.post_check(stage, round, me, mine), dht_timeout)
+        await within(board.post_check(stage, round_no, me, mine), dht_timeout)
     except NETWORK_FAILURES as e:
         # a failed vote that did not land still leaves no digest of ours anywhere; a digest may have
         return Outcome(False, f"outcome vote not posted: {type(e).__name__}: {e}", voted_digest=digest is not None)
@@ -81,11 +81,11 @@ async def agree(board: VoteBoard, stage: int, round: int, members: Sequence[str]
         return Outcome(False)
     deadline = time.monotonic() + timeout
     posted: dict[str, str] = {}
-    reading = BestEffort(f"stage {stage} round {round}: reading the outcome votes", logger)
-    listing = BestEffort(f"stage {stage} round {round}: listing connections while waiting for votes", logger)
+    reading = BestEffort(f"stage {stage} round {round_no}: reading the outcome votes", logger)
+    listing = BestEffort(f"stage {stage} round {round_no}: listing connections while waiting for votes", logger)
     for delay in poll_intervals(VOTE_POLL_SECONDS):
         with reading:  # a DHT hiccup: try again until the deadline
-            posted = await within(board.round_checks(stage, round), dht_timeout)
+            posted = await within(board.round_checks(stage, round_no), dht_timeout)
         failed = sorted(p[-8:] for p in members if posted.get(p, "").endswith(f":{FAILED}"))
         if failed:
             return Outcome(False, f"member(s) {failed} voted the round failed", voted_digest=True)
@@ -117,19 +117,19 @@ async def _gone(missing: Sequence[str], gone: Callable[[Sequence[str]], Awaitabl
     return [p for p in missing if p in left]
 
 
-async def first_failure(board: VoteBoard, stage: int, round: int, members: Sequence[str], group_hash: str,
+async def first_failure(board: VoteBoard, stage: int, round_no: int, members: Sequence[str], group_hash: str,
                         me: str) -> str:
     """Returns (why) once another member voted anything but a digest under our group's hash
     (failed, or in another group: either way our round cannot complete); never otherwise."""
     ours = f"{group_hash}:"
-    reading = BestEffort(f"stage {stage} round {round}: watching the outcome votes", logger)
+    reading = BestEffort(f"stage {stage} round {round_no}: watching the outcome votes", logger)
     while True:
         await asyncio.sleep(VOTE_POLL_SECONDS)
         if cancel_requested():  # our owner cancelled us and something below lost it: stop anyway
             raise asyncio.CancelledError()
         votes: dict[str, str] = {}
         with reading:  # a DHT hiccup: the parts' own deadlines still bound the round
-            votes = await board.round_checks(stage, round)
+            votes = await board.round_checks(stage, round_no)
         failed = [p for p in members if p != me and p in votes
                   and (not votes[p].startswith(ours) or votes[p] == vote(group_hash, None))]
         if failed:

@@ -78,14 +78,14 @@ class Reducer:
         """Rounds our own member is averaging: their slots outlive the clock (an overlapped round
         is still in flight when a re-sync moves the clock past it)."""
 
-    def slot(self, round: int) -> RoundSlot:
-        if round not in self.slots:
-            self.slots[round] = RoundSlot(result=asyncio.get_running_loop().create_future())
+    def slot(self, round_no: int) -> RoundSlot:
+        if round_no not in self.slots:
+            self.slots[round_no] = RoundSlot(result=asyncio.get_running_loop().create_future())
             for old in [r for r in self.slots if r < self.clock.current - 2 and r not in self.own]:  # nobody waits on those
                 slot = self.slots.pop(old)
                 if slot.result is not None and not slot.result.done():
                     slot.result.cancel()
-        return self.slots[round]
+        return self.slots[round_no]
 
     async def handle(self, request: pb.AverageRequest, caller: PeerID) -> pb.AverageResponse:
         check_envelope(request.envelope, self.identity, [self.stage])

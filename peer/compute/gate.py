@@ -93,7 +93,7 @@ class Gate:
 
     @contextlib.asynccontextmanager
     async def admit(self, place: Callable[[], Slot | None], *, train: bool, wait: bool, hold: float,
-                    round: int | None) -> AsyncIterator[Slot]:
+                    round_no: int | None) -> AsyncIterator[Slot]:
         """Hold a place in flight, at the slot `place()` gives (called while the gate is open, for
         a training microbatch; None: no place yet, wait). An evaluation (not `train`) takes PLAIN.
 
@@ -105,7 +105,7 @@ class Gate:
         give_up = time.monotonic() + hold
         async with self.cond:
             while True:
-                early = round is not None and self.clock.current < round
+                early = round_no is not None and self.clock.current < round_no
                 # a replica waiting for an overlapped round's mean is refused as between rounds: the
                 # driver tries another replica or comes back, its request is not held past its deadline
                 if (self.paused or early or self.mean.awaiting) and not wait:
@@ -113,7 +113,7 @@ class Gate:
                     if self.leaving:
                         raise NotReady("leaving this stage")
                     if left <= 0:
-                        raise NotReady(f"still in a round before {round}; ending it" if early else
+                        raise NotReady(f"still in a round before {round_no}; ending it" if early else
                                        "between rounds" if self.paused else "waiting for the last round's mean")
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.cond.wait(), left)  # resume() notifies

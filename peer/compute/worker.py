@@ -154,7 +154,7 @@ class StageWorker:
     # admission -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def admitted(self, wait: bool, train: bool = True, ahead: bool = False, hold: float = 0.0,
-                       round: int | None = None) -> AsyncIterator[Slot]:
+                       round_no: int | None = None) -> AsyncIterator[Slot]:
         """Hold a place in flight (peer/compute/gate.py). If paused: wait (wait=True, the driver's own
         stage) or raise NotReady. A replica waiting for an overlapped round's mean
         (rounds.overlap_steps) counts as paused. With `hold` > 0 a caller that does not wait still
@@ -168,7 +168,7 @@ class StageWorker:
         `forward` and `backward`.
         """
         async with self.gate.admit(lambda: self._place(ahead), train=train, wait=wait, hold=hold,
-                                   round=round) as slot:
+                                   round_no=round_no) as slot:
             yield slot
 
     def _place(self, ahead: bool) -> Slot | None:

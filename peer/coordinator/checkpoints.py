@@ -41,10 +41,10 @@ def checkpoint_plan(view: dict[int, list[PeerRecord]], n_stages: int, last_round
         donors = sorted(r.peer_id for r in records if r.state == ONLINE and r.digest == digest)
         plan[stage] = (digest, donors)
         applied.append(min(r.applied_rounds for r in records if r.state == ONLINE and r.digest == digest))
-    round = min(applied)
-    if round < every or (last_round is not None and round < last_round + every):
+    round_no = min(applied)
+    if round_no < every or (last_round is not None and round_no < last_round + every):
         return None
-    return round, plan
+    return round_no, plan
 
 
 class CheckpointCollector:
@@ -104,7 +104,7 @@ class CheckpointCollector:
         return round
 
 
-def export_model(state_dir: Path, out: Path, round: int | None = None) -> tuple[int, int]:
+def export_model(state_dir: Path, out: Path, round_no: int | None = None) -> tuple[int, int]:
     """Write θ_global of every stage of the newest complete checkpoint (or of `round`) into one
     safetensors file, names prefixed `stage{s}.`; metadata: run id, round, manifest. Returns
     (round, tensors written). Raises FileNotFoundError when there is no checkpoint."""
@@ -119,17 +119,17 @@ def export_model(state_dir: Path, out: Path, round: int | None = None) -> tuple[
     rounds = store.checkpoint_rounds()
     if not rounds:
         raise FileNotFoundError(f"{state_dir} holds no checkpoint yet")
-    round = rounds[-1] if round is None else round
-    if round not in rounds:
-        raise FileNotFoundError(f"no checkpoint of round {round} (have {rounds})")
-    entries = store.checkpoint(round)
+    round_no = rounds[-1] if round_no is None else round_no
+    if round_no not in rounds:
+        raise FileNotFoundError(f"no checkpoint of round {round_no} (have {rounds})")
+    entries = store.checkpoint(round_no)
     tensors = {}
     for stage, entry in sorted(entries.items()):
         params, _, _ = load_checkpoint(entry.path)
         tensors.update({f"stage{stage}.{name}": t.contiguous() for name, t in params.items()})
     folder = entries[min(entries)].path.parent
-    meta = {"run_id": state.run_id, "round": str(round), "stages": str(len(entries)),
+    meta = {"run_id": state.run_id, "round": str(round_no), "stages": str(len(entries)),
             "manifest": (folder / "manifest.toml").read_text()}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata=meta)
-    return round, len(tensors)
+    return round_no, len(tensors)

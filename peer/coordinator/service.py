@@ -161,8 +161,8 @@ class CoordinatorService(cgrpc.CoordinatorServicer):
 
     async def ListCheckpoints(self, request, context):
         out = cpb.CheckpointList()
-        for round in self.store.checkpoint_rounds():
-            for entry in self.store.checkpoint(round).values():
+        for round_no in self.store.checkpoint_rounds():
+            for entry in self.store.checkpoint(round_no).values():
                 out.checkpoints.append(cpb.CheckpointInfo(
                     stage=entry.stage, round=entry.round, applied_rounds=entry.applied_rounds,
                     trained_samples=entry.trained_samples, digest=entry.file_sha256, time=entry.time))

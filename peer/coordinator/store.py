@@ -116,23 +116,23 @@ class StateDir:
         atomic_write(self.root / STATE_FILE, json.dumps(self.state.to_json(), indent=1, sort_keys=True).encode())
 
     # checkpoints ---------------------------------------------------------------------------------
-    def _round_dir(self, round: int) -> Path:
-        return self.root / CHECKPOINTS / f"round-{round:08d}"
+    def _round_dir(self, round_no: int) -> Path:
+        return self.root / CHECKPOINTS / f"round-{round_no:08d}"
 
-    def write_checkpoint(self, round: int, stages: dict[int, tuple[bytes, dict[str, Any]]], manifest_toml: str,
+    def write_checkpoint(self, round_no: int, stages: dict[int, tuple[bytes, dict[str, Any]]], manifest_toml: str,
                          n_stages: int) -> Path:
         """Write the safetensors files of every stage of `round` (bytes and their info: stage round,
         applied_rounds, trained_samples, digest), then the index; keep the newest `keep` rounds."""
-        folder = self._round_dir(round)
+        folder = self._round_dir(round_no)
         folder.mkdir(parents=True, exist_ok=True)
-        index: dict[str, Any] = {"round": round, "time": time.time(), "n_stages": n_stages, "stages": {}}
+        index: dict[str, Any] = {"round": round_no, "time": time.time(), "n_stages": n_stages, "stages": {}}
         for stage, (data, info) in sorted(stages.items()):
             atomic_write(folder / f"stage-{stage}.safetensors", data)
             index["stages"][str(stage)] = {**info, "file_sha256": hashlib.sha256(data).hexdigest()}
         atomic_write(folder / "manifest.toml", manifest_toml.encode())
         atomic_write(folder / "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
         indexes = self._load_indexes()
-        indexes[round] = self._read_index(round)
+        indexes[round_no] = self._read_index(round_no)
         for old in self.checkpoint_rounds()[:-self.keep] if self.keep > 0 else []:
             indexes.pop(old, None)
             shutil.rmtree(self._round_dir(old), ignore_errors=True)
@@ -142,23 +142,23 @@ class StateDir:
         """Rounds with a complete checkpoint (an index), oldest first."""
         return sorted(self._load_indexes())
 
-    def checkpoint(self, round: int) -> dict[int, CheckpointEntry]:
-        return dict(self._load_indexes()[round])
+    def checkpoint(self, round_no: int) -> dict[int, CheckpointEntry]:
+        return dict(self._load_indexes()[round_no])
 
     def _load_indexes(self) -> dict[int, dict[int, CheckpointEntry]]:
         if self._indexes is None:
             self._indexes = {}
             for folder in (self.root / CHECKPOINTS).glob("round-*"):
                 try:
-                    round = int(folder.name.removeprefix("round-"))
+                    round_no = int(folder.name.removeprefix("round-"))
                 except ValueError:
                     continue
                 if (folder / "index.json").exists():
-                    self._indexes[round] = self._read_index(round)
+                    self._indexes[round_no] = self._read_index(round_no)
         return self._indexes
 
-    def _read_index(self, round: int) -> dict[int, CheckpointEntry]:
-        folder = self._round_dir(round)
+    def _read_index(self, round_no: int) -> dict[int, CheckpointEntry]:
+        folder = self._round_dir(round_no)
         index = json.loads((folder / "index.json").read_text())
         return {int(s): CheckpointEntry(stage=int(s), round=int(v["round"]), applied_rounds=int(v["applied_rounds"]),
                                         trained_samples=int(v["trained_samples"]), digest=str(v["digest"]),
@@ -168,8 +168,8 @@ class StateDir:
 
     def newest(self, stage: int) -> CheckpointEntry | None:
         """The newest checkpoint that holds `stage`."""
-        for round in reversed(self.checkpoint_rounds()):
-            entry = self.checkpoint(round).get(stage)
+        for round_no in reversed(self.checkpoint_rounds()):
+            entry = self.checkpoint(round_no).get(stage)
             if entry is not None:
                 return entry
         return None

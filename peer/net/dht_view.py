@@ -159,35 +159,35 @@ class SwarmView:
         """(Re)store our entry for the run's time origin, so it outlives any one peer while anyone runs."""
         return await self._store(self._epoch_key, self.peer_id, epoch, EPOCH_TTL)
 
-    async def register_round(self, stage: int, round: int, peer_id: str, value: dict[str, Any]) -> bool:
-        return await self._store(round_key(self.run_id, stage, round), peer_id, value, self._round_ttl)
+    async def register_round(self, stage: int, round_no: int, peer_id: str, value: dict[str, Any]) -> bool:
+        return await self._store(round_key(self.run_id, stage, round_no), peer_id, value, self._round_ttl)
 
-    async def round_registrations(self, stage: int, round: int) -> dict[str, dict[str, Any]]:
+    async def round_registrations(self, stage: int, round_no: int) -> dict[str, dict[str, Any]]:
         """Registrations for a round, each checked (protocol.records.validate_registration); bad
         ones are dropped, so a malformed value cannot make matchmaking raise."""
         out = {}
-        for peer_id, value in await self._entries(round_key(self.run_id, stage, round), self._round_ttl):
+        for peer_id, value in await self._entries(round_key(self.run_id, stage, round_no), self._round_ttl):
             try:
                 out[peer_id] = validate_registration(value).to_value()
             except ProtocolError as e:
-                logger.debug("dropped a registration for stage %d round %d from %s: %s", stage, round, peer_id, e)
+                logger.debug("dropped a registration for stage %d round %d from %s: %s", stage, round_no, peer_id, e)
         return out
 
-    async def post_check(self, stage: int, round: int, peer_id: str, digest: str) -> bool:
+    async def post_check(self, stage: int, round_no: int, peer_id: str, digest: str) -> bool:
         """Post the digest of the mean this replica decoded in a round (the reducers' cross-check)."""
-        return await self._store(f"{round_key(self.run_id, stage, round)}/check", peer_id, digest, self._round_ttl)
+        return await self._store(f"{round_key(self.run_id, stage, round_no)}/check", peer_id, digest, self._round_ttl)
 
-    async def round_checks(self, stage: int, round: int) -> dict[str, str]:
-        return await self._short_strings(f"{round_key(self.run_id, stage, round)}/check")
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
+        return await self._short_strings(f"{round_key(self.run_id, stage, round_no)}/check")
 
-    async def post_abandoned(self, stage: int, round: int, peer_id: str, group_hash: str) -> bool:
+    async def post_abandoned(self, stage: int, round_no: int, peer_id: str, group_hash: str) -> bool:
         """Say that this replica failed the round and did not apply it: the other members re-syncing
         from it need not wait for it to announce a later round (peer/state/sync.py)."""
-        return await self._store(f"{round_key(self.run_id, stage, round)}/abandoned", peer_id, group_hash,
+        return await self._store(f"{round_key(self.run_id, stage, round_no)}/abandoned", peer_id, group_hash,
                                  self._round_ttl)
 
-    async def round_abandoned(self, stage: int, round: int) -> dict[str, str]:
-        return await self._short_strings(f"{round_key(self.run_id, stage, round)}/abandoned")
+    async def round_abandoned(self, stage: int, round_no: int) -> dict[str, str]:
+        return await self._short_strings(f"{round_key(self.run_id, stage, round_no)}/abandoned")
 
     async def _short_strings(self, key: str) -> dict[str, str]:
         out = {}

@@ -173,12 +173,12 @@ class Driver:
         timing = CallTiming()
         encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
         async with self._send_slot:
-            round = self.clock.current
+            round_no = self.clock.current
             if not eval_only:
-                self.step_gaps.starting(step, round, time.monotonic())
+                self.step_gaps.starting(step, round_no, time.monotonic())
             call = asyncio.ensure_future(self.downstream.forward(
                 1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
-                round, timing=timing, encoded=encoded))
+                round_no, timing=timing, encoded=encoded))
             sent = asyncio.ensure_future(timing.sent.wait())
             try:
                 await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)
@@ -193,7 +193,7 @@ class Driver:
             finally:
                 sent.cancel()  # no request went out (no replica to send to): nothing will set it
                 if not eval_only and timing.started:
-                    self.step_gaps.sent(step, round, time.monotonic())
+                    self.step_gaps.sent(step, round_no, time.monotonic())
         return await call, timing
 
     def _observe(self, hop: Hop, timing: CallTiming) -> None:

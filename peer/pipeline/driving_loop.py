@@ -121,7 +121,7 @@ class DrivingLoop:
         self.events.emit("driving", round=self.clock.current, evaluated_at_start=self.evaluate_at_start)
         await self.driver.run(self.stop_training)
 
-    async def after_round(self, round: int, result: RoundResult) -> None:
+    async def after_round(self, round_no: int, result: RoundResult) -> None:
         """Called by the round runner after each round: report what limited the pipeline in it
         (the `pipeline` event and a progress line), start an evaluation when one is due and this
         driver is one of the round's evaluators (`data.evaluators`, chosen from its group)."""
@@ -130,13 +130,13 @@ class DrivingLoop:
         group = result.group if result.complete else ()
         # in a group, count by the round number its members share: a joiner's own count of rounds
         # differs from the others', and they would disagree on which rounds are due
-        done = round + 1 if group else self.clock.rounds_done
+        done = round_no + 1 if group else self.clock.rounds_done
         if decisions.eval_due(is_driver=True, driving=self.driver is not None and self.driver.running,
                            evaluating=self._evaluating, eval_every=self.m.data.eval_every,
                            rounds_done=done, finished=self.clock.finished) \
-                and decisions.evaluates(me=self.peer_id, group=group, run_id=self.m.run_id, round=round,
+                and decisions.evaluates(me=self.peer_id, group=group, run_id=self.m.run_id, round_no=round_no,
                                      evaluators=self.m.data.evaluators):
-            self.spawn(self.evaluate(after_round=round), "eval")
+            self.spawn(self.evaluate(after_round=round_no), "eval")
 
     def report_pipeline(self) -> None:
         assert self.driver is not None

@@ -115,7 +115,7 @@ class Downstream:
             None, lambda: encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))))
 
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
-                      attempt: int, driver: str, deadline: float, eval_only: bool, round: int,
+                      attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
                       timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None) -> Hop:
         """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
         already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
@@ -127,7 +127,7 @@ class Downstream:
         request = pb.ForwardRequest(
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
             activations=activations, targets=raw_from_tensor(narrow_integers(targets)), deadline=deadline, eval_only=eval_only,
-            round=round)
+            round=round_no)
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
@@ -269,7 +269,7 @@ class StageServer:
         hold = max(0.0, min(self.hold_s, (inp.deadline - get_dht_time()) / 2)) if ending else 0.0
         try:
             async with self.worker.admitted(wait=False, train=train, ahead=self.lookahead, hold=hold,
-                                            round=inp.round if ending else None) as slot:
+                                            round_no=inp.round if ending else None) as slot:
                 response = await self._serve(inp, train, slot)
         except NotReady as e:
             self.refused += 1

@@ -217,16 +217,16 @@ class StepGaps:
     _round: int | None = None
     _sent_at: float = 0.0
 
-    def starting(self, step: int, round: int, now: float) -> None:
+    def starting(self, step: int, round_no: int, now: float) -> None:
         """A request of inner step `step` (the worker's step count) of `round` takes the link now."""
-        if self._step is not None and step > self._step and round == self._round:
+        if self._step is not None and step > self._step and round_no == self._round:
             self.total += max(0.0, now - self._sent_at)
             self._step, self._sent_at = step, now  # once per step: a retry of this request adds nothing
 
-    def sent(self, step: int, round: int, now: float) -> None:
+    def sent(self, step: int, round_no: int, now: float) -> None:
         """That request is on the wire."""
-        if self._step is None or (round, step) >= (self._round, self._step):
-            self._step, self._round, self._sent_at = step, round, now
+        if self._step is None or (round_no, step) >= (self._round, self._step):
+            self._step, self._round, self._sent_at = step, round_no, now
 
 
 def memory_window(offered_bytes: int | None, fixed_bytes: int, activation_bytes_per_microbatch: int) -> int | None:

@@ -124,11 +124,11 @@ class RoundRunner:
             await self._count_replicas()
         try:
             while not stop.is_set():
-                round = self.clock.current
-                await self.wait_boundary(round, stop)
+                round_no = self.clock.current
+                await self.wait_boundary(round_no, stop)
                 if stop.is_set():
                     return
-                await self.run_round(round)
+                await self.run_round(round_no)
                 if self.leave_after_round:
                     return  # the worker stays paused: no microbatch starts here any more
                 if self.clock.finished:
@@ -148,20 +148,20 @@ class RoundRunner:
             online = {r.peer_id for r in await self.swarm.stage_records(self.stage) if r.state == ONLINE}
             self.worker.set_replicas(len(online | {self.peer_id}))
 
-    async def wait_boundary(self, round: int, stop: asyncio.Event) -> None:
+    async def wait_boundary(self, round_no: int, stop: asyncio.Event) -> None:
         """Wait until round `round` ends (decisions.round_ended), waking on inner steps and on later
         rounds announced by microbatches."""
         def ended(drivers_min: int | None) -> bool:
-            return decisions.round_ended(round=round, seen=self.clock.seen, counts_steps=self.clock.counts_steps,
+            return decisions.round_ended(round_no=round_no, seen=self.clock.seen, counts_steps=self.clock.counts_steps,
                                       inner_steps=self.worker.inner_steps, steps_per_round=self.clock.cfg.inner_steps,
-                                      now=get_dht_time(), wall_end=self.clock.wall_end(round),
+                                      now=get_dht_time(), wall_end=self.clock.wall_end(round_no),
                                       drivers_min_round=drivers_min)
 
         while not stop.is_set():
             if ended(None):
                 return
             now = get_dht_time()
-            wall_end = self.clock.wall_end(round)
+            wall_end = self.clock.wall_end(round_no)
             wait = max(0.01, BOUNDARY_POLL_SECONDS if wall_end is None else min(BOUNDARY_POLL_SECONDS, wall_end - now))
             if self.stage > 0 and self.clock.epoch is None:
                 # the drivers' records end a round that gets no more work; the read races the
@@ -184,7 +184,7 @@ class RoundRunner:
             else:
                 await self.clock.wait_change(wait)
 
-    async def run_round(self, round: int) -> RoundResult | None:
+    async def run_round(self, round_no: int) -> RoundResult | None:
         """End round `round`: a plain round (average, then resume), or with `rounds.overlap` an
         overlapped one (resume at once, average in the background; peer/rounds/overlap.py). Returns the
         plain round's result, None for an overlapped one (its result comes later)."""
@@ -198,14 +198,14 @@ class RoundRunner:
         last = overlap.is_last_round(leaving=self.leave_after_round, max_rounds=self.clock.max_rounds,
                                      rounds_done=self.clock.rounds_done)
         if not last:
-            await self._hold_for_joiners(round)
+            await self._hold_for_joiners(round_no)
         report = self._boundary_report(boundary)
         if self.overlap and not last:
-            await self._start_overlapped(round, report)
+            await self._start_overlapped(round_no, report)
             return None
-        return await self._plain_round(round, report)
+        return await self._plain_round(round_no, report)
 
-    async def _hold_for_joiners(self, round: int) -> None:
+    async def _hold_for_joiners(self, round_no: int) -> None:
         """Hold the boundary (worker paused, state served, nothing averaged) while peers that
         downloaded this replica's state have not landed it (decisions.join_hold), at most
         `timeouts.join_hold` from each one's first request. Not with wall-clock rounds: a joiner
@@ -234,9 +234,9 @@ class RoundRunner:
         if waited:
             joined = [p for p in sorted(waited) if p not in sync.served]
             held_s = time.monotonic() - started
-            self.events.emit("join_hold", round=round, joiners=sorted(waited), joined=joined, held_s=round_ms(held_s))
+            self.events.emit("join_hold", round=round_no, joiners=sorted(waited), joined=joined, held_s=round_ms(held_s))
             logger.info("stage %d round %d: held the boundary %.1f s for %d joiner(s) downloading its state "
-                        "(%d landed)", self.stage, round, held_s, len(waited), len(joined))
+                        "(%d landed)", self.stage, round_no, held_s, len(waited), len(joined))
 
     async def _connected(self) -> set[str] | None:
         """The peers our p2p daemon is connected to (None if it did not say)."""
@@ -264,30 +264,30 @@ class RoundRunner:
         report.utilisation = min(1.0, (compute - self._mark[1]) / report.round_s)
         self._mark = (now, compute)
 
-    async def _pseudo_gradient(self, round: int, report: overlap.RoundReport) -> dict[str, torch.Tensor]:
+    async def _pseudo_gradient(self, round_no: int, report: overlap.RoundReport) -> dict[str, torch.Tensor]:
         """Δ = θ_global − θ_local to average (corrupted by the --byzantine testing aid), with the
         matchmaking patience this round's length calls for."""
         self.averager.patience = decisions.matchmaking_patience(
             self.matchmaking, report.round_s, self.clock.cfg.inner_steps > 0)
         delta = await self.worker.run(self.state.pseudo_gradient, self.worker.module)
-        return corrupt(delta, self.byzantine, round) if self.byzantine else delta
+        return corrupt(delta, self.byzantine, round_no) if self.byzantine else delta
 
-    def _failed(self, round: int, e: Exception) -> RoundResult:
+    def _failed(self, round_no: int, e: Exception) -> RoundResult:
         """A round that raised is an incomplete round, never a dead peer. The swarm failing it
         (ROUND_FAILURES) is its reason, which the caller logs; anything else is a bug, logged here
         with its traceback and survived too: a replica that stopped on it would leave its stage short."""
         if not isinstance(e, ROUND_FAILURES):
-            logger.error("stage %d round %d failed on an unexpected error", self.stage, round, exc_info=e)
+            logger.error("stage %d round %d failed on an unexpected error", self.stage, round_no, exc_info=e)
         return RoundResult(False, f"{type(e).__name__}: {e}", (), None)
 
-    async def _plain_round(self, round: int, report: overlap.RoundReport) -> RoundResult:
+    async def _plain_round(self, round_no: int, report: overlap.RoundReport) -> RoundResult:
         worker, state = self.worker, self.state
         samples = report.samples
         try:
-            delta = await self._pseudo_gradient(round, report)
-            result = await self.averager.run_round(round, delta, float(samples), state.digest, state.applied_rounds)
+            delta = await self._pseudo_gradient(round_no, report)
+            result = await self.averager.run_round(round_no, delta, float(samples), state.digest, state.applied_rounds)
         except Exception as e:  # the whole round: whatever it raised, the replica goes on (_failed)
-            result = self._failed(round, e)
+            result = self._failed(round_no, e)
         next_round = self.clock.next_round(get_dht_time())
         carry = False
         if result.complete:
@@ -305,8 +305,8 @@ class RoundRunner:
             if self.backups is not None and result.total_weight > 0:
                 self.backups.after_round(self.peer_id, result.group, state.snapshot)
         else:
-            logger.warning("stage %d round %d incomplete: %s", self.stage, round, result.reason)
-            if await self._resync(round, result):
+            logger.warning("stage %d round %d incomplete: %s", self.stage, round_no, result.reason)
+            if await self._resync(round_no, result):
                 await worker.run(state.copy_to, worker.module)
                 self.averager.reset_feedback()
                 self._carried = 0
@@ -320,10 +320,10 @@ class RoundRunner:
             self._resume_phase()
         self._resumed(report)
         await self.presence.announce()
-        await self._after(round, result, report)
+        await self._after(round_no, result, report)
         return result
 
-    async def _resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+    async def _resync(self, round_no: int, result: RoundResult, overlapped: bool = False) -> bool:
         """StateSync.resync, in phase JOINING (announced) while it runs when our θ_global was stale.
 
         A stale replica can be in no group until it has the others' state, but its ONLINE record
@@ -336,20 +336,20 @@ class RoundRunner:
             self.phase.enter(Phase.JOINING)
             await self.presence.announce()
         try:
-            return await self.sync.resync(round, result, overlapped=overlapped)
+            return await self.sync.resync(round_no, result, overlapped=overlapped)
         finally:
             if stale and self.phase.current is Phase.JOINING:
                 self.phase.enter(interrupted)  # ONLINE, announced with the round's report (or the heartbeat)
 
     # overlapped rounds (peer/rounds/overlap.py) ------------------------------------------------------
-    async def _start_overlapped(self, round: int, report: overlap.RoundReport) -> None:
+    async def _start_overlapped(self, round_no: int, report: overlap.RoundReport) -> None:
         """Snapshot Δ and θ_local, move the clock on, resume, and average in the background."""
         worker, state = self.worker, self.state
-        delta = await self._pseudo_gradient(round, report)
+        delta = await self._pseudo_gradient(round_no, report)
         anchor = await worker.run(overlap.snapshot_local, worker.module)
         weight = float(report.samples)
         report.overlapped = True
-        flight = overlap.InFlight(round, weight, anchor, worker.steps_total, report)
+        flight = overlap.InFlight(round_no, weight, anchor, worker.steps_total, report)
         self._carried = 0
         self.progress.pending = report.samples  # ours until the mean lands (peer/compute/schedule.py)
         self.clock.advance(self.clock.next_round(get_dht_time()))
@@ -358,7 +358,7 @@ class RoundRunner:
         report.mean_wait0 = worker.mean_wait_total
         worker.expect_mean(self.overlap_steps)
         flight.task = asyncio.create_task(self._average_in_flight(flight, delta, state.digest, state.applied_rounds),
-                                          name=f"overlapped-round-{self.stage}-{round}")
+                                          name=f"overlapped-round-{self.stage}-{round_no}")
         self._in_flight = flight
         self._boundary = False  # before the resume yields: a mean that lands meanwhile leaves it SERVING
         await worker.resume()
@@ -450,25 +450,25 @@ class RoundRunner:
         if self.phase.current is Phase.OVERLAPPED:
             self.phase.enter(Phase.AVERAGING if self._boundary else Phase.SERVING)
 
-    async def _after(self, round: int, result: RoundResult, report: overlap.RoundReport) -> None:
-        self._report(round, result, report)
+    async def _after(self, round_no: int, result: RoundResult, report: overlap.RoundReport) -> None:
+        self._report(round_no, result, report)
         if self.save_dir:
             await asyncio.get_running_loop().run_in_executor(None, self.save)
         if self.after_round is not None and not self.leave_after_round:
-            await self.after_round(round, result)
+            await self.after_round(round_no, result)
 
     def save(self) -> None:
         if self.save_dir:
             self.state.save(Path(self.save_dir) / f"stage{self.stage}-{self.peer_id[-8:]}.safetensors",
                             {"stage": str(self.stage), "peer": self.peer_id})
 
-    def _report(self, round: int, result: RoundResult, r: overlap.RoundReport) -> None:
+    def _report(self, round_no: int, result: RoundResult, r: overlap.RoundReport) -> None:
         train_loss = sum(r.losses) / len(r.losses) if r.losses else math.nan
         sent, recv = self.traffic.sent - self._bytes_mark[0], self.traffic.recv - self._bytes_mark[1]
         self._bytes_mark = (self.traffic.sent, self.traffic.recv)
         by_kind_sent, by_kind_recv = self.traffic.sent_by_kind, self.traffic.recv_by_kind
         samples_per_s = r.samples / r.round_s
-        self.events.emit("round", round=round, train_loss=train_loss, samples=r.samples, inner_steps=r.steps,
+        self.events.emit("round", round=round_no, train_loss=train_loss, samples=r.samples, inner_steps=r.steps,
                          bytes_sent=sent, bytes_recv=recv, avg_bytes_sent=by_kind_sent["averaging"] - r.avg_sent0,
                          avg_bytes_recv=by_kind_recv["averaging"] - r.avg_recv0, complete=result.complete,
                          reason=result.reason, group_size=len(result.group), group=list(result.group),
@@ -492,17 +492,17 @@ class RoundRunner:
                                 bytes_gradients=by_kind_sent["gradients"],
                                 bytes_averaging=by_kind_sent["averaging"], bytes_state=by_kind_sent["state"])
         logger.info("stage %d round %d: loss %s | %.1f samples/s | util %.2f | lr %.2e | sent %.2f MB recv %.2f MB "
-                    "| group %d %s", self.stage, round, f"{train_loss:.3f}" if r.losses else "-", samples_per_s,
+                    "| group %d %s", self.stage, round_no, f"{train_loss:.3f}" if r.losses else "-", samples_per_s,
                     r.utilisation, r.lr, sent / 1e6, recv / 1e6, len(result.group),
                     "ok" if result.complete else f"INCOMPLETE ({result.reason})")
 
 
-def corrupt(delta: dict[str, torch.Tensor], mode: str, round: int) -> dict[str, torch.Tensor]:
+def corrupt(delta: dict[str, torch.Tensor], mode: str, round_no: int) -> dict[str, torch.Tensor]:
     """A hostile replica's pseudo-gradient (testing aid): `scale` sends 100 x the honest one,
     `random` Gaussian noise with 10 x its RMS, tensor by tensor (seeded by the round)."""
     if mode == "scale":
         return {n: d * 100.0 for n, d in delta.items()}
-    generator = torch.Generator().manual_seed(1_000_003 * round + 17)
+    generator = torch.Generator().manual_seed(1_000_003 * round_no + 17)
     out = {}
     for n, d in delta.items():
         rms = float(d.pow(2).mean().sqrt()) if d.numel() else 0.0

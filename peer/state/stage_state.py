@@ -73,12 +73,12 @@ class StageState:
                 out[name] = buf
         return out
 
-    def commit(self, round: int) -> None:
+    def commit(self, round_no: int) -> None:
         """Recompute the digest and freeze a snapshot for state download, ready for `round`."""
         params = {n: p.detach().clone() for n, p in self.params.items()}
         momentum = {n: m.detach().clone() for n, m in self.momentum().items()}
         self.digest = state_digest(params, momentum, self.trained_samples)
-        self.snapshot = StateSnapshot(params, momentum, round, self.applied_rounds, self.digest, self.trained_samples)
+        self.snapshot = StateSnapshot(params, momentum, round_no, self.applied_rounds, self.digest, self.trained_samples)
 
     def pseudo_gradient(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Δ = θ_global − θ_local, fp32 on the CPU."""
@@ -103,7 +103,7 @@ class StageState:
             for name, p in module.named_parameters():
                 p.copy_(self.params[name].detach().to(p.device, p.dtype))
 
-    def load(self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round: int,
+    def load(self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round_no: int,
              applied_rounds: int, trained_samples: int = 0) -> None:
         """Adopt a state downloaded from another replica (names and shapes already validated)."""
         with torch.no_grad():
@@ -114,7 +114,7 @@ class StageState:
             self.outer_opt.state[self.params[name]]["momentum_buffer"] = buf.detach().clone()
         self.applied_rounds = applied_rounds
         self.trained_samples = trained_samples
-        self.commit(round)
+        self.commit(round_no)
 
     def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
         """A safetensors checkpoint of the committed state (θ_global and outer momentum)."""

@@ -363,7 +363,7 @@ class StateSync:
                        else f"a backup on {source[-8:]}", snap.applied_rounds, lost)
         return True
 
-    async def resync(self, round: int, result: RoundResult, overlapped: bool = False) -> bool:
+    async def resync(self, round_no: int, result: RoundResult, overlapped: bool = False) -> bool:
         """After a failed round: adopt the state of a replica that completed it, if any did. Others
         may still be finishing the round, so wait until every other member has announced a later
         round (then, if none applied it, nobody did) or as long as a round may take.
@@ -374,14 +374,14 @@ class StateSync:
         # members that never answered are dead or cut off: they will not announce a later round
         others = [p for p in result.group if p != self.peer_id and p not in result.unreachable]
         member = bool(result.group) and self.peer_id in result.group
-        votes = await self._votes(round) if member else None
+        votes = await self._votes(round_no) if member else None
         if votes is not None and decisions.nobody_applied(votes, self.peer_id, group_hash(tuple(result.group)),
                                                        result.voted_digest):
             return False
         # members whose vote we could not read by now (our vote wait is over) are dead or cut off
         silent = [p for p in others if p not in votes] if votes is not None and result.voted_digest else []
         if member:
-            await self._say_abandoned(round, group_hash(tuple(result.group)))
+            await self._say_abandoned(round_no, group_hash(tuple(result.group)))
         waits = DONOR_RETRY.waits()
         while time.monotonic() < deadline:
             records = None
@@ -397,29 +397,29 @@ class StateSync:
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True
-            if not donors and decisions.resync_settled(records, others, round + 1 if overlapped else round,
-                                                    abandoned=await self._abandoned(round) if member else (),
+            if not donors and decisions.resync_settled(records, others, round_no + 1 if overlapped else round_no,
+                                                    abandoned=await self._abandoned(round_no) if member else (),
                                                     silent=silent):
                 return False
             await asyncio.sleep(next(waits))
         return False
 
-    async def _votes(self, round: int) -> dict[str, str] | None:
+    async def _votes(self, round_no: int) -> dict[str, str] | None:
         """The round's outcome votes (None if they could not be read). If they say no replica
         applied it (decisions.nobody_applied), there is no donor to wait for: without them a failed
         round waits for the others to announce a later round, which they do only after their own
         wait (several seconds of stall)."""
         with self._reading_votes:
-            return await within(self.swarm.round_checks(self.stage, round), self.t.dht)
+            return await within(self.swarm.round_checks(self.stage, round_no), self.t.dht)
         return None
 
-    async def _say_abandoned(self, round: int, hash_: str) -> None:
+    async def _say_abandoned(self, round_no: int, hash_: str) -> None:
         """Tell the other members that we did not apply the round and will not (decisions.resync_settled)."""
         with self._saying_abandoned:  # unsaid: the others wait for our later round instead
-            await within(self.swarm.post_abandoned(self.stage, round, self.peer_id, hash_), self.t.dht)
+            await within(self.swarm.post_abandoned(self.stage, round_no, self.peer_id, hash_), self.t.dht)
 
-    async def _abandoned(self, round: int) -> list[str]:
+    async def _abandoned(self, round_no: int) -> list[str]:
         """The members that said they abandoned round `round` (none if that could not be read)."""
         with self._reading_abandoned:
-            return list(await within(self.swarm.round_abandoned(self.stage, round), self.t.dht))
+            return list(await within(self.swarm.round_abandoned(self.stage, round_no), self.t.dht))
         return []

@@ -116,9 +116,9 @@ def swarm_view(dht: MemoryDHT, peer_id: str, manifest: Manifest) -> SwarmView:
 
 
 async def announce(view: SwarmView, stage: int, *, state: str = ONLINE, applied_rounds: int = 0,
-                   digest: str = "digest", round: int = 0, driver: bool = False) -> None:
+                   digest: str = "digest", round_no: int = 0, driver: bool = False) -> None:
     """Store the record of `view`'s peer as a replica of `stage` (what its Presence would)."""
-    stored = await view.announce(PeerRecord(peer_id=view.peer_id, stage=stage, state=state, throughput=1.0, round=round,
+    stored = await view.announce(PeerRecord(peer_id=view.peer_id, stage=stage, state=state, throughput=1.0, round=round_no,
                                             applied_rounds=applied_rounds, digest=digest,
                                             manifest_hash=view.manifest_hash, driver=driver))
     assert stored, f"the record of {view.peer_id} was refused"
