@@ -1,7 +1,7 @@
 """The daemon's small decisions, as pure functions over what it has gathered.
 
 The daemon gathers a snapshot (its clock, its worker's counters, the DHT records it read) and
-calls these; they decide, it acts. Each is tested without a network (tests/test_policy.py).
+calls these; they decide, it acts. Each is tested without a network (tests/test_daemon_decisions.py).
 """
 from __future__ import annotations
 

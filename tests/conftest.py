@@ -160,7 +160,7 @@ def p2p_daemons(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture
 def chromium() -> Path:
-    """Headless Chromium (tests/browser.py); the test skips where it is missing."""
+    """Headless Chromium (tests/support/browser.py); the test skips where it is missing."""
     from support.browser import CHROMIUM, SKIP_REASON, chromium_available
     if not chromium_available():
         pytest.skip(SKIP_REASON)

@@ -1,5 +1,5 @@
 """The coordinator's dashboard: the HTTP server of peer/coordinator/web.py (urllib) and the page
-in a real headless Chromium (tests/browser.py), over a 2-peer and a 200-peer swarm snapshot.
+in a real headless Chromium (tests/support/browser.py), over a 2-peer and a 200-peer swarm snapshot.
 
 The browser tests check that the stages, the replicas of each stage (with their rounds) and the
 latest round shown are those of the JSON the server serves. With SWARMGRAD_SCREENSHOTS=DIR they

@@ -21,7 +21,7 @@ from swarmgrad.peer.state.stage_state import CheckpointError
 from swarmgrad.peer.state.sync import StateSync
 from swarmgrad.peer.records import JOINING, LEAVING, ONLINE
 
-from test_policy import rec
+from support.records import rec
 
 
 class Swarm:

@@ -7,13 +7,10 @@ from typing import Any
 from swarmgrad.peer import decisions
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.manifest import RoundsConfig
-from swarmgrad.peer.records import JOINING, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.records import JOINING, LEAVING
+from support.records import rec
 
 
-def rec(peer: str, *, stage: int = 1, state: str = ONLINE, round_no: int = 0, applied: int = 0, digest: str = "d",
-        driver: bool = False) -> PeerRecord:
-    return PeerRecord(peer_id=peer, stage=stage, state=state, throughput=1.0, round=round_no, applied_rounds=applied,
-                      digest=digest, manifest_hash="h", driver=driver)
 
 
 def ended(**kw: Any) -> bool:
