@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.net.errors import BestEffort, RPCFailed, SwarmUnavailable, dht_call
+from swarmgrad.peer.net.errors import BestEffort, LoopSteps, RPCFailed, SwarmUnavailable, dht_call
 
 LOG = logging.getLogger("test_net_errors")
 PEER = "12D3KooWGy1KgUuMX23UPCJDvF3HqUy7t3Sq8ueaRgEXZva3yCqx"
@@ -136,3 +136,37 @@ def test_dht_call_says_what_and_why() -> None:
         assert str(timed_out.value) == "reading run/epoch: no answer within 0.01s"
         assert isinstance(timed_out.value.__cause__, asyncio.TimeoutError)
     asyncio.run(main())
+
+
+def test_loop_steps_outlive_failures_and_say_which_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """A loop's step: the network's failure is logged once per outage (its own BestEffort), a bug
+    with its traceback, and neither stops the next step; cancellation still goes through."""
+    steps = LoopSteps("heartbeat", LOG)
+    ran: list[str] = []
+
+    async def offline() -> None:
+        raise SwarmUnavailable("no DHT")
+
+    async def buggy() -> None:
+        raise TypeError("a bug of ours")
+
+    async def fine() -> None:
+        ran.append("fine")
+
+    async def cancelled() -> None:
+        raise asyncio.CancelledError
+
+    async def main() -> None:
+        for step in (offline, offline, buggy, fine):
+            await steps.run(step.__name__, step)
+        with pytest.raises(asyncio.CancelledError):
+            await steps.run("cancelled", cancelled)
+
+    with caplog.at_level(logging.DEBUG, logger=LOG.name):
+        asyncio.run(main())
+    assert ran == ["fine"]
+    assert levels(caplog) == [logging.WARNING, logging.DEBUG, logging.ERROR]
+    assert caplog.records[0].getMessage().startswith("heartbeat: offline failed: SwarmUnavailable")
+    bug = caplog.records[2]
+    assert bug.getMessage() == "heartbeat: buggy failed" and bug.exc_info and bug.exc_info[0] is TypeError
+    assert steps.attempt("offline").failures == 2 and steps.attempt("buggy").failures == 0

@@ -38,7 +38,7 @@ from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL, SignedRecordValidator
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.net.errors import BestEffort, dht_call
+from swarmgrad.peer.net.errors import LoopSteps, dht_call
 from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
 from swarmgrad.protocol.validation import RunIdentity
 
@@ -92,7 +92,7 @@ class Coordinator:
         """The dashboard's two documents, rebuilt by the event loop at each look and only read by
         the HTTP server's threads (a reference swap: they never see a half-built one)."""
         self._tasks: list[asyncio.Task] = []
-        self._steps: dict[str, BestEffort] = {}
+        self._steps = LoopSteps("coordinator", logger)
         """One per step of the heartbeat loop, named after it (and the revocation list published at
         once after a revoke order shares its step's)."""
 
@@ -212,17 +212,9 @@ class Coordinator:
             self.m.timeouts.dht)
 
     async def _step(self, step: Callable[[], Awaitable[None]]) -> None:
-        """Run one step of the loop. The network's failures are logged (`BestEffort`), anything else
+        """Run one step of the loop. The network's failures are logged (`LoopSteps`), anything else
         with its traceback: the coordinator keeps serving, and the next heartbeat tries again."""
-        name = getattr(step, "__name__", str(step))
-        attempt = self._steps.get(name)
-        if attempt is None:
-            attempt = self._steps[name] = BestEffort(f"coordinator: {name}", logger)
-        try:
-            with attempt:
-                await step()
-        except Exception:  # not the network's failure: a bug, or a file not written
-            logger.exception("coordinator: %s failed", name)
+        await self._steps.run(getattr(step, "__name__", str(step)), step)
 
     async def _loop(self) -> None:
         while True:

@@ -32,7 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.net.errors import P2P_FAILURES, BestEffort, RPCFailed, dht_call
+from swarmgrad.peer.net.errors import P2P_FAILURES, LoopSteps, RPCFailed, dht_call
 from swarmgrad.peer.records import LEAVING, PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -155,13 +155,9 @@ class DialOut:
 
     async def run(self) -> None:
         """Look every `interval` seconds until cancelled. A look the network fails is logged
-        (`BestEffort`); one that raises anything else is a bug, logged with its traceback, and the
+        (`LoopSteps`); one that raises anything else is a bug, logged with its traceback, and the
         next look runs anyway: dialling out is an aid, and the peer works (relayed) without it."""
-        looking = BestEffort("the dial-out look", logger)
+        steps = LoopSteps("dial-out", logger)
         while True:
-            try:
-                with looking:
-                    await self.step()
-            except Exception:  # a bug (the network's failures stop at `looking`): say so, keep looking
-                logger.exception("dial-out look failed")
+            await steps.run("look", self.step)
             await asyncio.sleep(self.interval)

@@ -125,3 +125,29 @@ class BestEffort:
             self.failed(error)
             return True
         return False
+
+
+class LoopSteps:
+    """The steps of a loop that must outlive any one step's failure (a heartbeat's parts, a
+    dial-out look): each step keeps its own `BestEffort` (the network's failures, logged once),
+    and anything else it raises is a bug, logged with its traceback; the loop runs the next step
+    and the next round anyway. `owner` names the loop in every line ("admission: publish failed")."""
+
+    def __init__(self, owner: str, log: logging.Logger):
+        self.owner = owner
+        self.log = log
+        self._attempts: dict[str, BestEffort] = {}
+
+    def attempt(self, name: str) -> BestEffort:
+        """The `BestEffort` of step `name` (made on its first run)."""
+        if name not in self._attempts:
+            self._attempts[name] = BestEffort(f"{self.owner}: {name}", self.log)
+        return self._attempts[name]
+
+    async def run(self, name: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Run one step; it never raises (but for cancellation, which is not an Exception)."""
+        try:
+            with self.attempt(name):
+                await step()
+        except Exception:  # not the network's failure (the step's BestEffort took those): a bug
+            self.log.exception("%s: %s failed", self.owner, name)

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.private.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from swarmgrad.peer.private.credentials import Authority, Certificate, CredentialError, Revocations
-from swarmgrad.peer.net.errors import BestEffort, dht_call
+from swarmgrad.peer.net.errors import BestEffort, LoopSteps, dht_call
 from swarmgrad.peer.private.dht_auth import AuthFiles
 from swarmgrad.peer.net.identity import is_peer_id
 from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL
@@ -71,7 +71,7 @@ class Admission:
         self._looked_up: dict[str, float] = {}
         self._lookup_lock = asyncio.Lock()
         self._lookup = BestEffort("looking up an unknown caller's certificate", logger)
-        self._steps: dict[str, BestEffort] = {}
+        self._steps = LoopSteps("admission", logger)
         self.refused = 0
         """Requests refused so far (a metric: an outsider's calls land here)."""
         self.self_revoked = asyncio.Event()
@@ -215,15 +215,7 @@ class Admission:
         (`BestEffort`), anything else (a bug, a file not written) with its traceback, and the next
         heartbeat tries again; the gate keeps answering from what it knows."""
         for what in (self.refresh_revocations, self.renew_if_due, self.publish, self.refresh_certificates):
-            name = what.__name__
-            attempt = self._steps.get(name)
-            if attempt is None:
-                attempt = self._steps[name] = BestEffort(f"admission: {name}", logger)
-            try:
-                with attempt:
-                    await what()
-            except Exception:  # not the network's failure: say so loudly, and go on with the others
-                logger.exception("admission: %s failed", name)
+            await self._steps.run(what.__name__, what)
 
     async def run(self) -> None:
         """Every heartbeat until cancelled."""
