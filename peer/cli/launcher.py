@@ -185,6 +185,7 @@ class LocalSwarm:
         raise TimeoutError(f"{peer.name}: no {what} within {timeout:.0f}s:\n{peer.log_tail()}")
 
     def wait_exit(self, timeout: float) -> list[int | None]:
+        """Each peer's exit code once all exited or `timeout` passed (None: still running)."""
         deadline = time.monotonic() + timeout
         for peer in self.peers:
             try:
@@ -199,12 +200,7 @@ class LocalSwarm:
         for peer in self.peers:
             if peer.alive:
                 peer.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for peer in self.peers:
-            try:
-                peer.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        self.wait_exit(grace)
         for peer in self.peers:
             peer.kill_group(signal.SIGKILL)  # also any DHT process or p2pd still running after the peer exited
             try:
