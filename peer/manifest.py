@@ -41,6 +41,13 @@ class ModelConfig:
     """`package.module:function` returning a StagedModel; only with kind = "entry_point"."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Free-form keyword parameters handed to the entry point."""
+    dtype: str = "float32"
+    """What the forward's matmuls compute in on CUDA: `float32` or `bfloat16` (autocast; parameters,
+    gradients and optimiser state stay fp32). CPU peers compute in float32 unless a peer is started
+    with `--compute-dtype bfloat16` (peer/compute/precision.py)."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input for backward and recompute the rest then: about a block's
+    activations instead of every block's, for one more forward per backward."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,8 @@ def check(m: Manifest) -> None:
             raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
     elif not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
         raise _fail("model.entry_point", f"must look like \"package.module:function\" (got {md.entry_point!r})")
+    if md.dtype not in ("float32", "bfloat16"):
+        raise _fail("model.dtype", f"must be \"float32\" or \"bfloat16\" (got {md.dtype!r})")
     st = m.stages
     if st.count < 1:
         raise _fail("stages.count", f"must be >= 1 (got {st.count})")

@@ -21,12 +21,16 @@ DATA_SEED = 1234
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sizes", [(), (1, 4, 2)], ids=["equal", "tapered"])
-def test_one_round_equals_one_whole_model_step(inprocess, tmp_path: Path, sizes: tuple[int, ...]) -> None:
-    """Replaces the real-process version of this test (the same manifest and assertions)."""
+@pytest.mark.parametrize("sizes,checkpointing", [((), False), ((1, 4, 2), False), ((), True)],
+                         ids=["equal", "tapered", "checkpointed"])
+def test_one_round_equals_one_whole_model_step(inprocess, tmp_path: Path, sizes: tuple[int, ...],
+                                               checkpointing: bool) -> None:
+    """Replaces the real-process version of this test (the same manifest and assertions). With
+    model.activation_checkpointing the stages recompute their blocks in the backward: the same step."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
     m = small_manifest(
+        model={"activation_checkpointing": checkpointing},
         inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 3,
                "microbatch_sizes": list(sizes)},
         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},

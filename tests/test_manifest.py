@@ -37,7 +37,7 @@ PINNED = {
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold
-PINNED_HASH = "48346989b7fe44c84c6a1ad4f1adecbf"
+PINNED_HASH = "003c782838888fc347f4b24e478a1e34"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -253,6 +253,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "model.vocab_size": [{"kind": "entry_point", "entry_point": "pkg.mod:make", "vocab_size": 300}],
         "model.entry_point": [{"kind": "entry_point", "entry_point": "other.mod:make"}],
         "model.params": [{"params": {"width": 3}}],
+        "model.dtype": [{"dtype": "bfloat16"}],
         "stages.layers": [{"layers": [1, 3]}],
         "inner.betas": [{"betas": [0.8, 0.9]}],
         "inner.microbatch_sizes": [{"microbatch_sizes": [1] * k} for k in range(1, 33)],  # one has the right length

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", default="auto", type=stage_arg,
                    help="stage to serve: auto (the placement rule picks the stage serving least, within memory) or an index")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="what the forwards compute in: auto (the manifest's model.dtype on CUDA, float32 on "
+                        "the CPU), float32 or bfloat16 (autocast; weights and optimiser state stay fp32)")
     p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
                    help="where to listen (default: loopback, a free port)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",

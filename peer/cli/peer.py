@@ -169,7 +169,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
     stage = None if args.stage == "auto" else args.stage
     if private is not None and stage is None and private.admitted.certificate.stage is not None:
         stage = private.admitted.certificate.stage  # the invitation pinned a stage
-    options = PeerOptions(stage=stage, device=args.device,
+    from swarmgrad.peer.compute.precision import resolve_compute_dtype
+    try:
+        resolve_compute_dtype(manifest.model.dtype, args.device, args.compute_dtype)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    options = PeerOptions(stage=stage, device=args.device, compute_dtype=args.compute_dtype,
                           events_path=args.events, save_dir=args.save_dir, data_seed=args.data_seed,
                           max_rounds=args.max_rounds, linger=args.linger, slowdown=args.slowdown,
                           rate_clock=args.rate_clock,

@@ -20,6 +20,7 @@ from swarmgrad.peer.compute.lookahead import Grads
 from swarmgrad.peer.manifest import InnerOptConfig
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.compute.swarm_adamw import SwarmAdamW
+from swarmgrad.peer.compute.precision import fused_adamw_supported
 
 
 class InnerOptimizer:
@@ -35,7 +36,10 @@ class InnerOptimizer:
             self.optimizer: torch.optim.Optimizer = SwarmAdamW(params, lr=inner.lr, betas=betas,
                                                                weight_decay=inner.weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay)
+            device = next(module.parameters(), torch.empty(0)).device
+            fused = True if fused_adamw_supported(device) else None  # None: torch's default kernel
+            self.optimizer = torch.optim.AdamW(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay,
+                                               fused=fused)
         self._swarm_adamw = self.optimizer if isinstance(self.optimizer, SwarmAdamW) else None
         """The optimizer when inner.swarm_second_moment: it sees each microbatch's gradients one by
         one (it measures the spread between them), not only their sum in .grad."""

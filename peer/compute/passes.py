@@ -12,6 +12,7 @@ from torch import nn
 from swarmgrad.peer.compute.evaluation import EvalCopy
 from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.compute.lookahead import PLAIN, Grads, Lookahead, Slot, grads_wrt
+from swarmgrad.peer.compute.precision import Precision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,11 +33,15 @@ class StagePasses:
     - An evaluation (train=False) runs on the evaluation copy when there is one (peer/compute/evaluation.py).
     - A non-finite training loss raises NonFiniteLoss before anything is computed from it.
     - Gradients w.r.t. the stage input come back on the CPU in fp32 (None at stage 0).
+    - Forwards run under the precision's autocast (peer/compute/precision.py); the parameters and
+      their gradients stay fp32 whatever it computes in.
     """
 
     def __init__(self, module: nn.Module, device: torch.device, loss_fn: LossFn | None,
-                 inner: InnerOptimizer, lookahead: Lookahead, evaluation: EvalCopy):
+                 inner: InnerOptimizer, lookahead: Lookahead, evaluation: EvalCopy,
+                 precision: Precision | None = None):
         self.module = module
+        self.precision = precision or Precision(device)
         self.device = device
         self.loss_fn = loss_fn
         """The last stage's loss (None on the other stages)."""
@@ -49,7 +54,7 @@ class StagePasses:
         x = x.to(self.device)
         if x.is_floating_point() and train:
             x.requires_grad_(True)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), self.precision.autocast():
             if slot.stash is not None:
                 return x, self.lookahead.forward(slot.stash, x)
             if not train and (evaluated := self.evaluation.module_now()) is not None:
@@ -100,7 +105,7 @@ class StagePasses:
         """(input as used, loss); a non-finite training loss raises NonFiniteLoss (not trained on)."""
         assert self.loss_fn is not None
         x, y = self.forward(x, train, slot)
-        loss = self.loss_fn(y, targets.to(self.device))
+        loss = self.loss_fn(y.float(), targets.to(self.device))  # the loss in fp32 whatever the logits' dtype
         if train and not torch.isfinite(loss):
             raise NonFiniteLoss(f"non-finite loss {loss.item()}: not trained on")
         return x, loss

@@ -37,6 +37,7 @@ from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
 from swarmgrad.peer.compute.lookahead import PLAIN, Lookahead, Slot
 from swarmgrad.peer.compute.mean_in_flight import MeanInFlight, Move
 from swarmgrad.peer.compute.passes import LossFn, NonFiniteLoss, StagePasses
+from swarmgrad.peer.compute.precision import Precision
 from swarmgrad.peer.compute.rate import RateMeter
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.compute.tally import RoundTally
@@ -54,10 +55,12 @@ class StageWorker:
 
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device, loss_fn: LossFn | None,
                  clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0,
-                 rate_clock: str = "wall"):
+                 rate_clock: str = "wall", precision: Precision | None = None):
         """`slowdown`, `rate_clock`: testing aids (peer/compute/thread.py). `commit_timeout`:
-        timeouts.commit, how long an answered microbatch's gradients wait for their commit."""
+        timeouts.commit, how long an answered microbatch's gradients wait for their commit.
+        `precision`: what the forwards compute in (default float32 on `device`)."""
         self.module = module.to(device)
+        self.precision = precision or Precision(device)
         self.device = device
         self.cfg = inner
         self.clock = clock
@@ -65,7 +68,8 @@ class StageWorker:
         self.inner = InnerOptimizer(self.module, inner, progress)
         self.lookahead = Lookahead(self.module)
         self.evaluation = EvalCopy(self.module)
-        self.passes = StagePasses(self.module, device, loss_fn, self.inner, self.lookahead, self.evaluation)
+        self.passes = StagePasses(self.module, device, loss_fn, self.inner, self.lookahead, self.evaluation,
+                                  self.precision)
         self.thread = ComputeThread(slowdown, rate_clock)
         self.tally = RoundTally()
         self.mean = MeanInFlight()

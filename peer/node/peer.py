@@ -36,6 +36,7 @@ from swarmgrad.peer.node.replica import PeerContext, Replica
 from swarmgrad.peer.state.backup import BackupStore
 from swarmgrad.peer.pipeline.stage_server import refusal
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic
+from swarmgrad.peer.compute.precision import precision_name, resolve_compute_dtype
 from swarmgrad.peer.placement.bench import device_memory, stage_rate, stage_rates
 from swarmgrad.peer.placement.cost import StageCost, stage_costs
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -69,6 +70,9 @@ class PeerOptions:
     stage: int | None = None
     """Stage to serve; None lets the placement policy choose."""
     device: str = "cpu"
+    compute_dtype: str = "auto"
+    """What the forwards compute in: "auto" (the manifest's model.dtype on CUDA, float32 elsewhere),
+    "float32" or "bfloat16" (peer/compute/precision.py)."""
     events_path: str | None = None
     save_dir: str | None = None
     """Write the stage's θ_global (safetensors) here after every round and at exit."""
@@ -142,6 +146,9 @@ class Peer:
         if admission is not None:
             self.swarm.admitted = admission.admitted
         self.max_message_bytes = int(manifest.pipeline.max_message_mb * 2**20)
+        self.compute_dtype = precision_name(resolve_compute_dtype(manifest.model.dtype, options.device,
+                                                                  options.compute_dtype))
+        """What this peer's forwards compute in, resolved once (a ValueError here, before any task)."""
         self.events = EventLog(None)
         self.replicas: list[Replica] = []
         """The replica being served (two during a move)."""
@@ -169,7 +176,8 @@ class Peer:
             self.events.emit("started", stage=stage, maddrs=list(self._maddrs), run_id=self.m.run_id,
                              manifest_hash=self.m.hash, stage_rates=list(rates), expected_rate=expected_rate,
                              memory=ctx.memory, metrics_port=self.metrics_port,
-                             reachability=self.opt.reachability)
+                             reachability=self.opt.reachability, compute_dtype=self.compute_dtype,
+                             activation_checkpointing=self.m.model.activation_checkpointing)
             if self.opt.reachability in ("relay", "client"):  # behind NAT: open the connections ourselves
                 dial_out = DialOut(ctx.p2p, self.swarm, peer_id=self.peer_id,
                                    stage=lambda: self.replicas[-1].stage if self.replicas else None,
@@ -207,6 +215,7 @@ class Peer:
         ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
                           traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
+                          compute_dtype=self.compute_dtype,
                           data_seed=self.opt.data_seed, max_rounds=self.max_rounds, linger=self.opt.linger,
                           slowdown=self.opt.slowdown, rate_clock=self.opt.rate_clock, memory=memory,
                           max_message_bytes=self.max_message_bytes,
@@ -214,7 +223,7 @@ class Peer:
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
                           resume_round=self.resume_round)
-        costs = stage_costs(self.m, self.model)
+        costs = stage_costs(self.m, self.model, compute_dtype=self.compute_dtype)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
             rates = await asyncio.get_running_loop().run_in_executor(

@@ -38,6 +38,7 @@ from swarmgrad.peer.state.presence import Presence
 from swarmgrad.peer.rounds.runner import RoundRunner
 from swarmgrad.peer.pipeline.routing import BanList
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.compute.precision import COMPUTE_DTYPES, Precision, enable_activation_checkpointing
 from swarmgrad.peer.compute.schedule import TrainingProgress
 from swarmgrad.peer.state.stage_state import StageState
 from swarmgrad.peer.state.sync import StateSync
@@ -86,6 +87,8 @@ class PeerContext:
     from it sets a new wall-clock epoch that many rounds back (SwarmView.epoch)."""
     pinned: bool = False
     """The peer does not rebalance (PeerOptions.rebalancing is false): its records say so."""
+    compute_dtype: str = "float32"
+    """What this peer's forwards compute in (peer/compute/precision.py resolve_compute_dtype)."""
     backup_store: Any = None
     """The peer's BackupStore (peer/state/backup.py): its copies are announced, and a replica joining a
     stage whose current state it holds starts from that copy instead of downloading it."""
@@ -134,10 +137,13 @@ class Replica:
         progress = TrainingProgress(m.schedule)
         is_last = stage == n_stages - 1
         module = ctx.model.build_stage(stage)
+        if m.model.activation_checkpointing:
+            enable_activation_checkpointing(module)
+        precision = Precision(torch.device(ctx.device), COMPUTE_DTYPES[ctx.compute_dtype])
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
                                            slowdown=ctx.slowdown, rate_clock=ctx.rate_clock,
-                                           commit_timeout=t.commit)
+                                           commit_timeout=t.commit, precision=precision)
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         worker.eval_weights = lambda: state.snapshot.params if state.snapshot is not None else None
@@ -155,7 +161,8 @@ class Replica:
                 "banned", failed_peer=peer, seconds=seconds, failures=failures))
             downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
-                                    gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id)
+                                    gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id,
+                                    boundary=precision.boundary)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, phase=self.phase, worker=worker, state=state,
@@ -200,7 +207,8 @@ class Replica:
                                  parse_codec_spec(m.pipeline.gradient_codec), ctx.max_numel, clock,
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
                                  max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
-                                 lookahead=m.pipeline.lookahead, hold_s=t.between_rounds)
+                                 lookahead=m.pipeline.lookahead, hold_s=t.between_rounds,
+                                 boundary=precision.boundary)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))

@@ -66,13 +66,21 @@ class Hop:
     """What the next stage reported: seconds from our whole request to its answer."""
 
 
+def _fp32_on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32)
+
+
 class Downstream:
     """Sends microbatches to the next stage: replica choice, bans, queue counts, validation of answers."""
 
     def __init__(self, identity: RunIdentity, rpc: FramedRPC, swarm: SwarmView, bans: BanList,
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
-                 gradient_codecs: frozenset[str] | None = None, self_id: str | None = None):
+                 gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
+                 boundary: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
+        float32, holding values of the compute dtype); default: the CPU in float32."""
         self.identity = identity
+        self.boundary = boundary or _fp32_on_cpu
         self.self_id = self_id
         """This peer's id: never a candidate. A peer moving from stage s to s + 1 runs both
         replicas for a while, and libp2p cannot dial itself ("dial to self attempted")."""
@@ -112,7 +120,7 @@ class Downstream:
         """`output` in the activation codec, encoded off the event loop: a heavy codec (low-rank,
         rotations) must not hold up the bytes of requests and answers already on their way."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: encoded_to_proto(self.codec.encode(output.detach().to("cpu", torch.float32))))
+            None, lambda: encoded_to_proto(self.codec.encode(self.boundary(output))))
 
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
                       attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
@@ -200,8 +208,10 @@ class StageServer:
                  downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
                  activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
                  drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False,
-                 hold_s: float = 0.0):
+                 hold_s: float = 0.0, boundary: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.identity = identity
+        self.boundary = boundary or _fp32_on_cpu
+        """What a gradient sent upstream becomes before its codec (as Downstream.boundary)."""
         self.hold_s = hold_s
         """timeouts.between_rounds: how long a request of the next round, arriving while this
         replica ends its round, waits for it to resume. Refused at once (NOT_READY), the driver would
@@ -299,7 +309,7 @@ class StageServer:
                 loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, False)
             response = pb.ForwardResponse(status=pb.OK, loss=loss, n_targets=inp.targets.numel())
             if grad_x is not None:
-                response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
+                response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(self.boundary(grad_x))))
             return response
         assert self.downstream is not None
         x, y = await self.worker.forward(inp.activations, train, slot)
@@ -313,7 +323,7 @@ class StageServer:
             assert hop.grad is not None
             grad_x = await self.worker.backward_held(key, x, y, hop.grad, batch, hop.loss, slot)
             assert grad_x is not None
-            response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(grad_x)))
+            response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(self.boundary(grad_x))))
         return response
 
 

@@ -16,7 +16,14 @@ Placement (``rules.py``) needs three figures per stage, all derived from the man
   weights. A peer offering less than M_s cannot serve the stage.
 - ``state_bytes``: what a mover or joiner downloads (θ_global + outer momentum, fp32).
 
-All tensors are fp32 (the pipeline's wire dtypes are fp32 and stages train in fp32).
+Weights, gradients, AdamW's moments and θ_global are fp32 whatever a peer computes in
+(peer/compute/precision.py). The activations follow the compute dtype: with ``model.dtype =
+"bfloat16"`` (what a CUDA peer computes in; a CPU peer computes in float32 unless asked, so pass
+``compute_dtype="float32"`` for it) a block's kept activations are bf16 (half), and every
+microbatch in flight also keeps the bf16 copies of the stage's weights its matmuls saved for
+backward (autocast casts them once per forward). With ``model.activation_checkpointing`` a block
+keeps only its input (the fp32 residual stream, d floats per token) and one block's activations at
+a time are rebuilt in the backward, weight copies included.
 
 FLOPs per sample (a sample is one sequence of ``seq_len`` tokens), following Kaplan et al. 2020,
 Table 1: forward = 2·(matmul parameters) + 2·n_ctx·d per layer per token (attention scores and
@@ -113,24 +120,54 @@ def _gpt_flops(m: Manifest, stage: int) -> float:
     return 3.0 * per_token * t
 
 
-def _gpt_activation_bytes_per_sample(m: Manifest, stage: int) -> int:
+def _gpt_activations(m: Manifest, stage: int) -> Activations:
     md, layers = m.model, m.layers_per_stage
     d, v, t = md.d_model, md.vocab_size, md.seq_len
-    per_token = layers[stage] * 16 * d
-    per_token += d  # stage 0: the embedding sum; others: the received input
+    rest = d  # stage 0: the embedding sum; others: the received input
     if stage == len(layers) - 1:
-        per_token += 2 * d + 2 * v
-    return FP32 * per_token * t
+        rest += 2 * d + 2 * v
+    return Activations(rest=FP32 * rest * t, blocks=layers[stage], per_block=FP32 * 16 * d * t,
+                       block_input=FP32 * d * t)
 
 
-def _memory(m: Manifest, params: int, activations_per_sample: int) -> MemoryNeed:
+@dataclass(frozen=True)
+class Activations:
+    """What one sample keeps for backward on a stage, in fp32 bytes, by part: ``blocks`` blocks of
+    ``per_block`` bytes each, whose input is ``block_input`` bytes, and ``rest`` (the embedding or
+    received input, the head and the loss)."""
+    rest: int
+    blocks: int = 0
+    per_block: int = 0
+    block_input: int = 0
+
+    def kept(self, bf16: bool, checkpointing: bool) -> int:
+        """Bytes kept per sample between a microbatch's forward and its backward."""
+        if checkpointing and self.blocks:
+            return self.blocks * self.block_input + self.rest
+        return self.blocks * (self.per_block // 2 if bf16 else self.per_block) + self.rest
+
+    def rebuilt(self, bf16: bool, checkpointing: bool) -> int:
+        """Bytes per sample of the one block a checkpointed backward rebuilds at a time (0 without)."""
+        if not (checkpointing and self.blocks):
+            return 0
+        return self.per_block // 2 if bf16 else self.per_block
+
+
+def _memory(m: Manifest, params: int, acts: Activations, compute_dtype: str | None = None) -> MemoryNeed:
     p = FP32 * params
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
+    bf16 = (compute_dtype or m.model.dtype) == "bfloat16"
+    ckpt = m.model.activation_checkpointing
+    # bf16 weight copies autocast saved for backward: one per microbatch in flight, or with
+    # checkpointing only the rebuilt block's (its share of the stage, counted as the whole: an upper bound)
+    casts = (params * 2) * (1 if ckpt else m.pipeline.max_in_flight) if bf16 else 0
+    activations = (in_flight * acts.kept(bf16, ckpt) + m.inner.microbatch_size * acts.rebuilt(bf16, ckpt)
+                   + casts)
     # SwarmAdamW: a third moment (the plain square's EMA) and the step's sum of squared gradients
     adam = (4 if m.inner.swarm_second_moment else 2) * p
     return MemoryNeed(weights=p, theta_global=p, snapshot=2 * p, eval_copy=p, momentum=p, adam=adam, grads=p,
                       residual=p * (int(m.averaging.error_feedback) + int(m.averaging.reducer_feedback)),
-                      activations=in_flight * activations_per_sample,
+                      activations=activations,
                       stash=p if m.pipeline.lookahead and m.stages.count > 1 else 0)
 
 
@@ -143,10 +180,12 @@ def _spec_bytes(spec: tuple[tuple[int, ...], object]) -> int:
     return n * int(size)
 
 
-def stage_costs(manifest: Manifest, model: "StagedModel | None" = None) -> tuple[StageCost, ...]:
+def stage_costs(manifest: Manifest, model: "StagedModel | None" = None,
+                compute_dtype: str | None = None) -> tuple[StageCost, ...]:
     """Cost, memory and state bytes of every stage.
 
-    The built-in GPT is computed from the manifest alone. An ``entry_point`` model needs its
+    ``compute_dtype``: what the replica computes in ("float32" or "bfloat16"; default the
+    manifest's model.dtype, what a CUDA peer uses). The built-in GPT is computed from the manifest alone. An ``entry_point`` model needs its
     ``StagedModel`` (each stage is built once to count its parameters; activations are taken
     as the stage's input and output per sample, a lower bound).
 
@@ -158,7 +197,7 @@ def stage_costs(manifest: Manifest, model: "StagedModel | None" = None) -> tuple
     if manifest.model.kind == "gpt":
         params = [gpt_stage_params(manifest, s) for s in range(n)]
         flops = [_gpt_flops(manifest, s) for s in range(n)]
-        acts = [_gpt_activation_bytes_per_sample(manifest, s) for s in range(n)]
+        acts = [_gpt_activations(manifest, s) for s in range(n)]
         method = "flops"
     else:
         if model is None:
@@ -168,10 +207,11 @@ def stage_costs(manifest: Manifest, model: "StagedModel | None" = None) -> tuple
         params = [sum(p.numel() for p in model.build_stage(s).parameters()) for s in range(n)]
         # A stage without parameters still costs something; floor it so no rate divides by zero.
         flops = [6.0 * max(p, 1) for p in params]
-        acts = [_spec_bytes(model.input_spec(s, 1)) + _spec_bytes(model.output_spec(s, 1)) for s in range(n)]
+        acts = [Activations(rest=_spec_bytes(model.input_spec(s, 1)) + _spec_bytes(model.output_spec(s, 1)))
+                for s in range(n)]
         method = "params"
     mean = sum(flops) / n
     return tuple(StageCost(stage=s, params=params[s], flops_per_sample=flops[s], cost=flops[s] / mean,
-                           memory=_memory(manifest, params[s], acts[s]), state_bytes=2 * FP32 * params[s],
+                           memory=_memory(manifest, params[s], acts[s], compute_dtype), state_bytes=2 * FP32 * params[s],
                            method=method)
                  for s in range(n))
