@@ -367,7 +367,7 @@ class Peer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.events.emit("stopped", stage=stage, rounds=rounds, moves=self.moves, bytes_sent=self.traffic.sent,
-                         bytes_recv=self.traffic.recv)
+                         bytes_recv=self.traffic.recv, peak_rss=_peak_rss())
         self.events.close()
         if self.metrics is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics.close)
@@ -382,3 +382,10 @@ def _fan_out(sinks: list[EventSink]) -> EventSink | None:
         for sink in sinks:
             sink(record)
     return emit
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB), for comparison with
+    placement's estimate (benchmarks/scale.py); the DHT child's is its own."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
