@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"pipeline"},
     {"rounds"},
     {"private"},
+    {"public"},
     {"node"},
     {"coordinator"},
     {"sim"},

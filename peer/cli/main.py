@@ -13,6 +13,8 @@ from swarmgrad.peer.cli.args import (address_arg, duration_arg, fraction_arg, me
                                      port_arg, positive_float, positive_int, slowdown_arg, stage_arg)
 from swarmgrad.peer.cli.peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
 from swarmgrad.peer.cli.private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
+from swarmgrad.peer.cli.public import cmd_runs
+from swarmgrad.peer.cli.swarm_access import add_initial_peer_flags
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "defaults" / "tiny-gpt.toml"
 
@@ -28,7 +30,14 @@ def _setup_logging(verbose: bool) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from swarmgrad.peer.cli.status import print_status
-    return print_status(args.initial_peers, args.run_id, args.manifest, args.json, args.timeout)
+    from swarmgrad.peer.cli.swarm_access import initial_peers, run_swarm_command
+    try:
+        peers = initial_peers(args.initial_peers, args.bootstrap_file)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return run_swarm_command("status", lambda: print_status(peers, args.run_id, args.manifest, args.json,
+                                                             args.timeout), peers)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -51,12 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
     p.add_argument("--manifest", default=None, help="run manifest (TOML); a private run's comes from its coordinator")
+    p.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
+                   help="join a public run by name: its owner-signed manifest is fetched from the swarm, verified "
+                        "and cached (docs/public-runs.md)")
+    p.add_argument("--owner-key", default=None, metavar="KEY",
+                   help="start (or rejoin) the public run of --manifest as its owner: the manifest is signed with "
+                        "this key from `swarmgrad keygen`, and the run is NAME@FINGERPRINT")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where --run caches verified manifests (default $SWARMGRAD_CACHE/runs, "
+                        "~/.cache/swarmgrad/runs)")
     p.add_argument("--join", default=None, metavar="INVITATION",
                    help="join a private run with an invitation from `swarmgrad invite`")
     p.add_argument("--coordinator", default=None, type=address_arg, metavar="HOST:PORT",
                    help="rejoin a private run with the certificate saved beside --identity at an earlier --join")
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                   help="multiaddrs of peers already in the swarm; none starts a new swarm")
+    add_initial_peer_flags(p, "multiaddrs of peers already in the swarm; none starts a new swarm")
     p.add_argument("--bootstrap-wait", type=nonneg_float, default=BOOTSTRAP_WAIT_S, metavar="SECONDS",
                    help="keep trying --initial-peers this long while none answers (peers launched together "
                         f"come up in any order; default {BOOTSTRAP_WAIT_S:.0f})")
@@ -66,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="what the forwards compute in: auto (the manifest's model.dtype on CUDA, float32 on "
                         "the CPU), float32 or bfloat16 (autocast; weights and optimiser state stay fp32)")
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
-                   help="where to listen (default: loopback, a free port)")
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                   help="where to listen (default: every interface, a free port; it announces the interfaces' "
+                        "addresses, never 0.0.0.0)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="addresses other peers should dial (public IP behind NAT)")
     p.add_argument("--reachability", choices=("auto", "public", "relay", "client"), default="auto",
@@ -115,13 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     rl.set_defaults(fn=cmd_relay)
 
     s = sub.add_parser("status", help="print the swarm as the DHT sees it")
-    s.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    add_initial_peer_flags(s, "multiaddrs of peers in the swarm")
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--run-id", default=None)
     group.add_argument("--manifest", default=None, help="take the run id and stage count from this manifest")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--timeout", type=float, default=15.0)
     s.set_defaults(fn=cmd_status)
+
+    ru = sub.add_parser("runs", help="list the public runs a swarm hosts, each as NAME@FINGERPRINT")
+    add_initial_peer_flags(ru, "multiaddrs of peers in the swarm")
+    ru.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ru.add_argument("--timeout", type=positive_float, default=15.0, metavar="SECONDS",
+                    help="deadline of each DHT read (and of joining the swarm)")
+    ru.set_defaults(fn=cmd_runs)
 
     d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
     d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -102,12 +103,19 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.cli.public import PublicRunError, check_local_tokenizer, fetch_run, sign_own_run
+    from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
     try:
         network = network_plan(args.reachability, args.host_maddrs, args.announce_maddrs)
+        args.initial_peers = resolve_initial_peers(args.initial_peers, args.bootstrap_file)
     except ValueError as e:
         print(e, file=sys.stderr)
+        return 2
+    usage = _public_flags_conflict(args)
+    if usage:
+        print(usage, file=sys.stderr)
         return 2
     if not network.serves:  # a client drives: stage 0, and it never moves to a stage others must dial
         if args.stage not in ("auto", 0):
@@ -116,6 +124,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             return 2
         args.stage, args.rebalance = 0, "off"
     private = None
+    published = None
     key = None
     if args.join or args.coordinator:  # a private run: admission first, the manifest comes signed
         from swarmgrad.peer.private.coordinator_client import CoordinatorUnavailable
@@ -146,13 +155,33 @@ def cmd_peer(args: argparse.Namespace) -> int:
                 return 2
         print(f"admitted to run {manifest.run_id} as {private.admitted.certificate.peer_id} until "
               f"{_clock(private.admitted.certificate.expires_at)}", flush=True)
+    elif args.run:  # a public run by name: its owner-signed manifest from the swarm
+        try:
+            published = fetch_run(args.run, args.initial_peers, args.cache_dir, args.bootstrap_wait)
+            check_local_tokenizer(published, Path.cwd())
+        except SwarmUnreachable as e:
+            print(f"could not join the swarm: {e}", file=sys.stderr)
+            return 1
+        except PublicRunError as e:
+            print(f"--run {args.run}: {e}", file=sys.stderr)
+            return 1
+        manifest = published.manifest
+        print(f"run {published.run_id}: manifest {manifest.hash[:12]} signed by its owner {published.owner_id} "
+              "(verified)", flush=True)
     else:
         if not args.manifest:
-            print("--manifest is required (or --join INVITATION for a private run)", file=sys.stderr)
+            print("--manifest is required (or --run NAME for a public run, --join INVITATION for a private one)",
+                  file=sys.stderr)
             return 2
         try:
             manifest = load(args.manifest)
+            if args.owner_key:  # the owner starts its public run: sign, and train as NAME@FINGERPRINT
+                published = sign_own_run(args.manifest, args.owner_key)
+                manifest = published.manifest
         except ManifestError as e:
+            print(e, file=sys.stderr)
+            return 2
+        except PublicRunError as e:
             print(e, file=sys.stderr)
             return 2
     if args.stage != "auto" and args.stage >= manifest.stages.count:
@@ -202,7 +231,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
         print(f"--identity {e}", file=sys.stderr)
         return 2
     except (P2PDaemonError, RuntimeError) as e:  # e.g. none of --initial-peers answered
-        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+        from swarmgrad.peer.cli.swarm_access import unreachable_line
+        line = unreachable_line(e, initial_peers)
+        print(f"could not join the swarm: {line or (str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))}",
               file=sys.stderr)
         if private is not None:
             private.close()
@@ -214,7 +245,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
         print(f"  reachability {network.mode} ({network.reason})", flush=True)
         from swarmgrad.peer.net.reachability import visible_maddrs
         for addr in visible_maddrs(dht):
-            print("  visible at", addr, flush=True)
+            print(f"  visible at {addr}{' (this machine only)' if _is_loopback(addr) else ''}", flush=True)
+        publisher = None
+        if published is not None:
+            from swarmgrad.peer.public.directory import Publisher, RunDirectory
+            publisher = Publisher(RunDirectory(dht, manifest.timeouts.dht), published)
+            print(f"  public run {published.run_id}: others join with `swarmgrad peer --run {published.run_id} "
+                  "--initial-peers ADDRESS`, ADDRESS one of the above", flush=True)
         admission = checkpoints = None
         resume_round = 0
         if private is not None:
@@ -223,7 +260,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             resume_round = private.resume_round()
         peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
                     checkpoints=checkpoints, resume_round=resume_round)
-        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log))
+        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
         if peer.revoked:
             print("this peer was revoked by the run's coordinator", file=sys.stderr)
             code = 3
@@ -237,18 +274,48 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return code
 
 
+def _public_flags_conflict(args: argparse.Namespace) -> str | None:
+    """The one-line usage error of a contradictory choice of run (private, public by name, own), or None."""
+    private = args.join or args.coordinator
+    if private and (args.run or args.owner_key):
+        return "--run and --owner-key are for public runs; a private run (--join, --coordinator) has a coordinator"
+    if args.run and args.manifest:
+        return "--run fetches the run's signed manifest: leave --manifest out (or give --manifest alone)"
+    if args.owner_key and not args.manifest:
+        return "--owner-key signs the run's manifest: give it with --manifest PATH"
+    return None
+
+
+def _is_loopback(maddr: str) -> bool:
+    parts = maddr.strip("/").split("/")
+    return len(parts) >= 2 and parts[0] in ("ip4", "ip6") and parts[1] in ("127.0.0.1", "::1")
+
+
 def _clock(t: float) -> str:
     import time
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-async def _run_peer(peer, shutdown_s: float, log: logging.Logger) -> None:
+async def _run_peer(peer, shutdown_s: float, log: logging.Logger, publisher: Any = None) -> None:
     """Run the peer until it ends or a signal arrives; after a signal it has `timeouts.shutdown`
-    seconds to leave cleanly before its tasks are abandoned."""
+    seconds to leave cleanly before its tasks are abandoned. `publisher` (a public run's
+    public.directory.Publisher) keeps the run's manifest in the DHT meanwhile; it is cancelled and
+    awaited on the way out."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
         loop.add_signal_handler(sig, stop.set)
+    publishing = asyncio.create_task(publisher.run(stop), name="publish-manifest") if publisher else None
+    try:
+        await _run_until_stopped(peer, stop, shutdown_s, log)
+    finally:
+        if publishing is not None:
+            publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publishing
+
+
+async def _run_until_stopped(peer, stop: asyncio.Event, shutdown_s: float, log: logging.Logger) -> None:
     run = asyncio.create_task(peer.run(stop), name="peer")
     stopper = asyncio.create_task(stop.wait(), name="stop-signal")
     await asyncio.wait([run, stopper], return_when=asyncio.FIRST_COMPLETED)

@@ -41,7 +41,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"{args.out}: {e.strerror}", file=sys.stderr)
         return 2
+    from swarmgrad.peer.public.run_name import fingerprint
     print(f"wrote {args.out}; public key (coordinator id): {peer_id_of(key)}")
+    # a public run started with --owner-key KEY is NAME@FINGERPRINT (docs/public-runs.md)
+    print(f"fingerprint: {fingerprint(key)}")
     return 0
 
 

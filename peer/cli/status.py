@@ -11,8 +11,8 @@ MAX_PROBED_STAGES = 32
 
 def print_status(initial_peers: list[str], run_id: str | None, manifest_path: str | None, as_json: bool,
                  timeout: float) -> int:
-    from swarmgrad.peer.net.dht_process import start_dht_process
-    from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL, SignedRecordValidator
+    from swarmgrad.peer.cli.swarm_access import start_client_dht
+    from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL
     from swarmgrad.peer.net.dht_view import SwarmView
     n_stages, manifest_hash, ttl, manifest = MAX_PROBED_STAGES, None, MAX_RECORD_TTL, None
     if manifest_path:
@@ -22,9 +22,9 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         ttl = manifest.timeouts.announce_ttl
     assert run_id is not None
     # The swarm's validator without a key: it verifies and strips signatures, and signs nothing
-    # (this client only reads). Unsigned or forged records never reach the table.
-    dht = start_dht_process(initial_peers=initial_peers, client_mode=True, startup_timeout=timeout,
-                            record_validators=[SignedRecordValidator()])
+    # (this client only reads). Unsigned or forged records never reach the table. An initial peer
+    # that does not answer raises SwarmUnreachable (one line: cli/swarm_access.py).
+    dht = start_client_dht(initial_peers, timeout)
     try:
         # ttl: the read cap on expiries (2 x announce_ttl); without a manifest, the protocol's cap
         view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=ttl)
