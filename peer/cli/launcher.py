@@ -148,8 +148,9 @@ class LocalSwarm:
         return []
 
     def peer_args(self, index: int, name: str) -> list[str]:
-        """Extra `swarmgrad peer` flags of the `index`-th peer (e.g. its listen address); none here."""
-        return []
+        """Extra `swarmgrad peer` flags of the `index`-th peer: here its listen address, loopback (a
+        peer's default is every interface; a local swarm stays on this machine)."""
+        return ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
 
     def start_first(self, stage: int | str = "auto", *extra: str, timeout: float = 60.0) -> PeerProcess:
         """Start the peer that opens the swarm and remember its addresses for the others."""
@@ -295,7 +296,7 @@ class PrivateSwarm(LocalSwarm):
         return super().start(stage, *extra, name=name)
 
     def peer_args(self, index: int, name: str) -> list[str]:
-        return ["--join", self.invite()] if self.address and self._invite_next else []
+        return super().peer_args(index, name) + (["--join", self.invite()] if self.address and self._invite_next else [])
 
 
 def _session_processes(pid: int) -> list:
