@@ -40,6 +40,8 @@ PUBLISH_TTL = MAX_RECORD_TTL
 REPUBLISH_S = 120.0
 """How often a peer stores them again: five chances within one PUBLISH_TTL."""
 MAX_LISTED_RUNS = 64
+MAX_SUMMARY_STAGES = 64
+"""Stages whose records a summary reads: anyone can sign a manifest of a million stages."""
 
 
 def manifest_key(run_id: str) -> str:
@@ -139,7 +141,8 @@ class RunDirectory:
     async def summary(self, published: PublishedManifest, now: float | None = None) -> RunSummary:
         """The run as its peers announce it: records of its manifest only (SwarmView drops others)."""
         m = published.manifest
-        view = SwarmView(self.dht, m.run_id, m.hash, m.stages.count, self.timeout, ttl=m.timeouts.announce_ttl)
+        view = SwarmView(self.dht, m.run_id, m.hash, min(m.stages.count, MAX_SUMMARY_STAGES), self.timeout,
+                         ttl=m.timeouts.announce_ttl)
         swarm, epochs = await asyncio.gather(view.swarm(), view.epochs())
         live = [r for recs in swarm.values() for r in recs if r.state in (ONLINE, JOINING)]
         rounds = [r.round for r in live]
