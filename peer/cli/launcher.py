@@ -127,8 +127,8 @@ class LocalSwarm:
         self._private_tmp()
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
-        # a local swarm's first peer opens a new swarm: the user's $SWARMGRAD_INITIAL_PEERS would join another
-        env.pop("SWARMGRAD_INITIAL_PEERS", None)
+        if "SWARMGRAD_INITIAL_PEERS" not in self.env:  # the user's would make the first peer join another swarm
+            env.pop("SWARMGRAD_INITIAL_PEERS", None)
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
