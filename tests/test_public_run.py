@@ -212,6 +212,22 @@ def test_a_bare_name_picks_the_only_run_and_refuses_with_the_list_when_there_are
     asyncio.run(main())
 
 
+def test_status_reads_a_public_runs_manifest_by_name() -> None:
+    from swarmgrad.peer.cli.public import PublicRunError, published_over
+
+    async def main() -> None:
+        memory = MemoryDHT()
+        mine = verify(sign(OWNER, TOML), owned())
+        await RunDirectory(_node(memory, OWNER), 5.0).publish(mine)
+        reader = _node(memory)
+        assert (await published_over(reader, "llama-public", 5.0)).manifest == mine.manifest
+        for run, why in (("nothing", "no peer of the swarm serves"), ("bad name", "a run name is"),
+                         (f"llama-public@{fingerprint(SQUATTER)}", "no peer of the swarm serves")):
+            with pytest.raises(PublicRunError, match=why):
+                await published_over(reader, run, 5.0)
+    asyncio.run(main())
+
+
 def test_choose_refuses_when_every_entry_of_the_run_is_refused() -> None:
     from swarmgrad.peer.public.directory import Found
     with pytest.raises(ManifestRefused, match="refused the manifest of run x@.*: bad"):

@@ -36,8 +36,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    return run_swarm_command("status", lambda: print_status(peers, args.run_id, args.manifest, args.json,
-                                                             args.timeout), peers)
+    from swarmgrad.peer.cli.public import PublicRunError
+    try:
+        return run_swarm_command("status", lambda: print_status(peers, args.run_id, args.manifest, args.json,
+                                                                 args.timeout, run=args.run), peers)
+    except PublicRunError as e:
+        print(f"swarmgrad status: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -137,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--run-id", default=None)
     group.add_argument("--manifest", default=None, help="take the run id and stage count from this manifest")
+    group.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
+                       help="a public run: its owner-signed manifest, read from the swarm and verified")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--timeout", type=float, default=15.0)
     s.set_defaults(fn=cmd_status)

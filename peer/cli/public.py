@@ -64,6 +64,24 @@ def fetch_run(run: str, peers: Sequence[str], cache_dir: str | None, bootstrap_w
         dht.shutdown()
 
 
+async def published_over(dht, run: str, timeout: float):
+    """The verified manifest `run` (NAME[@FINGERPRINT]) names, read over a started DHT node (nothing
+    cached): for commands that only look at a run (`status --run`). Raises PublicRunError."""
+    from swarmgrad.peer.public.directory import RunDirectory
+    from swarmgrad.peer.public.resolve import RunNotFound, choose
+    from swarmgrad.peer.public.run_name import parse
+    from swarmgrad.peer.public.signed_manifest import ManifestRefused
+    try:
+        name = parse(run)
+    except ValueError as e:
+        raise PublicRunError(f"--run {e}") from None
+    found = await within(RunDirectory(dht, timeout).find(name), 2 * timeout)
+    try:
+        return choose(name, found, None)
+    except (RunNotFound, ManifestRefused) as e:
+        raise PublicRunError(str(e)) from None
+
+
 def check_local_tokenizer(published, base: Path) -> None:
     """Where the run names a tokenizer file and it is here, its bytes must be the ones the owner
     signed. Raises PublicRunError."""

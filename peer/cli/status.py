@@ -10,7 +10,9 @@ MAX_PROBED_STAGES = 32
 
 
 def print_status(initial_peers: list[str], run_id: str | None, manifest_path: str | None, as_json: bool,
-                 timeout: float) -> int:
+                 timeout: float, run: str | None = None) -> int:
+    """`run`: a public run's NAME[@FINGERPRINT], whose verified manifest is read from the swarm
+    (cli/public.py); raises PublicRunError for one that is unknown, ambiguous or refused."""
     from swarmgrad.peer.cli.swarm_access import start_client_dht
     from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL
     from swarmgrad.peer.net.dht_view import SwarmView
@@ -20,18 +22,23 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         manifest = load(manifest_path)
         run_id, n_stages, manifest_hash = manifest.run_id, manifest.stages.count, manifest.hash
         ttl = manifest.timeouts.announce_ttl
-    assert run_id is not None
+    assert run_id is not None or run is not None
     # The swarm's validator without a key: it verifies and strips signatures, and signs nothing
     # (this client only reads). Unsigned or forged records never reach the table. An initial peer
     # that does not answer raises SwarmUnreachable (one line: cli/swarm_access.py).
     dht = start_client_dht(initial_peers, timeout)
     try:
+        if run is not None:  # a public run by name: its manifest as `peer --run` would train with it
+            from swarmgrad.peer.cli.public import published_over
+            manifest = asyncio.run(published_over(dht, run, timeout)).manifest
+            run_id, n_stages, manifest_hash = manifest.run_id, manifest.stages.count, manifest.hash
+            ttl = manifest.timeouts.announce_ttl
         # ttl: the read cap on expiries (2 x announce_ttl); without a manifest, the protocol's cap
         view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=ttl)
 
         async def gather() -> dict[int, list]:
             results = await asyncio.gather(*(view.stage_records(s) for s in range(n_stages)))
-            return {s: recs for s, recs in enumerate(results) if recs or manifest_path}
+            return {s: recs for s, recs in enumerate(results) if recs or manifest is not None}
 
         swarm = asyncio.run(asyncio.wait_for(gather(), timeout))
     finally:
@@ -44,7 +51,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         return 0
     hashes = sorted({r.manifest_hash for recs in swarm.values() for r in recs})
     print(f"run {run_id}  manifest {', '.join(h[:12] for h in hashes) or '-'}  "
-          f"stages {len(swarm) if not manifest_path else n_stages}")
+          f"stages {len(swarm) if manifest is None else n_stages}")
     if not any(swarm.values()):
         print("  no peers announce this run (wrong run id, or the swarm is gone)")
         return 1
