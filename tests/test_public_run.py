@@ -63,6 +63,9 @@ def test_a_signed_manifest_verifies_and_trains_as_name_at_fingerprint() -> None:
     assert published.toml_hash == loads(TOML).hash != published.manifest.hash  # the public id is in the hash
     assert dataclasses.replace(published.manifest, run_id="llama-public") == loads(TOML)  # nothing else changed
     assert verify(published.blob, RunName("llama-public")).run_id == published.run_id  # a bare name
+    assert public_manifest(loads(TOML), fingerprint(OWNER)) == published.manifest
+    with pytest.raises(ValueError, match="already a public run id"):
+        public_manifest(published.manifest, fingerprint(OWNER))
 
 
 def test_an_altered_manifest_is_refused() -> None:
