@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -299,3 +300,18 @@ def test_runs_says_so_in_one_line_too(monkeypatch: pytest.MonkeyPatch, capsys: p
     monkeypatch.delenv(ENV_INITIAL_PEERS, raising=False)
     assert main.main(["runs"]) == 1  # no initial peers at all: one line too
     assert "no initial peers: give --initial-peers, --bootstrap-file or $SWARMGRAD_INITIAL_PEERS" in capsys.readouterr().err
+
+
+def test_the_owners_and_joiners_mistakes_are_one_line_before_anything_starts(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    from swarmgrad.peer.cli import main
+    manifest = tmp_path / "run.toml"
+    manifest.write_text(TOML)
+    for argv, why in ((["--manifest", str(manifest), "--owner-key", str(tmp_path / "missing.key")],
+                       "--owner-key .*missing.key: No such file"),
+                      (["--run", "llama-public", "--manifest", str(manifest)], "leave --manifest out"),
+                      (["--owner-key", "k"], "give it with --manifest PATH"),
+                      (["--run", "x", "--bootstrap-file", str(tmp_path / "none")], "--bootstrap-file .*none")):
+        assert main.main(["peer", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(why, err[0]), err
