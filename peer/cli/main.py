@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_peer)
 
     rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
-    rl.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    add_initial_peer_flags(rl, "multiaddrs of peers in the swarm; none starts a new swarm")
     rl.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
     rl.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
     rl.add_argument("--identity", default=None, help="Ed25519 key file for a stable peer id")

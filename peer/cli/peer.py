@@ -353,14 +353,22 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+    from swarmgrad.peer.cli.swarm_access import initial_peers
     from swarmgrad.peer.net.reachability import plan, visible_maddrs
-    network = plan("public", args.host_maddrs, args.announce_maddrs)
+    try:
+        network = plan("public", args.host_maddrs, args.announce_maddrs)
+        args.initial_peers = initial_peers(args.initial_peers, args.bootstrap_file)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         dht = start_dht(list(args.initial_peers), args.host_maddrs, args.announce_maddrs, args.identity,
                          args.timeout, network=network.dht_kwargs, bootstrap_wait=args.bootstrap_wait)
     except (P2PDaemonError, RuntimeError) as e:
-        print(f"could not join the swarm: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}",
+        from swarmgrad.peer.cli.swarm_access import unreachable_line
+        line = unreachable_line(e, args.initial_peers)
+        print(f"could not join the swarm: {line or (str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))}",
               file=sys.stderr)
         return 1
     log = logging.getLogger("swarmgrad.relay")
