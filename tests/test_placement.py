@@ -501,6 +501,12 @@ def _rebalance_over(monkeypatch, views: list[dict], n_stages: int) -> tuple[Move
     class Views:
         async def swarm(self) -> dict:
             return next(feed)
+
+        async def round_checks(self, stage: int, round_no: int) -> dict:
+            return {}  # no completed round seen: every record counts (peer/placement/evidence.py)
+
+        async def round_registrations(self, stage: int, round_no: int) -> dict:
+            return {}
     waits: list[float] = []
 
     async def sleep(s: float) -> None:

@@ -40,6 +40,10 @@ class SnapshotReplica:
     pinned: bool = False
     """Its peer never moves (``--stage N`` or ``--rebalance off``): it counts in its stage's
     capacity, and is never a candidate mover."""
+    proven: bool = True
+    """The deciding peer has evidence that it serves this stage (``evidence.py``: it took part in
+    a completed, voted round there). Only a proven replica marks its stage as having a mover, and
+    a replica leaves a stage only while a proven one stays (docs/trust.md, "Placement capacity")."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +89,19 @@ class Snapshot:
     @classmethod
     def from_records(cls, view: Mapping[int, Sequence[Any]], costs: Sequence[Any],
                      memory: Mapping[str, int] | None = None, moving: Collection[str] = (),
-                     current: Mapping[int, int] | None = None) -> "Snapshot":
+                     current: Mapping[int, int] | None = None,
+                     proven: Collection[tuple[str, int]] | None = None) -> "Snapshot":
         """From ``SwarmView.swarm()`` records (peer_id, state, throughput, backups) and
         ``stage_costs()``; ``memory`` and ``moving`` add what the records do not carry (yet);
         ``current``: each stage's applied rounds as its majority announces them (a backup of
-        that round is fresh; None: no backup counts as fresh)."""
+        that round is fresh; None: no backup counts as fresh); ``proven``: the (peer id, stage)
+        pairs with evidence of work (None: every replica counts as proven)."""
         memory, current = memory or {}, current or {}
         stages = tuple(tuple(SnapshotReplica(r.peer_id, r.state, float(r.throughput), memory.get(r.peer_id, 0),
                                      r.peer_id in moving,
                                      fresh_backups(getattr(r, "backups", ()), current) - {s},
-                                     bool(getattr(r, "pinned", False)))
+                                     bool(getattr(r, "pinned", False)),
+                                     proven is None or (r.peer_id, s) in proven)
                              for r in view.get(s, ()))
                        for s in range(len(costs)))
         return cls(stages, tuple(c.cost for c in costs), tuple(c.memory_bytes for c in costs),
@@ -124,8 +131,22 @@ class Snapshot:
         return tuple(s for s, n in enumerate(self.live_counts) if n == 0)
 
     @cached_property
+    def proven_counts(self) -> tuple[int, ...]:
+        """Live replicas per stage with evidence of work (``SnapshotReplica.proven``)."""
+        return tuple(sum(1 for r in reps if r.state in LIVE and r.proven) for reps in self.stages)
+
+    @cached_property
     def has_mover(self) -> tuple[bool, ...]:
-        return tuple(any(r.state == LEAVING or r.moving for r in reps) for reps in self.stages)
+        """A proven replica of the stage is LEAVING or moving: an unproven record saying so is a
+        claim that would block every move from its stage (point 7 of issue 43)."""
+        return tuple(any((r.state == LEAVING or r.moving) and r.proven for r in reps) for reps in self.stages)
+
+    @staticmethod
+    def may_leave(r: SnapshotReplica, proven_live: int) -> bool:
+        """Rule 1 with evidence: after ``r`` leaves, a proven live replica stays on its stage
+        (``proven_live``: the stage's proven live count before). A stage whose other replicas are
+        claims only would be emptied by the move while looking served."""
+        return proven_live - (1 if r.proven else 0) >= 1
 
     @property
     def throughput(self) -> float:
@@ -186,7 +207,7 @@ class Snapshot:
         return self._memo("fill", salt, self._compute_fill_plan)
 
     def _compute_fill_plan(self, salt: int) -> dict[str, int]:
-        caps, counts = list(self.capacities), list(self.live_counts)
+        caps, counts, proven = list(self.capacities), list(self.live_counts), list(self.proven_counts)
         used = list(self.has_mover)
         plan: dict[str, int] = {}
         for e in range(self.n_stages):
@@ -197,7 +218,7 @@ class Snapshot:
                 if a == e or used[a] or counts[a] <= 1:
                     continue
                 for r in self.candidates(a, e):
-                    if r.peer_id not in plan:
+                    if r.peer_id not in plan and self.may_leave(r, proven[a]):
                         scored.append((min(caps[a] - r.rate, r.rate * self.costs[a] / self.costs[e]), r))
                         donor[r.peer_id] = a
             best = self._best(scored, caps[e], salt, e)
@@ -206,6 +227,7 @@ class Snapshot:
             a = donor[best.peer_id]
             plan[best.peer_id] = e
             used[a] = True
+            proven[a] -= best.proven
             counts[a] -= 1
             counts[e] += 1
             caps[a] -= best.rate
@@ -225,7 +247,7 @@ class Snapshot:
         return self._memo("move", salt, self._compute_move_plan)
 
     def _compute_move_plan(self, salt: int) -> dict[str, PlannedMove]:
-        caps, counts = list(self.capacities), list(self.live_counts)
+        caps, counts, proven = list(self.capacities), list(self.live_counts), list(self.proven_counts)
         blocked = list(self.has_mover)
         plan: dict[str, PlannedMove] = {}
         for _ in range(self.n_stages):
@@ -236,8 +258,9 @@ class Snapshot:
                     continue
                 ratio = self.costs[a] / self.costs[b]
                 for r in self.candidates(a, b):
-                    scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
-                    donor[r.peer_id] = a
+                    if self.may_leave(r, proven[a]):
+                        scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
+                        donor[r.peer_id] = a
             best = self._best(scored, caps[b], salt, b)
             if best is None:
                 break
@@ -247,6 +270,7 @@ class Snapshot:
                 break  # no move improves the lowest stage's pair: balanced as far as one move goes
             plan[best.peer_id] = PlannedMove(a, b, min(caps[a] - best.rate, caps[b] + moved) - caps[b])
             blocked[a] = blocked[b] = True
+            proven[a] -= best.proven
             counts[a] -= 1
             counts[b] += 1
             caps[a] -= best.rate
@@ -280,7 +304,7 @@ class Snapshot:
                 continue
             ratio = self.costs[a] / self.costs[b]
             for r in self.candidates(a, b):
-                if b in r.fresh:
+                if b in r.fresh and self.may_leave(r, self.proven_counts[a]):
                     scored.append((min(caps[a] - r.rate, caps[b] + r.rate * ratio), r))
                     donor[r.peer_id] = a
         best = self._best(scored, caps[b], salt, b)

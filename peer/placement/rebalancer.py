@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, Confirmation, EmptyStageChecks, MoveDecision,
                                       PeerFigures, PlacementPolicy, check_interval, estimate_rates, expected_tenure,
                                       should_move)
+from swarmgrad.peer.placement.evidence import WorkSeen, bound_claims, completed_voters, evidenced
 from swarmgrad.peer.placement.plan import Snapshot
 from swarmgrad.peer.placement.cost import StageCost
 from swarmgrad.peer.decisions import majority_digest
@@ -40,10 +41,20 @@ def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
     return out
 
 
-def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost]) -> Snapshot:
-    return Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
+def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost],
+                       work: WorkSeen | None = None, round_no: int = 0) -> Snapshot:
+    """The placement snapshot of what was read. With ``work`` (what this peer saw of completed
+    voted rounds, up to round ``round_no``) it counts only what has evidence
+    (peer/placement/evidence.py): one record per id, movers and capacity of proven replicas, other
+    claims bounded. Without it (``swarmgrad status``, a newcomer's first choice) every record
+    counts."""
+    proven = None
+    if work is not None:
+        view, proven = evidenced(view, work.proven(round_no), work.seen_any)
+    snap = Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
                                  moving={r.peer_id for rs in view.values() for r in rs if r.moving},
-                                 current=current_rounds(view))
+                                 current=current_rounds(view), proven=proven)
+    return snap if proven is None else bound_claims(snap)
 
 
 class Rebalancer:
@@ -64,6 +75,8 @@ class Rebalancer:
         self._dwell_until = 0.0
         """This peer's measured link rate in bytes/s (rpc.LinkMeter), for a move's switch time."""
         self._reading = BestEffort("reading the swarm for a rebalancing check", logger)
+        self.work = WorkSeen()
+        """Who this peer saw complete voted rounds, per stage: placement's evidence."""
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
         rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
@@ -71,9 +84,24 @@ class Rebalancer:
         return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
                            tenure=expected_tenure(time.monotonic() - self.started))
 
+    async def read_work(self, round_no: int) -> None:
+        """Feed ``work`` the completed groups of each stage's last two rounds (those not already
+        seen complete): the votes and registrations of a round expire from the DHT a few announce
+        TTLs after it, so each check reads the rounds that just ended."""
+        wanted = [(s, r) for s in range(len(self.costs)) for r in (round_no - 1, round_no - 2)
+                  if r >= 0 and not self.work.settled(s, r)]
+
+        async def read(s: int, r: int) -> tuple[dict[str, str], dict[str, dict]]:
+            return await self.swarm.round_checks(s, r), await self.swarm.round_registrations(s, r)
+        found = await asyncio.gather(*(read(s, r) for s, r in wanted))
+        for (s, r), (checks, registrations) in zip(wanted, found):
+            self.work.observe(s, r, completed_voters(checks, registrations))
+
     async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:
-        """One check, unconfirmed: what the policy says now."""
-        snap = snapshot_from_view(await self.swarm.swarm(), self.costs)
+        """One check, unconfirmed: what the policy says now. ``salt`` is this replica's round."""
+        view = await self.swarm.swarm()
+        await self.read_work(salt)
+        snap = snapshot_from_view(view, self.costs, self.work, salt)
         return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
 
     def moved(self) -> None:

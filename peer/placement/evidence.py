@@ -1,0 +1,154 @@
+"""What placement may believe of a stage record: evidence of work, not the writer's word.
+
+A stage record ({run}/stage/{s}) is signed by its writer, and anyone can write one: a signature
+says who wrote it, not that it is true. Placement used to take every record as it came, so one
+id writing LEAVING under every stage made every stage "have a mover" (nothing was ever moved to
+refill an empty stage), and a record claiming a top throughput beside a stage's one real replica
+planned that replica away (issue 43, point 7). Here, pure functions over what the deciding peer
+read turn records into a ``Snapshot`` that counts only what has evidence (docs/trust.md,
+"Placement capacity"):
+
+- one stage record per peer id (``one_record_per_id``): an id with records under several stages
+  counts in none of them, except the one pair a move makes (its old stage's record departing:
+  LEAVING or moving; its new stage's not). Not "its newest": a record's expiry is chosen by its
+  writer, so "newest" would let a forger pick which stage it counts in;
+- a replica is *proven* on a stage when it voted in a completed round of that stage, one whose
+  group (``choose_group`` over that round's registrations) all voted one digest under that
+  group's hash (``completed_voters``): its parts went through every member's all-reduce, so it
+  held the stage's state and did the exchange. ``WorkSeen`` (owned by the rebalancer) keeps who
+  was seen so for ``EVIDENCE_ROUNDS`` rounds, since the votes expire from the DHT within a few
+  rounds;
+- only a proven replica marks its stage as having a mover, and a replica leaves a stage only while
+  a proven one stays (``Snapshot.has_mover``, ``Snapshot.may_leave``);
+- an unproven replica's throughput counts at most as the largest proven replica's, expressed for
+  its stage (``bound_claims``): a claim is bounded by a rate someone showed by doing work.
+
+Until the reader has seen a completed round (a swarm's first rounds, or a reader that just
+started and has not read one yet), every record counts as before: there is nothing to bound claims by, and a swarm that
+moves nobody until its first voted round cannot fill a stage its first peers left empty. The
+evidence ledger of completed voted rounds (docs/trust.md) can later replace ``WorkSeen``: it
+answers the same question, "did this id do work in stage s lately".
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Iterable, Mapping, Sequence
+
+from swarmgrad.peer.averaging.group import choose_group, group_hash
+from swarmgrad.peer.placement.plan import LIVE, Snapshot
+from swarmgrad.peer.records import FAILED, LEAVING, PeerRecord
+
+EVIDENCE_ROUNDS = 10
+"""A replica stays proven on a stage for this many rounds after the last completed round it was
+seen voting in there. Long enough to outlast a few rounds a reader missed (it reads each stage's
+last two rounds per check, and a vote expires within four announce TTLs); short enough that a
+peer that stopped doing work there stops counting soon."""
+
+
+def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> frozenset[str]:
+    """The members of a completed group of one round of one stage: the voters (``checks``: peer id
+    -> "<group hash>:<digest or failed>", peer/averaging/outcome.py) of one vote, not failed, cast
+    by two or more ids whose sorted tuple hashes to that group hash: every member voted it, so
+    every member applied the round (a group of one posts no vote). With ``registrations``
+    (that round's) the group must also be the one ``choose_group`` names from the registrations
+    of that round's voters (a replica that registered late, after the group formed, votes
+    nothing): ids that vote for a group of their own beside the one matchmaking formed prove
+    nothing, and nor does that group (which of the two is real cannot be told). Empty when no
+    group completed."""
+    by_vote: dict[str, list[str]] = defaultdict(list)
+    for peer, value in checks.items():
+        by_vote[value].append(peer)
+    chosen = None
+    if registrations is not None:
+        group = choose_group({p: dict(v) for p, v in registrations.items() if p in checks})
+        chosen = group.members if group is not None else ()
+    out: set[str] = set()
+    for value, voters in by_vote.items():
+        hash_, _, outcome = value.partition(":")
+        members = tuple(sorted(voters))
+        if len(members) < 2 or outcome in ("", FAILED) or group_hash(members) != hash_:
+            continue
+        if chosen is not None and members != tuple(chosen):
+            continue
+        out.update(members)
+    return frozenset(out)
+
+
+class WorkSeen:
+    """Who this peer has seen complete voted rounds, per stage: (peer id, stage) -> the latest such
+    round. State owned by one rebalancer; no I/O (the rebalancer reads the votes and feeds them)."""
+
+    def __init__(self, window: int = EVIDENCE_ROUNDS) -> None:
+        self.window = window
+        self._last: dict[tuple[str, int], int] = {}
+        self._settled: set[tuple[int, int]] = set()
+        self.seen_any = False
+        """A completed round was ever seen: from then on no record counts without evidence (even
+        when all evidence has aged out, or ids voting groups of their own deny it for a while)."""
+
+    def settled(self, stage: int, round_no: int) -> bool:
+        """A completed group of this round was already seen: no need to read it again."""
+        return (stage, round_no) in self._settled
+
+    def observe(self, stage: int, round_no: int, voters: Iterable[str]) -> None:
+        voters = list(voters)
+        if voters:
+            self._settled.add((stage, round_no))
+            self.seen_any = True
+        for peer in voters:
+            key = (peer, stage)
+            self._last[key] = max(self._last.get(key, -1), round_no)
+
+    def proven(self, current_round: int) -> frozenset[tuple[str, int]]:
+        """(peer id, stage) pairs seen in a completed round within the last ``window`` rounds.
+        Forgets older entries (its memory stays the size of the swarm's recent workers)."""
+        oldest = current_round - self.window
+        self._last = {k: r for k, r in self._last.items() if r >= oldest}
+        self._settled = {k for k in self._settled if k[1] >= oldest}
+        return frozenset(self._last)
+
+
+def _departing(record: PeerRecord) -> bool:
+    return record.state == LEAVING or record.moving
+
+
+def one_record_per_id(view: Mapping[int, Sequence[PeerRecord]]) -> dict[int, list[PeerRecord]]:
+    """The view with at most one stage record per peer id, except the pair a move makes: an id
+    with records under two stages, exactly one of them departing (LEAVING or moving), keeps both;
+    any other id with records under several stages keeps none (which one is true cannot be told
+    from the records, and the writer chooses their expiry)."""
+    stages_of: dict[str, list[PeerRecord]] = defaultdict(list)
+    for records in view.values():
+        for r in records:
+            stages_of[r.peer_id].append(r)
+
+    def counts(peer: str) -> bool:
+        mine = stages_of[peer]
+        if len(mine) == 1:
+            return True
+        return len(mine) == 2 and len({r.stage for r in mine}) == 2 and sum(map(_departing, mine)) == 1
+    return {s: [r for r in records if counts(r.peer_id)] for s, records in view.items()}
+
+
+def bound_claims(snapshot: Snapshot) -> Snapshot:
+    """The snapshot with each unproven replica's rate at most the largest rate of a proven live
+    replica, expressed for the unproven one's stage (r·c_a/c_b). Unchanged when no live replica
+    is proven (nothing to bound by)."""
+    costs = snapshot.costs
+    shown = [r.rate * costs[s] for s, reps in enumerate(snapshot.stages) for r in reps if r.proven and r.state in LIVE]
+    if not shown:
+        return snapshot
+    top = max(shown)
+    stages = tuple(tuple(r if r.proven or r.rate * costs[s] <= top else dataclasses.replace(r, rate=top / costs[s])
+                         for r in reps) for s, reps in enumerate(snapshot.stages))
+    return dataclasses.replace(snapshot, stages=stages)
+
+
+def evidenced(view: Mapping[int, Sequence[PeerRecord]], proven: frozenset[tuple[str, int]], seen_any: bool
+              ) -> tuple[dict[int, list[PeerRecord]], frozenset[tuple[str, int]] | None]:
+    """(the records placement counts, the proven pairs to mark, or None where the reader never
+    saw a completed round (``WorkSeen.seen_any``): then every record counts as proven, as in a
+    swarm's first rounds)."""
+    return one_record_per_id(view), (proven if seen_any else None)

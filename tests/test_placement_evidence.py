@@ -1,0 +1,144 @@
+"""Placement counts only what has evidence (peer/placement/evidence.py; issue 43, point 7): forged
+stage records can neither block the refill of an empty stage nor plan a stage's one real replica
+away. Pure functions and the daemon's Rebalancer over a scripted view, no network."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from swarmgrad.peer.averaging.group import group_hash
+from swarmgrad.peer.placement import rebalancer as R
+from swarmgrad.peer.placement.evidence import (WorkSeen, bound_claims, completed_voters, one_record_per_id)
+from swarmgrad.peer.placement.plan import LEAVING, ONLINE, JOINING, Snapshot, SnapshotReplica
+from swarmgrad.peer.records import PeerRecord
+
+ROUND = 5
+"""The deciding replica's round: it reads the votes of rounds ROUND - 1 and ROUND - 2."""
+
+
+def rec(pid: str, stage: int, state: str = ONLINE, rate: float = 1.0, moving: bool = False) -> PeerRecord:
+    return PeerRecord(peer_id=pid, stage=stage, state=state, throughput=rate, round=ROUND, applied_rounds=ROUND,
+                      digest=f"d{stage}", manifest_hash="h", driver=stage == 0, moving=moving)
+
+
+def completed(*members: str, digest: str = "mean") -> tuple[dict[str, str], dict[str, dict]]:
+    """The votes and registrations of a round in which `members` averaged and all applied it."""
+    ids = tuple(sorted(members))
+    return ({p: f"{group_hash(ids)}:{digest}" for p in ids},
+            {p: {"digest": "theta", "applied_rounds": ROUND - 1, "weight": 1.0} for p in ids})
+
+
+class ScriptedSwarm:
+    """What a SwarmView answers the rebalancer: one view of the stages, and per stage the votes and
+    registrations of round ROUND - 1."""
+
+    def __init__(self, view: dict[int, list[PeerRecord]], rounds: dict[int, tuple[dict, dict]]):
+        self.view, self.rounds = view, rounds
+
+    async def swarm(self) -> dict[int, list[PeerRecord]]:
+        return self.view
+
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
+        return dict(self.rounds[stage][0]) if stage in self.rounds and round_no == ROUND - 1 else {}
+
+    async def round_registrations(self, stage: int, round_no: int) -> dict[str, dict]:
+        return dict(self.rounds[stage][1]) if stage in self.rounds and round_no == ROUND - 1 else {}
+
+
+def decide(swarm: ScriptedSwarm, me: str, stage: int, n_stages: int):
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * n_stages  # what from_records reads
+    reb = R.Rebalancer(swarm=swarm, peer_id=me, costs=costs, bench_rates=(1.0,) * n_stages, memory=0,
+                       interval_s=10.0, seed=0)
+    return asyncio.run(reb.decide(stage, 1.0, ROUND))
+
+
+def test_one_id_leaving_under_every_stage_does_not_stop_an_empty_stage_being_refilled() -> None:
+    """Stage 0 is empty; stages 1 and 2 have two replicas each, which completed their last round.
+    One forged id writes LEAVING under every stage, so on today's code every stage "has a mover"
+    and no replica may leave one: stage 0 is never refilled. Its records name several stages (it
+    counts in none), and a LEAVING record without work on its stage marks no mover."""
+    forger = "forger"
+    view = {0: [rec(forger, 0, LEAVING)], 1: [rec("a", 1), rec("b", 1), rec(forger, 1, LEAVING)],
+            2: [rec("c", 2), rec("d", 2), rec(forger, 2, LEAVING)]}
+    swarm = ScriptedSwarm(view, {1: completed("a", "b"), 2: completed("c", "d")})
+    snap, decision = decide(swarm, "a", 1, 3)
+    assert snap.has_mover == (False, False, False)
+    assert set(snap.fill_plan(ROUND).values()) == {0}
+    decisions = [decide(swarm, p, s, 3)[1] for p, s in (("a", 1), ("b", 1), ("c", 2), ("d", 2))]
+    fills = [d for d in decisions if d is not None]
+    assert [(d.target, d.reason) for d in fills] == [(0, "fill-empty")]
+    # one forged id per stage, each LEAVING under one stage only: no work there, no mover either
+    view = {0: [], 1: [rec("a", 1), rec("b", 1), rec("f1", 1, LEAVING)],
+            2: [rec("c", 2), rec("d", 2), rec("f2", 2, ONLINE, moving=True)]}
+    snap, _ = decide(ScriptedSwarm(view, {1: completed("a", "b"), 2: completed("c", "d")}), "a", 1, 3)
+    assert snap.has_mover == (False, False, False) and snap.fill_plan(ROUND)
+
+
+def test_a_forged_top_throughput_does_not_plan_a_stages_one_real_replica_away() -> None:
+    """Stage 1's one real replica ("real") serves beside a forged record claiming a huge throughput;
+    stage 0 (two replicas that completed their last round) is the bottleneck. On today's code the
+    plan sends "real" to stage 0, leaving stage 1 to the forged record alone. A replica leaves a
+    stage only while a proven one stays, and an unproven claim counts at most as a proven rate."""
+    view = {0: [rec("a", 0), rec("b", 0)], 1: [rec("real", 1), rec("forged", 1, rate=1e6)]}
+    snap, decision = decide(ScriptedSwarm(view, {0: completed("a", "b")}), "real", 1, 2)
+    assert decision is None
+    assert snap.capacities == (2.0, 2.0)  # the claim bounded by the largest proven rate (1.0)
+    assert snap.move_plan(ROUND) == {}
+
+
+def test_replicas_that_do_work_still_move_to_the_bottleneck() -> None:
+    """The evidence rules keep placement working: with stage 1's replicas all proven, one moves to
+    the bottleneck as before, and a proven replica's mover mark still blocks its stage."""
+    view = {0: [rec("a", 0)], 1: [rec("b", 1), rec("c", 1), rec("e", 1)]}
+    rounds = {1: completed("b", "c", "e")}
+    moves = [decide(ScriptedSwarm(view, rounds), p, 1, 2)[1] for p in ("b", "c", "e")]
+    assert [(d.source, d.target) for d in moves if d is not None] == [(1, 0)]
+    view[1] = [rec("b", 1), rec("c", 1, moving=True), rec("e", 1)]
+    snap, _ = decide(ScriptedSwarm(view, rounds), "b", 1, 2)
+    assert snap.has_mover == (False, True) and snap.move_plan(ROUND) == {}
+
+
+def test_completed_voters_are_the_members_of_a_group_that_all_voted_one_digest() -> None:
+    votes, regs = completed("a", "b", "c")
+    assert completed_voters(votes, regs) == {"a", "b", "c"}
+    assert completed_voters(votes) == {"a", "b", "c"}
+    failed = dict(votes, c=votes["c"].split(":")[0] + ":failed")  # one failed: nobody applied
+    assert completed_voters(failed, regs) == frozenset()
+    assert completed_voters({"a": votes["a"]}, regs) == frozenset()  # the others' votes not (yet) read
+    # two ids vote a group of their own beside the real one: without registrations it looks
+    # complete; the registrations of the round's voters name one group, which is neither
+    sybils = {"s1": f"{group_hash(('s1', 's2'))}:mean", "s2": f"{group_hash(('s1', 's2'))}:mean"}
+    assert completed_voters(sybils) == {"s1", "s2"}
+    assert completed_voters(sybils, {"s1": regs["a"], "s2": regs["a"]}) == {"s1", "s2"}  # alone: they are the group
+    both = {**votes, **sybils}
+    assert completed_voters(both, {**regs, "s1": regs["a"], "s2": regs["a"]}) == frozenset()
+    # a late registrant (no vote) does not spoil the group
+    assert completed_voters(votes, {**regs, "late": regs["a"]}) == {"a", "b", "c"}
+
+
+def test_work_seen_remembers_a_window_of_rounds() -> None:
+    work = WorkSeen(window=3)
+    assert not work.seen_any and work.proven(10) == frozenset()
+    work.observe(1, 10, ["a", "b"])
+    assert work.seen_any and work.settled(1, 10) and not work.settled(1, 9)
+    assert work.proven(12) == {("a", 1), ("b", 1)}
+    assert work.proven(14) == frozenset() and work.seen_any  # aged out; claims still do not count
+
+
+def test_one_record_per_id_keeps_only_a_moves_pair() -> None:
+    view = {0: [rec("m", 0, moving=True), rec("x", 0), rec("y", 0)], 1: [rec("m", 1, JOINING), rec("x", 1)],
+            2: [rec("y", 2, LEAVING), rec("z", 2)]}
+    kept = one_record_per_id(view)
+    assert {s: [r.peer_id for r in rs] for s, rs in kept.items()} == {0: ["m", "y"], 1: ["m"], 2: ["y", "z"]}
+    # y: LEAVING on 2 and ONLINE on 0 is a move's pair; x claims two live stages: neither counts
+    two_leaving = {0: [rec("f", 0, LEAVING)], 1: [rec("f", 1, LEAVING)]}
+    assert one_record_per_id(two_leaving) == {0: [], 1: []}
+
+
+def test_bound_claims_caps_unproven_rates_by_the_largest_proven_one() -> None:
+    s = Snapshot(((SnapshotReplica("a", ONLINE, 2.0), SnapshotReplica("f", ONLINE, 50.0, proven=False)),
+                  (SnapshotReplica("g", JOINING, 9.0, proven=False),)), (1.0, 2.0))
+    b = bound_claims(s)
+    assert [r.rate for r in b.stages[0]] == [2.0, 2.0] and [r.rate for r in b.stages[1]] == [1.0]
+    unproven = Snapshot(((SnapshotReplica("f", ONLINE, 50.0, proven=False),),), (1.0,))
+    assert bound_claims(unproven) == unproven  # nothing shown: nothing to bound by
