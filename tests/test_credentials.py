@@ -254,3 +254,39 @@ def test_checkpoint_store_keeps_the_newest(tmp_path) -> None:
     (tmp_path / "checkpoints" / "round-00000008").mkdir()  # a crash before the index: not a checkpoint
     assert store.checkpoint_rounds() == [4, 6]
     assert store.newest(7) is None
+
+
+def test_a_certificates_stage_is_enforced(issuer: Issuer, tmp_path) -> None:
+    """An invitation with `--stage 1` admits its peer to stage 1 only (issue 43, point 8): every
+    admitted peer ignores its stage records and round registrations under any other stage, so
+    nobody routes to it or averages with it there. On main the stage was carried and never read."""
+    import asyncio
+    from swarmgrad.peer.manifest import load
+    from swarmgrad.peer.records import PeerRecord
+    from tests.support.dht import MemoryDHT, swarm_view
+
+    me, pinned = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    authority = issuer.authority
+    gate = Admission(authority=authority, certificate=authority.certificate(issuer.certificate(peer_id_of(me), ttl=600,
+                                                                                                serial=1)),
+                     dht=None, files=None, client=None, dht_public_key=b"", heartbeat=1.0, dht_timeout=1.0)
+    pid = peer_id_of(pinned)
+    gate.known[pid] = authority.certificate(issuer.certificate(pid, stage=1, ttl=600, serial=2))
+    assert gate.admitted(pid) and gate.admitted(pid, 1)
+    assert not gate.admitted(pid, 0) and "stage 1 only" in gate.reason(pid, stage=0)
+    assert gate.admitted(peer_id_of(me), 0)  # a certificate without a stage admits to any
+
+    async def scenario() -> None:
+        manifest = load("peer/defaults/tiny-gpt.toml")
+        dht = MemoryDHT()
+        theirs, mine = swarm_view(dht, pid, manifest), swarm_view(dht, peer_id_of(me), manifest)
+        mine.admitted = gate.admitted
+        for stage in (0, 1):
+            await theirs.announce(PeerRecord(peer_id=pid, stage=stage, state="online", throughput=1.0, round=0,
+                                             applied_rounds=0, digest="d", manifest_hash=manifest.hash, driver=False))
+            await theirs.register_round(stage, 3, pid, {"digest": "d", "applied_rounds": 0, "weight": 1.0})
+        assert [r.peer_id for r in await mine.stage_records(0)] == []
+        assert [r.peer_id for r in await mine.stage_records(1)] == [pid]
+        assert list(await mine.round_registrations(0, 3)) == []
+        assert list(await mine.round_registrations(1, 3)) == [pid]
+    asyncio.run(scenario())

@@ -196,8 +196,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
             print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
             return 2
     stage = None if args.stage == "auto" else args.stage
-    if private is not None and stage is None and private.admitted.certificate.stage is not None:
-        stage = private.admitted.certificate.stage  # the invitation pinned a stage
+    certified = private.admitted.certificate.stage if private is not None else None
+    if certified is not None and stage is not None and stage != certified:
+        # every admitted peer ignores our records and registrations under any other stage
+        print(f"--stage {stage}: this peer's certificate admits it to stage {certified} only", file=sys.stderr)
+        return 2
+    if certified is not None:
+        stage = certified  # the invitation pinned a stage
     from swarmgrad.peer.compute.precision import resolve_compute_dtype
     try:
         resolve_compute_dtype(manifest.model.dtype, args.device, args.compute_dtype)

@@ -72,9 +72,10 @@ class SwarmView:
         self.timeout = timeout
         self.ttl = ttl
         self._peer_id: str | None = None
-        self.admitted: Callable[[str], bool] | None = None
-        """Private runs: Admission.admitted; records of peers it refuses (revoked, expired) are
-        ignored, so nobody routes to or averages with them."""
+        self.admitted: Callable[[str, int], bool] | None = None
+        """Private runs: Admission.admitted(peer id, stage); stage records and round registrations
+        of peers it refuses (revoked, expired, or certified for another stage) are ignored, so
+        nobody routes to or averages with them."""
 
     @property
     def peer_id(self) -> str:
@@ -116,7 +117,7 @@ class SwarmView:
             record = PeerRecord.from_value(peer_id, value)
             if record is None or record.stage != stage:
                 logger.debug("dropped a malformed record under stage %d from %s", stage, peer_id)
-            elif self.admitted is not None and not self.admitted(peer_id):
+            elif self.admitted is not None and not self.admitted(peer_id, stage):
                 logger.debug("ignored the record of %s under stage %d: not admitted", peer_id[-8:], stage)
             elif not self.manifest_hash or record.manifest_hash == self.manifest_hash:
                 records.append(record)
@@ -167,6 +168,9 @@ class SwarmView:
         ones are dropped, so a malformed value cannot make matchmaking raise."""
         out = {}
         for peer_id, value in await self._entries(round_key(self.run_id, stage, round_no), self._round_ttl):
+            if self.admitted is not None and not self.admitted(peer_id, stage):
+                logger.debug("ignored the registration of %s for stage %d: not admitted there", peer_id[-8:], stage)
+                continue
             try:
                 out[peer_id] = validate_registration(value).to_value()
             except ProtocolError as e:

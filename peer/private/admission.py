@@ -83,8 +83,10 @@ class Admission:
     def revoked(self) -> frozenset[str]:
         return self.revocations.peer_ids if self.revocations is not None else frozenset()
 
-    def reason(self, peer_id: str, now: float | None = None) -> str | None:
-        """Why `peer_id` may not be served now, or None if it may (from what we know; no I/O)."""
+    def reason(self, peer_id: str, now: float | None = None, stage: int | None = None) -> str | None:
+        """Why `peer_id` may not be served now, or None if it may (from what we know; no I/O).
+        With `stage`: also why it may not act as a replica of that stage (its certificate names
+        another: an invitation with `--stage` admits its peer to that stage only)."""
         if peer_id in self.revoked:
             return "revoked by the run's coordinator"
         cert = self.known.get(peer_id)
@@ -92,10 +94,14 @@ class Admission:
             return "holds no certificate of this run"
         if cert.remaining(now) <= 0:
             return "its certificate expired"
+        if stage is not None and cert.stage is not None and cert.stage != stage:
+            return f"its certificate admits it to stage {cert.stage} only, not {stage}"
         return None
 
-    def admitted(self, peer_id: str) -> bool:
-        return self.reason(peer_id) is None
+    def admitted(self, peer_id: str, stage: int | None = None) -> bool:
+        """Whether `peer_id` is admitted now (to `stage`, when one is named: SwarmView asks so
+        for every stage record and round registration it reads)."""
+        return self.reason(peer_id, stage=stage) is None
 
     async def check(self, peer: Any) -> str | None:
         """The gate: None to serve `peer` (a hivemind PeerID or its string), else the refusal."""
