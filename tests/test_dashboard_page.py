@@ -15,6 +15,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -358,3 +359,76 @@ def test_page_says_when_the_snapshot_is_old(chromium: Path, serve: Callable[...,
     view = parse_dashboard(dump_dom(base, budget_ms=3000))
     assert view.api_state == "stale", view.api_text
     assert "10 min old" in view.api_text
+
+
+# ---- DNS rebinding and connection bounds (issue 43, point 8) --------------------------------
+
+def get_with_host(base: str, host: str, path: str = "api/swarm") -> int:
+    """The status of GET `path` sent with Host: `host` (what a rebinding page's browser sends)."""
+    import http.client
+    parts = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("GET", "/" + path, headers={"Host": host})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_host_that_is_not_the_dashboards_is_refused() -> None:
+    """A page on evil.example whose name is re-pointed at 127.0.0.1 (DNS rebinding) sends
+    Host: evil.example: refused 403. On main every Host was served."""
+    from swarmgrad.peer.coordinator.web import host_allowed
+    snapshot, history = swarm_fixture(1, 1)
+    server = DashboardServer("127.0.0.1", 0, lambda: snapshot, lambda: history, allowed_hosts=("dash.lan",))
+    port = server.start()
+    try:
+        base = f"http://127.0.0.1:{port}/"
+        assert get_with_host(base, f"evil.example:{port}") == 403
+        assert get_with_host(base, "evil.example", "") == 403
+        for ok in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", f"10.1.2.3:{port}",
+                   f"dash.lan:{port}", "Dash.Lan."):
+            assert get_with_host(base, ok) == 200, ok
+    finally:
+        server.close()
+    assert host_allowed("gpu-box:8080", "gpu-box") and not host_allowed("gpu-box:8080", "0.0.0.0")
+    assert not host_allowed(":8080", "127.0.0.1") and host_allowed(None, "127.0.0.1")
+
+
+@pytest.mark.timeout(30)
+def test_connections_beyond_the_bound_get_503_not_a_thread() -> None:
+    """Clients that open connections and send nothing each held a thread for the handler's
+    timeout, without bound (one thread per connection). Now at most max_connections are handled;
+    the next is answered 503 at once, and the server serves again as slots free."""
+    import socket
+    import threading
+    snapshot, history = swarm_fixture(1, 1)
+    server = DashboardServer("127.0.0.1", 0, lambda: snapshot, lambda: history, max_connections=3)
+    port = server.start()
+    idle = []
+    try:
+        before = threading.active_count()
+        for _ in range(3):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        deadline = time.time() + 5
+        while threading.active_count() < before + 3 and time.time() < deadline:
+            time.sleep(0.02)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert extra.recv(64).startswith(b"HTTP/1.1 503")
+        extra.close()
+        assert server.busy == 1 and threading.active_count() <= before + 3
+        for s in idle:
+            s.close()
+        deadline = time.time() + 5
+        status = None
+        while time.time() < deadline:
+            status = get_with_host(f"http://127.0.0.1:{port}/", "localhost")
+            if status == 200:
+                break
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

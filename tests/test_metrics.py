@@ -127,3 +127,25 @@ def test_serve_on_port_zero_and_close() -> None:
     metrics.close()  # idempotent
     with pytest.raises(urllib.error.URLError):
         scrape(port)
+
+
+def test_the_coordinators_metrics_listen_on_loopback_unless_told(tmp_path) -> None:
+    """They name every admitted peer: on main they listened on 0.0.0.0 with no flag to change it
+    (issue 43, point 8). Now `--metrics-host` (default 127.0.0.1) says where."""
+    from pathlib import Path
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from swarmgrad.peer.cli.main import build_parser
+    from swarmgrad.peer.coordinator.coordinator import Coordinator
+    from swarmgrad.peer.manifest import load
+
+    args = build_parser().parse_args(["coordinator", "--manifest", "m.toml", "--key", "k", "--metrics-port", "0"])
+    assert args.metrics_host == "127.0.0.1" and args.http_allow_host == []
+    path = Path("peer/defaults/tiny-gpt.toml")
+    coordinator = Coordinator(load(str(path)), path.read_text(), Ed25519PrivateKey.generate(), tmp_path / "key",
+                              tmp_path / "state", metrics_port=0, metrics_host=args.metrics_host)
+    coordinator.serve_metrics()
+    try:
+        assert coordinator.metrics._server.server_address[0] == "127.0.0.1"
+        assert scrape(coordinator.metrics_port) is not None
+    finally:
+        coordinator.metrics.close()

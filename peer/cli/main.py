@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--key", required=True, metavar="KEY", help="from `swarmgrad keygen`")
     c.add_argument("--listen", default="0.0.0.0:7000", type=address_arg, metavar="HOST:PORT", help="gRPC service")
     c.add_argument("--http", default=None, type=address_arg, metavar="HOST:PORT", help="serve the dashboard here")
+    c.add_argument("--http-allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name the dashboard answers to, besides localhost and IP addresses (repeatable; "
+                        "other Host headers get 403: DNS rebinding)")
     c.add_argument("--state-dir", default="coordinator-state", metavar="DIR",
                    help="admitted peers, revocations, checkpoints (recovered on restart)")
     c.add_argument("--checkpoint-every", type=positive_int, default=5, metavar="N", help="rounds between checkpoints")
@@ -220,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
     c.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port")
+    c.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
     c.set_defaults(fn=cmd_coordinator)
 
     e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file")

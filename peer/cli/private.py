@@ -104,7 +104,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   announce_maddrs=tuple(args.announce_maddrs), initial_peers=tuple(args.initial_peers),
                                   checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                                   certificate_ttl=args.certificate_ttl, events_path=args.events,
-                                  metrics_port=args.metrics_port)
+                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                  http_allowed_hosts=tuple(args.http_allow_host))
     except ValueError as e:  # a state dir of another run
         print(e, file=sys.stderr)
         return 2

@@ -56,13 +56,18 @@ class Coordinator:
         http: HOST:PORT of the dashboard, or None for none.
         checkpoint_every, keep_checkpoints: a checkpoint every N rounds, the newest K kept.
         certificate_ttl: seconds a certificate lives.
+        metrics_port, metrics_host: where Prometheus metrics are served (None: nowhere); the
+            host is loopback unless told: the metrics name every admitted peer.
+        http_allowed_hosts: host names (besides localhost, IP literals and the bound name) the
+            dashboard answers to (web.py: a browser's Host header, against DNS rebinding).
     """
 
     def __init__(self, manifest: Manifest, manifest_toml: str, key: Ed25519PrivateKey, key_path: Path,
                  state_dir: Path, *, listen: str = "127.0.0.1:0", http: str | None = None,
                  host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",), announce_maddrs: tuple[str, ...] = (),
                  initial_peers: tuple[str, ...] = (), checkpoint_every: int = 5, keep_checkpoints: int = 3,
-                 certificate_ttl: float = 12 * 3600, events_path: str | None = None, metrics_port: int | None = None):
+                 certificate_ttl: float = 12 * 3600, events_path: str | None = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1", http_allowed_hosts: tuple[str, ...] = ()):
         self.m = manifest
         self.manifest_toml = manifest_toml
         self.key = key
@@ -84,6 +89,8 @@ class Coordinator:
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.http_allowed_hosts = http_allowed_hosts
         self.metrics = None
         self.started = time.time()
         self.history = History()
@@ -95,6 +102,13 @@ class Coordinator:
         self._steps = LoopSteps("coordinator", logger)
         """One per step of the heartbeat loop, named after it (and the revocation list published at
         once after a revoke order shares its step's)."""
+
+    def serve_metrics(self) -> None:
+        """Start the Prometheus endpoint on `metrics_host:metrics_port` (nothing when no port)."""
+        if self.metrics_port is not None and self.metrics is None:
+            from swarmgrad.peer.coordinator.metrics import CoordinatorMetrics
+            self.metrics = CoordinatorMetrics()
+            self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port)
 
     # DHT (before any event loop or torch thread: hivemind forks) ----------------------------------
     def _self_certificate(self):
@@ -165,12 +179,9 @@ class Coordinator:
             from swarmgrad.peer.coordinator.web import DashboardServer
             http_host, http_port = self.http.rsplit(":", 1)
             web = DashboardServer(http_host, int(http_port), lambda: self._documents()[0],
-                                  lambda: self._documents()[1])
+                                  lambda: self._documents()[1], allowed_hosts=self.http_allowed_hosts)
             self.http_port = web.start()
-        if self.metrics_port is not None:
-            from swarmgrad.peer.coordinator.metrics import CoordinatorMetrics
-            self.metrics = CoordinatorMetrics()
-            self.metrics_port = self.metrics.serve("0.0.0.0", self.metrics_port)
+        self.serve_metrics()
         self.events.emit("coordinator_started", run_id=m.run_id, grpc=self.address, grpc_port=self.grpc_port,
                          http_port=self.http_port, metrics_port=self.metrics_port, maddrs=self.maddrs,
                          manifest_hash=m.hash)

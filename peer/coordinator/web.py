@@ -12,6 +12,13 @@ Routes (GET only; anything else is 404, other methods 501):
 The page is self-contained: no CDN, no font, no external URL, and the server says so to the
 browser with a Content-Security-Policy that allows this origin only.
 
+Every request's Host header must name localhost, an IP address, the bound host or one of
+`allowed_hosts` (`--http-allow-host`), else 403 (`host_allowed`): a page of another site whose
+name the attacker re-points at this machine (DNS rebinding) reads nothing, since its requests
+carry the attacker's name. At most `max_connections` requests are handled at once, each on its
+own thread; one more is answered 503 at once rather than given another thread (a client that
+opens connections and sends nothing holds a slot for the handler's timeout at most).
+
 The JSON schema (the coordinator produces exactly this; any list may be empty and any value
 marked |null may be null; NaN and infinities are sent as null):
 
@@ -40,6 +47,7 @@ docs/dashboard.md describes what the page shows.
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import json
 import logging
 import math
@@ -73,6 +81,35 @@ _CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'
         "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+MAX_CONNECTIONS = 32
+"""Requests the dashboard handles at once: a few open pages poll two documents every 2 s."""
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
+
+def host_allowed(header: str | None, bound: str, allowed: frozenset[str] = frozenset()) -> bool:
+    """Whether a request's Host header (None: absent, as an HTTP/1.0 client may send) names this
+    server: localhost, an IP literal (a rebinding attack always carries the attacker's host
+    name), the host the server is bound to, or a name in `allowed` (compared without case and
+    port). Pure."""
+    if header is None:
+        return True  # no browser omits it; a script without one is not a rebinding page
+    host = header.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        host = host[1:host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    host = host.rstrip(".")
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    names = LOCAL_NAMES | {bound.lower()} | {name.lower().rstrip(".") for name in allowed}
+    return host in names or host.endswith(".localhost")
+
+
 def json_safe(value: Any) -> Any:
     """`value` with every non-finite float replaced by None: the browser's JSON.parse refuses
     NaN and Infinity, and a diverged loss must not blank the page."""
@@ -95,9 +132,16 @@ class DashboardServer:
     """
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], dict],
-                 history: Callable[[], dict]) -> None:
+                 history: Callable[[], dict], *, allowed_hosts: tuple[str, ...] = (),
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1 (got {max_connections})")
         self.host = host
         self.port = port
+        self.allowed_hosts = frozenset(allowed_hosts)
+        self.max_connections = max_connections
+        self.busy = 0
+        """Requests refused 503 because every slot was taken (for tests and logs)."""
         self.snapshot = snapshot
         self.history = history
         self._server: _Server | None = None
@@ -114,6 +158,7 @@ class DashboardServer:
             raise RuntimeError("DashboardServer already started")
         server = _Server((self.host, self.port), _Handler)
         server.dashboard = self
+        server.slots = threading.BoundedSemaphore(self.max_connections)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"dashboard-http:{server.server_address[1]}",
@@ -165,6 +210,26 @@ class DashboardServer:
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     dashboard: DashboardServer
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per request while a slot is free; else 503 at once, on the accepting thread."""
+        if not self.slots.acquire(blocking=False):
+            self.dashboard.busy += 1
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -175,7 +240,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         path = urlsplit(self.path).path
-        if path in ("/", "/index.html"):
+        dashboard = self.server.dashboard
+        if not host_allowed(self.headers.get("Host"), dashboard.host, dashboard.allowed_hosts):
+            self._send_json(403, {"error": "this Host is not the dashboard's (start it with --http-allow-host NAME)"})
+        elif path in ("/", "/index.html"):
             self._send_file("index.html")
         elif path.startswith("/static/"):
             self._send_file(path[len("/static/"):])
