@@ -49,13 +49,13 @@ import torch
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
 from swarmgrad.peer.averaging.group import Group, partition
-from swarmgrad.peer.averaging import outcome
+from swarmgrad.peer.averaging import exclusion, outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.averaging.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.averaging.matchmaking import matchmake
-from swarmgrad.peer.averaging.reducer import Reducer
+from swarmgrad.peer.averaging.reducer import Reducer, RoundSlot
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.protocol import wire_pb2 as pb
@@ -84,6 +84,9 @@ class RoundResult:
     """This member voted for the mean (or may have: its vote's write failed). A failed round with a
     digest vote may have been applied by members that read every vote; otherwise (we voted
     failed, or never voted) no member of our group applied it."""
+    blamed: tuple[str, ...] = ()
+    """Members this replica holds responsible for the round's failure, from what it observed
+    itself (peer/averaging/exclusion.py `blame`): they sit out the next rounds' groups."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of the round's phases that ran: `matchmaking` (Δ is encoded meanwhile), `exchange`
     (what is left of the encoding, the parts, combine), `vote` (where an averaging round's time
@@ -116,6 +119,9 @@ class Averager:
         """Groups this small exchange the members' own parts instead of a mean (peer/averaging/gather.py)."""
         self._last_members: tuple[str, ...] = ()
         """The members of our last round if it completed: this round's parts go to them early."""
+        self.standings: dict[str, exclusion.Standing] = {}
+        """What this replica holds against other members (peer/averaging/exclusion.py): those
+        excluded for a round have their registrations dropped before its group is chosen."""
 
     @property
     def patience(self) -> float:
@@ -140,7 +146,8 @@ class Averager:
                         ) -> tuple[Group | None, dict[str, float], str]:
         """peer/averaging/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round_no, self.peer_id, registration, self.patience,
-                               self.reducer.slot(round_no).knock)
+                               self.reducer.slot(round_no).knock,
+                               exclude=exclusion.excluded(self.standings, round_no) - {self.peer_id})
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -209,6 +216,9 @@ class Averager:
             return dataclasses.replace(result, phases=phases)
         finally:
             self._last_members = result.group if result is not None and result.complete else ()
+            if result is not None and not result.stale:
+                self.standings = exclusion.after_round(self.standings, round_no, result.blamed,
+                                                       result.group if result.complete else ())
             await self._drop_early(sending)
             if result is None or not result.complete:
                 # the encoding may still run (matchmaking failed or was cancelled): wait for it
@@ -253,10 +263,13 @@ class Averager:
         # θ_global; the outcome vote below compares the digests in groups of 2 as well
         result = self._combine(group, parts, results, weights, mine)
         phases["exchange"] = time.monotonic() - started
+        voted = None
         if len(group.members) > 1:
             started = time.monotonic()
-            result = await self._vote(round_no, group, result)
+            result, voted = await self._vote(round_no, group, result)
             phases["vote"] = time.monotonic() - started
+        if not result.complete:
+            result = dataclasses.replace(result, blamed=self._blame(group, slot, results, voted))
         if not result.complete and not slot.result.done():
             slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
@@ -310,13 +323,13 @@ class Averager:
         watcher = asyncio.ensure_future(outcome.first_failure(self.swarm, self.stage, round_no, group.members, group.hash,
                                                               self.peer_id)) if len(group.members) > 1 else None
         pending: set[asyncio.Future] = set(calls)
-        why = ""
+        why, by = "", ()
         try:
             while pending:
                 done, _ = await asyncio.wait(pending | ({watcher} if watcher else set()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if watcher is not None and watcher in done:
-                    why = watcher.result()
+                    why, by = watcher.result()
                     break
                 pending -= done
                 if any(_part_failed(c) for c in done):
@@ -334,7 +347,7 @@ class Averager:
                 if stuck:
                     logger.warning("stage %d round %d: %d task(s) did not end within timeouts.dht of their "
                                    "cancel; left behind", self.stage, round_no, len(stuck))
-        return [Abandoned(why) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
+        return [Abandoned(why, by) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
                 else (c.exception() or c.result()) for c in calls]
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any], weights: dict[str, float],
@@ -396,15 +409,34 @@ class Averager:
                                             avg.max_weight_ratio)
         return AverageResult(pb.OK, "", tensors, got.contributors, total)
 
-    async def _vote(self, round_no: int, group: Group, result: RoundResult) -> RoundResult:
+    async def _vote(self, round_no: int, group: Group, result: RoundResult
+                    ) -> tuple[RoundResult, outcome.Outcome]:
         """The outcome vote (peer/averaging/outcome.py): ours is the digest of the mean we decoded, or failed."""
         digest = mean_digest(result.mean_delta) if result.complete and result.mean_delta is not None else None
         out = await outcome.agree(self.swarm, self.stage, round_no, group.members, group.hash, self.peer_id, digest,
                                   self.m.timeouts.allreduce, self.m.timeouts.dht, gone=self._gone)
         if out.applied or digest is None:
-            return result
+            return result, out
         return RoundResult(False, out.reason, group.members, None, unreachable=out.missing,
-                           voted_digest=out.voted_digest)
+                           voted_digest=out.voted_digest), out
+
+    def _blame(self, group: Group, slot: RoundSlot, results: list[Any],
+               voted: outcome.Outcome | None) -> tuple[str, ...]:
+        """Who failed this round, as far as this replica saw it itself (exclusion.blame)."""
+        abandoned_by = {p for res in results if isinstance(res, Abandoned) for p in res.by}
+        vote_first = bool(abandoned_by)  # a failed vote made us abandon the parts still on the way
+        answered = all(isinstance(res, pb.AverageResponse) and res.status == pb.OK for res in results)
+        silent = [group.members[p] for p, res in enumerate(results)
+                  if isinstance(res, (RPCFailed, asyncio.TimeoutError))]
+        blamed = exclusion.blame(
+            me=self.peer_id, members=group.members, contributed=set(slot.contributions),
+            part_failed=not answered and not vote_first, silent_reducers=silent,
+            failed_votes=abandoned_by | set(voted.failed if voted else ()),
+            missing_votes=voted.missing if voted is not None and answered else ())
+        if blamed:
+            logger.info("stage %d: %s failed the round as seen here: left out of the next group(s)", self.stage,
+                        ", ".join(sorted(p[-8:] for p in blamed)))
+        return tuple(sorted(blamed))
 
     async def _gone(self, members: Sequence[str]) -> list[str]:
         """Of `members`, those we hold no connection to any more (outcome.agree: a member killed
@@ -417,6 +449,8 @@ class Averager:
 class Abandoned:
     """A part this member stopped waiting for: the round had already failed (`why`)."""
     why: str
+    by: tuple[str, ...] = ()
+    """The members whose failed vote under our group's hash made us stop (none: a part failed)."""
 
 
 def _part_failed(call: asyncio.Future) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
 
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.group import Group, choose_group
@@ -36,9 +36,13 @@ class RoundBoard(Protocol):
 
 
 async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, registration: dict[str, Any],
-                    patience: float, knock: asyncio.Event) -> tuple[Group | None, dict[str, float], str]:
+                    patience: float, knock: asyncio.Event, exclude: Collection[str] = ()
+                    ) -> tuple[Group | None, dict[str, float], str]:
     """(the group, every registrant's declared weight, why our θ_global is superseded: "" when it
-    is not; the group is then None)."""
+    is not; the group is then None). `exclude`: peers whose registrations are dropped before the
+    group is chosen (members that failed our recent rounds: peer/averaging/exclusion.py); the
+    wait for every online replica to register still counts them, so an excluded member does not
+    make the others wait out their patience."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
@@ -70,6 +74,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
         if not registering.done():  # the reads failed (or we were cancelled): the round is off anyway
             registering.cancel()
             await asyncio.gather(registering, return_exceptions=True)
+    regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
     group = choose_group(regs)
     if group is not None and me in group.members:

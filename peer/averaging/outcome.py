@@ -57,6 +57,8 @@ class Outcome:
     """We voted a digest (or may have: the write failed), so others may have applied it."""
     missing: tuple[str, ...] = ()
     """Members that posted no vote before the deadline."""
+    failed: tuple[str, ...] = ()
+    """Members that voted failed under our group's hash (peer/averaging/exclusion.py counts them)."""
 
 
 async def agree(board: VoteBoard, stage: int, round_no: int, members: Sequence[str], group_hash: str, me: str,
@@ -86,9 +88,10 @@ async def agree(board: VoteBoard, stage: int, round_no: int, members: Sequence[s
     for delay in poll_intervals(VOTE_POLL_SECONDS):
         with reading:  # a DHT hiccup: try again until the deadline
             posted = await within(board.round_checks(stage, round_no), dht_timeout)
-        failed = sorted(p[-8:] for p in members if posted.get(p, "").endswith(f":{FAILED}"))
+        failed = sorted(p for p in members if posted.get(p, "").endswith(f":{FAILED}"))
         if failed:
-            return Outcome(False, f"member(s) {failed} voted the round failed", voted_digest=True)
+            return Outcome(False, f"member(s) {[p[-8:] for p in failed]} voted the round failed", voted_digest=True,
+                           failed=tuple(p for p in failed if posted[p] == vote(group_hash, None)))
         differing = sorted(p[-8:] for p in members if p in posted and posted[p] != mine)
         if differing:
             return Outcome(False, f"cross-check: members {differing} voted another outcome (a reducer sent "
@@ -118,9 +121,10 @@ async def _gone(missing: Sequence[str], gone: Callable[[Sequence[str]], Awaitabl
 
 
 async def first_failure(board: VoteBoard, stage: int, round_no: int, members: Sequence[str], group_hash: str,
-                        me: str) -> str:
-    """Returns (why) once another member voted anything but a digest under our group's hash
-    (failed, or in another group: either way our round cannot complete); never otherwise."""
+                        me: str) -> tuple[str, tuple[str, ...]]:
+    """Returns (why, the members that voted failed under our group's hash) once another member
+    voted anything but a digest under our group's hash (failed, or in another group: either way
+    our round cannot complete); never otherwise."""
     ours = f"{group_hash}:"
     reading = BestEffort(f"stage {stage} round {round_no}: watching the outcome votes", logger)
     while True:
@@ -133,4 +137,5 @@ async def first_failure(board: VoteBoard, stage: int, round_no: int, members: Se
         failed = [p for p in members if p != me and p in votes
                   and (not votes[p].startswith(ours) or votes[p] == vote(group_hash, None))]
         if failed:
-            return f"member {failed[0][-8:]} voted the round failed ({votes[failed[0]][:40]})"
+            return (f"member {failed[0][-8:]} voted the round failed ({votes[failed[0]][:40]})",
+                    tuple(p for p in failed if votes[p] == vote(group_hash, None)))
