@@ -290,3 +290,51 @@ def test_a_certificates_stage_is_enforced(issuer: Issuer, tmp_path) -> None:
         assert list(await mine.round_registrations(0, 3)) == []
         assert list(await mine.round_registrations(1, 3)) == [pid]
     asyncio.run(scenario())
+
+
+def test_checkpoints_from_the_coordinator_are_signed(issuer: Issuer) -> None:
+    """The checkpoint stream is plain gRPC, and its sha256 came on the same stream as the bytes:
+    whoever sat on the path (or answered at the coordinator's address) could send any state with a
+    matching digest, and on main the peer restored an emptied stage from it. Now the first chunk
+    carries the info signed by the coordinator key the peer trusts (from its invitation), and the
+    bytes must hash to the signed digest."""
+    import hashlib
+    from swarmgrad.peer.private.coordinator_client import CoordinatorClient
+
+    peer = Ed25519PrivateKey.generate()
+    good, forged = b"theta of stage 1", b"the attacker's weights"
+
+    def info(data: bytes, stage: int = 1) -> cpb.CheckpointInfo:
+        return cpb.CheckpointInfo(stage=stage, round=7, applied_rounds=7, trained_samples=64,
+                                  digest=hashlib.sha256(data).hexdigest(), time=time.time())
+
+    class Stub:
+        def __init__(self, chunks: list[cpb.CheckpointChunk]):
+            self.chunks = chunks
+
+        def GetCheckpoint(self, request, timeout=None):  # noqa: N802 (gRPC's name)
+            return iter(self.chunks)
+
+    def fetch(chunks: list[cpb.CheckpointChunk]):
+        client = CoordinatorClient("127.0.0.1:1", issuer.authority, peer)
+        client._stub = Stub(chunks)
+        try:
+            return client.checkpoint(1, cpb.Signed(), max_bytes=1 << 20)
+        finally:
+            client.close()
+
+    signed = issuer.checkpoint(info(good))
+    got_info, data = fetch([cpb.CheckpointChunk(info=info(good), data=good[:5], signed_info=signed),
+                            cpb.CheckpointChunk(data=good[5:])])
+    assert data == good and got_info.round == 7
+    with pytest.raises(CredentialError):  # forged bytes with their own digest, unsigned (main's stream)
+        fetch([cpb.CheckpointChunk(info=info(forged), data=forged)])
+    with pytest.raises(CredentialError, match="signature"):  # signed by another key
+        other = Issuer(Ed25519PrivateKey.generate(), RUN)
+        fetch([cpb.CheckpointChunk(info=info(forged), data=forged, signed_info=other.checkpoint(info(forged)))])
+    with pytest.raises(CredentialError, match="digest"):  # the coordinator's signed info, other bytes
+        fetch([cpb.CheckpointChunk(info=info(forged), data=forged, signed_info=signed)])
+    with pytest.raises(CredentialError, match="not 'private-run'"):
+        fetch([cpb.CheckpointChunk(data=good, signed_info=Issuer(issuer.key, "other-run").checkpoint(info(good)))])
+    with pytest.raises(CredentialError, match="another stage"):
+        fetch([cpb.CheckpointChunk(data=good, signed_info=issuer.checkpoint(info(good, stage=2)))])

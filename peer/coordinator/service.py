@@ -178,5 +178,6 @@ class CoordinatorService(cgrpc.CoordinatorServicer):
                 data = f.read(CHECKPOINT_CHUNK)
                 if not data and not first:
                     return
-                yield cpb.CheckpointChunk(info=info, data=data) if first else cpb.CheckpointChunk(data=data)
+                yield cpb.CheckpointChunk(info=info, data=data, signed_info=self.issuer.checkpoint(info)) \
+                    if first else cpb.CheckpointChunk(data=data)
                 first = False

@@ -112,8 +112,11 @@ class CoordinatorClient:
         return list(self._call("ListCheckpoints", cpb.Empty()).checkpoints)
 
     def checkpoint(self, stage: int, certificate: cpb.Signed, max_bytes: int) -> tuple[cpb.CheckpointInfo, bytes] | None:
-        """The newest checkpoint of `stage` (its info and safetensors bytes, digest-checked), or
-        None if the coordinator has none. Raises CoordinatorUnavailable or CredentialError."""
+        """The newest checkpoint of `stage` (its info and safetensors bytes), or None if the
+        coordinator has none. The info must be signed by the coordinator key this client trusts
+        (its Authority, from the invitation) and the bytes must hash to the signed digest: the
+        stream itself is plain gRPC, so whoever sits on the path could send other bytes with a
+        matching digest. Raises CoordinatorUnavailable or CredentialError."""
         now = time.time()
         proof = self.key.sign(proof_message(CHECKPOINT_PROOF, stage, now))
         request = cpb.CheckpointRequest(stage=stage, certificate=certificate, time=now, proof=proof)
@@ -121,9 +124,9 @@ class CoordinatorClient:
         try:
             for chunk in self._stub.GetCheckpoint(request, timeout=self.timeout * 6):
                 if info is None:
-                    if not chunk.HasField("info"):
-                        raise CredentialError("checkpoint stream does not start with its info")
-                    info = chunk.info
+                    if not chunk.HasField("signed_info"):
+                        raise CredentialError("checkpoint stream does not start with its signed info")
+                    info = self.authority.checkpoint(chunk.signed_info)
                 size += len(chunk.data)
                 if size > max_bytes:
                     raise CredentialError(f"checkpoint larger than {max_bytes} bytes")

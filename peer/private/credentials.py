@@ -35,6 +35,7 @@ REVOKE = b"swarmgrad-revoke-v1"
 ADMIT_PROOF = b"swarmgrad-admit-v1"
 RENEW_PROOF = b"swarmgrad-renew-v1"
 CHECKPOINT_PROOF = b"swarmgrad-checkpoint-v1"
+CHECKPOINT_INFO = b"swarmgrad-checkpoint-info-v1"
 
 INVITE_PREFIX = "swarmgrad-invite:"
 ROLES = ("peer", "coordinator")
@@ -193,6 +194,15 @@ class Authority:
             raise CredentialError(f"manifest is for run {body.run_id[:40]!r}, not {self.run_id!r}")
         return body
 
+    def checkpoint(self, signed: cpb.Signed) -> cpb.CheckpointInfo:
+        """What the coordinator says of a checkpoint it serves (stage, round, the file's sha256),
+        checked to be signed by its key for this run: the bytes that follow on the same stream are
+        believed only if they hash to this digest."""
+        body = _verify(self.public, CHECKPOINT_INFO, signed, cpb.CheckpointBody, "checkpoint")
+        if body.run_id != self.run_id:
+            raise CredentialError(f"checkpoint is of run {body.run_id[:40]!r}, not {self.run_id!r}")
+        return body.info
+
     def revoke_order(self, signed: cpb.Signed, *, now: float | None = None) -> str:
         """The peer id a `swarmgrad revoke` order names, checked (signed, this run, recent)."""
         body = _verify(self.public, REVOKE, signed, cpb.RevokeBody, "revoke order")
@@ -232,6 +242,9 @@ class Issuer:
     def manifest(self, toml_text: str, manifest_hash: str) -> cpb.Signed:
         return sign(self.key, MANIFEST, cpb.ManifestBody(run_id=self.run_id, manifest_toml=toml_text,
                                                          manifest_hash=manifest_hash))
+
+    def checkpoint(self, info: cpb.CheckpointInfo) -> cpb.Signed:
+        return sign(self.key, CHECKPOINT_INFO, cpb.CheckpointBody(run_id=self.run_id, info=info))
 
 
 def make_invitation(key: Ed25519PrivateKey, run_id: str, coordinator: str, *, expires_in: float,
