@@ -88,3 +88,19 @@ def test_a_member_that_withholds_its_part_is_left_out() -> None:
         second = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=1)
         assert [r.complete for r in second[:2]] == [True, True], [r.reason for r in second]
     asyncio.run(main())
+
+
+def test_members_whose_exclusions_differ_do_not_blame_each_other() -> None:
+    """One member excludes a third and the other does not: their groups differ, the round fails for
+    both, and each one's part reached the other under the other group's hash: neither withheld
+    anything, so neither is blamed (or they would exclude each other and split the stage)."""
+    from swarmgrad.peer.averaging.exclusion import after_round as strike
+
+    async def main() -> None:
+        _, _, avgs = await group(3, manifest(robust=0))
+        avgs[0].standings = strike({}, -1, blamed={PEERS[2]})  # avgs[0] leaves PEERS[2] out of round 0
+        results = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=0)
+        assert not results[0].complete and not results[1].complete
+        assert PEERS[1] not in results[0].blamed and PEERS[0] not in results[1].blamed, \
+            [(r.reason, r.blamed) for r in results]
+    asyncio.run(main())

@@ -429,7 +429,7 @@ class Averager:
         silent = [group.members[p] for p, res in enumerate(results)
                   if isinstance(res, (RPCFailed, asyncio.TimeoutError))]
         blamed = exclusion.blame(
-            me=self.peer_id, members=group.members, contributed=set(slot.contributions),
+            me=self.peer_id, members=group.members, contributed=set(slot.contributions) | slot.arrived,
             part_failed=not answered and not vote_first, silent_reducers=silent,
             failed_votes=abandoned_by | set(voted.failed if voted else ()),
             missing_votes=voted.missing if voted is not None and answered else ())

@@ -11,7 +11,8 @@ What counts is only what this replica observed itself in a round that failed (`b
 stranger cannot get an honest member excluded by saying so:
 - a part failed (refused, timed out, no answer) before any failed vote: the members whose
   contribution never reached our own part withheld it (every member sends all its parts as the
-  exchange starts, so by the time a reducer gives up they had long arrived); if none did, the
+  exchange starts, so by the time a reducer gives up they had long arrived; a request refused
+  because its sender formed another group counts as sent); if none did, the
   reducers that gave us no answer at all (not a refusal: a reducer refusing because a third
   member withheld from it says so truthfully);
 - no part failed of itself (the exchange completed, or a failed vote made us abandon the rest):

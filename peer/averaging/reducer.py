@@ -43,6 +43,10 @@ class RoundSlot:
     part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     my_part: int = -1
     contributions: dict[str, tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    arrived: set[str] = field(default_factory=set)
+    """Members of our group whose part for this round reached us under another group's hash: they
+    formed another group (their exclusions differ from ours), they did not withhold it
+    (peer/averaging/exclusion.py)."""
     encoded: dict[str, list[pb.NamedTensor]] = field(default_factory=dict)
     """Each member's part as it encoded it: the gather exchange answers with these (peer/averaging/gather.py)."""
     result: asyncio.Future | None = None
@@ -102,6 +106,8 @@ class Reducer:
         group = slot.group
         assert group is not None
         if request.group_hash != group.hash:
+            if str(caller) in group.members:
+                slot.arrived.add(str(caller))
             raise ProtocolError(pb.GROUP_MISMATCH, f"group {request.group_hash} differs from ours {group.hash}")
         if request.state_digest != group.digest:
             raise ProtocolError(pb.STALE_STATE, f"θ_global digest {request.state_digest} is not the group's")
