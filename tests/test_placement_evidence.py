@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.placement import rebalancer as R
-from swarmgrad.peer.placement.evidence import (WorkSeen, bound_claims, completed_voters, one_record_per_id)
+from swarmgrad.peer.placement.evidence import (WorkSeen, bound_claims, completed_voters, likely_round,
+                                               one_record_per_id)
 from swarmgrad.peer.placement.plan import LEAVING, ONLINE, JOINING, Snapshot, SnapshotReplica
 from swarmgrad.peer.records import PeerRecord
 
@@ -142,3 +143,21 @@ def test_bound_claims_caps_unproven_rates_by_the_largest_proven_one() -> None:
     assert [r.rate for r in b.stages[0]] == [2.0, 2.0] and [r.rate for r in b.stages[1]] == [1.0]
     unproven = Snapshot(((SnapshotReplica("f", ONLINE, 50.0, proven=False),),), (1.0,))
     assert bound_claims(unproven) == unproven  # nothing shown: nothing to bound by
+
+
+def test_a_newcomer_is_not_steered_away_by_a_forged_throughput() -> None:
+    """What peer/node/peer.py `_choose_stage` does: read the last rounds' votes at the round the
+    records say, then choose from what they prove. Stage 1's one real replica serves beside a
+    forged record claiming a huge throughput; stage 0 has three replicas that completed their last
+    round. Taking the records at their word the newcomer joins stage 0; bounded, stage 1 (2
+    against 3) is where it raises the swarm's throughput."""
+    from swarmgrad.peer.placement.rules import PeerFigures, choose_stage_for_newcomer
+    view = {0: [rec("a", 0), rec("b", 0), rec("c", 0)], 1: [rec("real", 1), rec("forged", 1, rate=1e6)]}
+    swarm = ScriptedSwarm(view, {0: completed("a", "b", "c")})
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2
+    me = PeerFigures("new", (1.0, 1.0), 0, 1e9, 3600.0)
+    assert choose_stage_for_newcomer(R.snapshot_from_view(view, costs), me) == 0  # every claim believed
+    work, round_no = WorkSeen(), likely_round(view)
+    assert round_no == ROUND
+    asyncio.run(R.read_work(swarm, work, 2, round_no))
+    assert choose_stage_for_newcomer(R.snapshot_from_view(view, costs, work, round_no), me) == 1

@@ -31,7 +31,8 @@ from swarmgrad.peer.node.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement.rules import MoveDecision, PeerFigures, SWARM_POLICY, choose_stage_for_newcomer
 from swarmgrad.peer.net.reachability import visible_maddrs
-from swarmgrad.peer.placement.rebalancer import DEFAULT_BANDWIDTH, Rebalancer, snapshot_from_view
+from swarmgrad.peer.placement.evidence import WorkSeen, likely_round
+from swarmgrad.peer.placement.rebalancer import DEFAULT_BANDWIDTH, Rebalancer, read_work, snapshot_from_view
 from swarmgrad.peer.node.replica import PeerContext, Replica
 from swarmgrad.peer.state.backup import BackupStore
 from swarmgrad.peer.pipeline.stage_server import refusal
@@ -271,7 +272,14 @@ class Peer:
             view = await self.swarm.swarm()
             me = PeerFigures(peer_id=self.peer_id, rates=rates, memory=memory, bandwidth=DEFAULT_BANDWIDTH,
                              tenure=3600.0)
-            choice = choose_stage_for_newcomer(snapshot_from_view(view, costs), me)
+            # forged records must not steer a newcomer either: count what the last rounds' votes
+            # prove (peer/placement/evidence.py); votes that cannot be read prove nothing
+            work, round_no = WorkSeen(), likely_round(view)
+            try:
+                await read_work(self.swarm, work, self.n_stages, round_no)
+            except NETWORK_FAILURES as e:
+                logger.info("choosing a stage without the last rounds' votes: %s", e)
+            choice = choose_stage_for_newcomer(snapshot_from_view(view, costs, work, round_no), me)
             if choice is None:
                 need = min(c.memory_bytes for c in costs)
                 raise RuntimeError(f"no stage fits in the memory this peer offers ({memory / 2**30:.1f} GiB; the "

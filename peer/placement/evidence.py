@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from swarmgrad.peer.averaging.group import choose_group, group_hash
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
-from swarmgrad.peer.records import FAILED, LEAVING, PeerRecord
+from swarmgrad.peer.records import FAILED, LEAVING, ONLINE, PeerRecord
 
 EVIDENCE_ROUNDS = 10
 """A replica stays proven on a stage for this many rounds after the last completed round it was
@@ -108,6 +108,15 @@ class WorkSeen:
         self._last = {k: r for k, r in self._last.items() if r >= oldest}
         self._settled = {k for k in self._settled if k[1] >= oldest}
         return frozenset(self._last)
+
+
+def likely_round(view: Mapping[int, Sequence[PeerRecord]]) -> int:
+    """The round the swarm is in, for a reader without a clock yet (a newcomer choosing its stage):
+    the low median of the ONLINE records' rounds, 0 with none. Records can lie; a wrong guess only
+    reads rounds with no completed group, and then no evidence is found and every record counts,
+    as before."""
+    rounds = sorted(r.round for records in view.values() for r in records if r.state == ONLINE)
+    return rounds[(len(rounds) - 1) // 2] if rounds else 0
 
 
 def _departing(record: PeerRecord) -> bool:

@@ -46,8 +46,7 @@ def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageC
     """The placement snapshot of what was read. With ``work`` (what this peer saw of completed
     voted rounds, up to round ``round_no``) it counts only what has evidence
     (peer/placement/evidence.py): one record per id, movers and capacity of proven replicas, other
-    claims bounded. Without it (``swarmgrad status``, a newcomer's first choice) every record
-    counts."""
+    claims bounded. Without it (``swarmgrad status``) every record counts."""
     proven = None
     if work is not None:
         view, proven = evidenced(view, work.proven(round_no), work.seen_any)
@@ -55,6 +54,21 @@ def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageC
                                  moving={r.peer_id for rs in view.values() for r in rs if r.moving},
                                  current=current_rounds(view), proven=proven)
     return snap if proven is None else bound_claims(snap)
+
+
+async def read_work(swarm: SwarmView, work: WorkSeen, n_stages: int, round_no: int) -> None:
+    """Feed ``work`` the completed groups of each stage's two rounds before ``round_no`` (those not
+    already seen complete): the votes and registrations of a round expire from the DHT a few
+    announce TTLs after it, so each check reads the rounds that just ended. Raises
+    SwarmUnavailable when the network fails a read."""
+    wanted = [(s, r) for s in range(n_stages) for r in (round_no - 1, round_no - 2)
+              if r >= 0 and not work.settled(s, r)]
+
+    async def read(s: int, r: int) -> tuple[dict[str, str], dict[str, dict]]:
+        return await swarm.round_checks(s, r), await swarm.round_registrations(s, r)
+    found = await asyncio.gather(*(read(s, r) for s, r in wanted))
+    for (s, r), (checks, registrations) in zip(wanted, found):
+        work.observe(s, r, completed_voters(checks, registrations))
 
 
 class Rebalancer:
@@ -84,23 +98,10 @@ class Rebalancer:
         return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
                            tenure=expected_tenure(time.monotonic() - self.started))
 
-    async def read_work(self, round_no: int) -> None:
-        """Feed ``work`` the completed groups of each stage's last two rounds (those not already
-        seen complete): the votes and registrations of a round expire from the DHT a few announce
-        TTLs after it, so each check reads the rounds that just ended."""
-        wanted = [(s, r) for s in range(len(self.costs)) for r in (round_no - 1, round_no - 2)
-                  if r >= 0 and not self.work.settled(s, r)]
-
-        async def read(s: int, r: int) -> tuple[dict[str, str], dict[str, dict]]:
-            return await self.swarm.round_checks(s, r), await self.swarm.round_registrations(s, r)
-        found = await asyncio.gather(*(read(s, r) for s, r in wanted))
-        for (s, r), (checks, registrations) in zip(wanted, found):
-            self.work.observe(s, r, completed_voters(checks, registrations))
-
     async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:
         """One check, unconfirmed: what the policy says now. ``salt`` is this replica's round."""
         view = await self.swarm.swarm()
-        await self.read_work(salt)
+        await read_work(self.swarm, self.work, len(self.costs), salt)
         snap = snapshot_from_view(view, self.costs, self.work, salt)
         return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
 
