@@ -472,6 +472,7 @@ class RoundRunner:
                          bytes_sent=sent, bytes_recv=recv, avg_bytes_sent=by_kind_sent["averaging"] - r.avg_sent0,
                          avg_bytes_recv=by_kind_recv["averaging"] - r.avg_recv0, complete=result.complete,
                          reason=result.reason, group_size=len(result.group), group=list(result.group),
+                         blamed=list(result.blamed),
                          digest=self.state.digest, applied_rounds=self.state.applied_rounds,
                          samples_per_s=samples_per_s, round_s=round_ms(r.round_s),
                          averaging_s=round_ms(time.monotonic() - r.boundary), utilisation=round_ms(r.utilisation),
