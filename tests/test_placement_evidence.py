@@ -161,3 +161,36 @@ def test_a_newcomer_is_not_steered_away_by_a_forged_throughput() -> None:
     assert round_no == ROUND
     asyncio.run(R.read_work(swarm, work, 2, round_no))
     assert choose_stage_for_newcomer(R.snapshot_from_view(view, costs, work, round_no), me) == 1
+
+
+def test_forged_leaving_records_over_the_dht_block_no_refill() -> None:
+    """The first attack through the real SwarmView over an in-memory DHT (signed subkeys, record
+    parsing, TTL clamps): the forger writes its own LEAVING record under every stage, the honest
+    replicas' records, registrations and votes are what their peers would write."""
+    from swarmgrad.peer.averaging.outcome import vote
+    from swarmgrad.peer.placement.cost import stage_costs
+    from conftest import small_manifest
+    from support.dht import MemoryDHT, announce, swarm_view
+    from support.swarm import peer_ids
+
+    m = small_manifest(stages={"count": 3}, model={"n_layers": 3})
+    a, b, c, d, forger = ids = peer_ids(5, "placement-evidence")
+    dht = MemoryDHT()
+    views = {p: swarm_view(dht, p, m) for p in ids}
+
+    async def main():
+        for stage, members in ((1, (a, b)), (2, (c, d))):
+            for p in members:
+                await announce(views[p], stage, round_no=ROUND)
+                await views[p].register_round(stage, ROUND - 1, p, {"digest": "theta", "applied_rounds": 3,
+                                                                    "weight": 1.0})
+            for p in members:
+                await views[p].post_check(stage, ROUND - 1, p, vote(group_hash(tuple(sorted(members))), "mean"))
+        for stage in range(3):
+            await announce(views[forger], stage, state=LEAVING, round_no=ROUND)
+        reb = R.Rebalancer(swarm=views[a], peer_id=a, costs=stage_costs(m), bench_rates=(1.0,) * 3, memory=0,
+                           interval_s=10.0, seed=0)
+        return await reb.decide(1, 1.0, ROUND)
+    snap, _ = asyncio.run(main())
+    assert snap.has_mover == (False, False, False)
+    assert set(snap.fill_plan(ROUND).values()) == {0}
