@@ -49,6 +49,7 @@ def test_exclusion_grows_with_strikes_and_is_forgiven_by_completed_rounds() -> N
     assert h == {}
 
 
+@pytest.mark.inprocess
 def test_a_member_that_votes_failed_every_round_is_left_out(monkeypatch) -> None:
     """On main, a member that completes the exchange and then votes "failed" fails every round of
     its stage: here the honest members complete round 1 without it."""
@@ -73,6 +74,7 @@ def test_a_member_that_votes_failed_every_round_is_left_out(monkeypatch) -> None
     asyncio.run(main())
 
 
+@pytest.mark.inprocess
 def test_a_member_that_withholds_its_part_is_left_out() -> None:
     """On main, a member that registers but never sends its part fails every round of its stage."""
     async def main() -> None:
@@ -90,6 +92,7 @@ def test_a_member_that_withholds_its_part_is_left_out() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.inprocess
 def test_members_whose_exclusions_differ_do_not_blame_each_other() -> None:
     """One member excludes a third and the other does not: their groups differ, the round fails for
     both, and each one's part reached the other under the other group's hash: neither withheld
