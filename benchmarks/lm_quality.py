@@ -1,0 +1,270 @@
+"""Quality, side by side: the CPU Llama preset on real English text, trained by one process and by
+swarms of real peer processes, at the same global batch and the same tokens.
+
+    python -m benchmarks.lm_quality [--quick] [--out DIR] [--seed N] [--steps S] [--inner-steps H]
+                                    [--vocab-size V] [--activation-codec C] [--gradient-codec C]
+
+The corpus is Debian's `fortunes` package (fortune-mod's data: /usr/share/games/fortunes/*, about
+2.6 MB of English quips, quotations and jokes; `apt-get install fortunes`). Every fortune (the text
+between two lines holding `%`) is one document, written to ``fortunes.jsonl`` in the work folder and
+read through the streaming path (`[data] source = "jsonl"`: packed `seq_len` windows with an
+end-of-document token, validation split by document). A byte-level BPE (peer/text/tokenizer.py)
+is trained on the training documents only, and the model's vocab_size is set from it.
+
+The model, optimiser and boundary settings are examples/llama-cpu.toml's (4.9M parameters at
+vocab 256; d_model 256, 6 layers, 8 heads sharing 4 key/value heads, seq_len 128; AdamW 1e-3,
+betas (0.9, 0.95), wd 0.1, clip 1.0; outer Nesterov 0.7 / 0.9, int8 pseudo-gradients with error
+feedback) with the learning-rate schedule added: linear warmup over 10 % of the tokens, then
+cosine to 10 % at the last one, over the swarm's samples. Three runs, each of `--steps` global
+steps of `--global-batch` windows of 128 tokens (default 16: 2048 tokens):
+
+- ``single``: one process trains the whole model (benchmarks/harness/training.py's Trainer: the
+  peers' own inner optimiser and schedule), microbatches of 8 windows, from the token stream a
+  driver reads (peer/text/run_data.py's `load_run_data`);
+- ``1x2``: 2 data-parallel replicas of the whole model (stages.count = 1), each half the global
+  batch per inner step, a DiLoCo round every H inner steps;
+- ``2x2``: 2 stages x 2 replicas, the same, with the boundary tensors in `--activation-codec` /
+  `--gradient-codec` (default int8 both ways: blockwise 8-bit, 4x fewer bytes than fp32).
+
+The swarms are real `swarmgrad peer` processes on 127.0.0.1 (benchmarks/harness/swarm.py), drivers
+leasing disjoint shards of the corpus. Every run is scored on the same validation windows (the
+first `eval_batches` x 8 windows of the validation documents), in nats per token, perplexity and
+bits per byte. The goal: every swarm run within 1.5 % of the single process's final validation
+loss (nats per token) at equal tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import REPO
+from benchmarks.harness.report import Report, add_common_args, fmt, seed_or
+from benchmarks.harness.swarm import SwarmFailed, SwarmRun, fail, run_swarm
+from benchmarks.harness.training import Trainer
+from swarmgrad.peer.manifest import Manifest, load
+from swarmgrad.peer.text.run_data import load_run_data, text_corpus
+from swarmgrad.peer.text.sources import TextSource, is_validation
+from swarmgrad.peer.text.tokenizer import train_bpe
+from swarmgrad.peer.text.units import eval_units
+
+FORTUNES = Path("/usr/share/games/fortunes")
+PRESET = REPO / "examples" / "llama-cpu.toml"
+GOAL = 0.015
+"""A swarm run's final validation nats/token may exceed the single process's by this share."""
+MICROBATCH = 8
+REPLICAS = 2
+
+
+def fortunes(root: Path = FORTUNES) -> list[str]:
+    """Every fortune of the package's plain-text files (not the *.dat indexes nor the *.u8 links), in
+    file order: the text between lines that hold only ``%``, stripped; empty ones dropped."""
+    docs: list[str] = []
+    for path in sorted(root.iterdir()):
+        if path.suffix in (".dat", ".u8") or path.is_symlink() or not path.is_file():
+            continue
+        piece: list[str] = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines() + ["%"]:
+            if line.strip() == "%":
+                text = "\n".join(piece).strip()
+                if text:
+                    docs.append(text)
+                piece = []
+            else:
+                piece.append(line)
+    return docs
+
+
+def prepare(workdir: Path, vocab_size: int, seed: int, steps: int, global_batch: int, inner_steps: int,
+            eval_every: int, eval_batches: int, activation_codec: str, gradient_codec: str) -> dict[str, Manifest]:
+    """fortunes.jsonl, the tokenizer trained on its training documents, and the three runs' manifests."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = workdir / "fortunes.jsonl"
+    with open(corpus, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in fortunes())
+    data = {"source": "jsonl", "paths": [str(corpus)], "text_field": "text", "val_fraction": 0.05,
+            "shard_mb": 0.25, "max_bytes": 0, "eval_every": eval_every, "eval_batches": eval_batches,
+            "evaluators": 1}
+    # the training side of the split, exactly as the corpus will cut it (the keys are the rows' offsets)
+    source = TextSource("jsonl", [str(corpus)], "", "text", int(0.25 * (1 << 20)))
+    train_docs = (d.text for s in source.shards for d in source.documents(s) if not is_validation(d.key, 0.05))
+    tok = train_bpe(train_docs, vocab_size, workdir / "tokenizer.json")
+    tokens = steps * global_batch  # the schedule counts samples: windows
+    base = load(PRESET).replace(
+        seed=seed, model={"vocab_size": tok.vocab_size},
+        data={**data, "tokenizer": str(tok.path), "tokenizer_sha256": tok.sha256},
+        schedule={"kind": "cosine", "warmup_samples": tokens // 10, "total_samples": tokens, "min_lr_ratio": 0.1},
+        rounds={"inner_steps": inner_steps, "round_seconds": 0.0})
+    return {
+        "single": base.replace(run_id="lmq-single", stages={"count": 1},
+                               inner={"microbatch_size": MICROBATCH,
+                                      "microbatches_per_step": global_batch // MICROBATCH}),
+        "1x2": base.replace(run_id="lmq-1x2", stages={"count": 1},
+                            inner={"microbatch_size": MICROBATCH,
+                                   "microbatches_per_step": global_batch // MICROBATCH // REPLICAS}),
+        "2x2": base.replace(run_id="lmq-2x2", stages={"count": 2},
+                            inner={"microbatch_size": MICROBATCH,
+                                   "microbatches_per_step": global_batch // MICROBATCH // REPLICAS},
+                            pipeline={"activation_codec": activation_codec, "gradient_codec": gradient_codec}),
+    }
+
+
+def train_single(m: Manifest, steps: int, eval_steps: int, seed: int) -> dict[str, Any]:
+    """One process, the whole model: `steps` steps on the stream a driver with data seed `seed` reads,
+    evaluated at the start, every `eval_steps` steps and at the end."""
+    data = load_run_data(m, seed)
+    trainer = Trainer(m)
+    per_step = m.inner.microbatch_size * m.inner.microbatches_per_step
+    curve: list[tuple[int, float]] = []
+
+    def evaluate() -> float:
+        for stage in trainer.stages:
+            stage.eval()
+        with torch.no_grad():
+            losses = [float(trainer.loss(x, y)) for x, y in data.validation]
+        for stage in trainer.stages:
+            stage.train()
+        nats = sum(losses) / len(losses)
+        curve.append((trainer.samples * m.model.seq_len, nats))
+        return nats
+
+    started = time.monotonic()
+    evaluate()
+    try:
+        for step in range(steps):
+            trainer.step([data.stream.draw(m.inner.microbatch_size) for _ in range(m.inner.microbatches_per_step)])
+            if (step + 1) % eval_steps == 0 and step + 1 < steps:
+                print(f"  [single] step {step + 1}/{steps}: val {evaluate():.4f} nats/token", flush=True)
+        final = evaluate()
+    finally:
+        data.close()
+    return {"nats": final, "curve": curve, "tokens": steps * per_step * m.model.seq_len,
+            "wall_s": time.monotonic() - started, "val_tokens": data.val_tokens, "val_bytes": data.val_bytes}
+
+
+def run_one(name: str, m: Manifest, workdir: Path, steps: int, h: int, every: int, seed: int) -> dict[str, Any]:
+    """One run's result (`train_single`'s or `swarm_result`'s). Raises SwarmFailed (its peers' log tails)."""
+    print(f"\n--- {name} ---", flush=True)
+    if name == "single":
+        return train_single(m, steps, every * h, seed)
+    run = run_swarm(m, workdir, steps // h, replicas=REPLICAS, budget_s=max(1800.0, 60.0 * steps), label=name)
+    return swarm_result(run)
+
+
+def swarm_result(run: SwarmRun) -> dict[str, Any]:
+    """The drivers' evaluations as (tokens trained by the swarm before it, nats/token); the final one
+    the mean of the drivers' final evaluations (they hold the same θ_global)."""
+    seq = run.manifest.model.seq_len
+    rounds = sorted(run.events("round", run.drivers), key=lambda e: e["round"])
+    def tokens_through(r: int | None) -> int:
+        return seq * sum(e["samples"] for e in rounds if r is not None and e["round"] <= r)
+    evals = sorted((e for e in run.events("eval", run.drivers) if e.get("val_nats") is not None),
+                   key=lambda e: e["time"])
+    finals = [e for e in evals if e.get("final")]
+    total = seq * run.samples
+    curve = [(total if e.get("final") else tokens_through(e.get("after_round")), e["val_nats"])
+             for e in evals if not e.get("final")]
+    nats = sum(e["val_nats"] for e in finals) / len(finals)
+    curve.append((total, nats))
+    return {"nats": nats, "curve": curve, "tokens": total, "wall_s": run.wall_s,
+            "val_tokens": finals[0]["val_tokens"], "val_bytes": finals[0]["val_bytes"],
+            "complete_rounds": run.replica_agreement()[1], "bytes_sent": run.bytes_sent}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, quick="smoke run: 16 global steps (rounds of 4), vocab 1024, 2 validation batches",
+                    seed="weights, the drivers' data order and the manifests' seed (default 0)")
+    p.add_argument("--steps", type=int, default=96, help="global steps (default 96)")
+    p.add_argument("--global-batch", type=int, default=16,
+                   help="windows of 128 tokens per global step, a multiple of 16 (default 16)")
+    p.add_argument("--inner-steps", type=int, default=8, help="H: inner steps per round of a replica (default 8)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary (default 2048)")
+    p.add_argument("--eval-every", type=int, default=3, help="rounds between evaluations (default 3)")
+    p.add_argument("--eval-batches", type=int, default=16, help="validation batches of 8 windows (default 16)")
+    p.add_argument("--activation-codec", default="int8", help="2x2's boundary activations (default int8)")
+    p.add_argument("--gradient-codec", default="int8", help="2x2's boundary gradients (default int8)")
+    p.add_argument("--runs", nargs="+", default=["single", "1x2", "2x2"], choices=["single", "1x2", "2x2"])
+    p.add_argument("--workdir", type=Path, default=None, help="corpus, tokenizer and peer logs (default: --out/work)")
+    p.add_argument("--parallel", action="store_true",
+                   help="train the runs at once, one process each (on a shared machine: the figures are the same, "
+                        "the wall times then count cores shared between the runs)")
+    args = p.parse_args()
+    if not FORTUNES.is_dir() or not any(FORTUNES.iterdir()):
+        print(f"no fortunes in {FORTUNES}: apt-get install fortunes", file=sys.stderr)
+        sys.exit(2)
+    steps, h, vocab, every, val = args.steps, args.inner_steps, args.vocab_size, args.eval_every, args.eval_batches
+    if args.quick:
+        steps, h, vocab, every, val = 16, 4, 1024, 2, 2
+    if steps % h:
+        p.error(f"--steps ({steps}) must be a multiple of --inner-steps ({h})")
+    if args.global_batch < MICROBATCH * REPLICAS or args.global_batch % (MICROBATCH * REPLICAS):
+        p.error(f"--global-batch must be a multiple of {MICROBATCH * REPLICAS}")
+    seed = seed_or(args, 0)
+    workdir = args.workdir or ((args.out / "work") if args.out else Path("/tmp") / "swarmgrad-lm-quality")
+    report = Report("Real text: the Llama preset on Debian's fortunes", args.out)
+    manifests = prepare(workdir, vocab, seed, steps, args.global_batch, h, every, val, args.activation_codec,
+                        args.gradient_codec)
+    m = manifests["single"]
+    corpus = text_corpus(m)
+    report.print(f"corpus: Debian fortunes, {workdir / 'fortunes.jsonl'} ({len(corpus.shards)} shards); BPE vocab "
+                 f"{m.model.vocab_size}; {steps} global steps of {args.global_batch} x {m.model.seq_len} tokens "
+                 f"= {steps * args.global_batch * m.model.seq_len:,} tokens; swarm rounds of H = {h} inner steps; "
+                 f"2x2 boundary codecs: activations {args.activation_codec}, gradients {args.gradient_codec}")
+    results: dict[str, dict[str, Any]] = {}
+    report.results = {"steps": steps, "global_batch": args.global_batch, "inner_steps": h,
+                      "vocab_size": m.model.vocab_size, "seed": seed, "parallel": args.parallel,
+                      "activation_codec": args.activation_codec, "gradient_codec": args.gradient_codec, "runs": results}
+    jobs = [(name, manifests[name], workdir / name, steps, h, every, seed) for name in args.runs]
+    try:
+        if args.parallel:  # spawn: the tokenizer's threads already ran in this process
+            with ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+                for name, result in zip(args.runs, pool.map(run_one, *zip(*jobs))):
+                    results[name] = result
+        else:
+            for job in jobs:
+                results[job[0]] = run_one(*job)
+                report.write()
+    except SwarmFailed as e:
+        report.write()
+        fail(e)
+    table(report, results)
+    report.figure("curves.png", lambda fig: plot(fig, results))
+    report.finish()
+
+
+def table(report: Report, results: dict[str, dict[str, Any]]) -> None:
+    base = results.get("single", {}).get("nats")
+    rows = []
+    for name, r in results.items():
+        u = eval_units(r["nats"], r["val_tokens"], r["val_bytes"])
+        rel = (r["nats"] - base) / base if base else math.nan
+        rows.append([name, f"{u.nats_per_token:.4f}", f"{u.perplexity:.2f}", f"{u.bits_per_byte:.4f}",
+                     "—" if name == "single" else f"{100 * rel:+.2f} %"
+                     + ("" if name == "single" or not base else (" (goal met)" if rel <= GOAL else " (goal missed)")),
+                     f"{r['tokens']:,}", fmt(r["wall_s"], 0)])
+        r["val_ppl"], r["val_bpb"], r["vs_single"] = u.perplexity, u.bits_per_byte, rel
+    report.table(["run", "val nats/token", "val ppl", "val bits/byte", "vs single process", "tokens", "wall s"], rows)
+
+
+def plot(fig, results: dict[str, dict[str, Any]]) -> None:  # type: ignore[no-untyped-def]
+    ax = fig.subplots()
+    for name, r in results.items():
+        xs, ys = zip(*r["curve"])
+        ax.plot(xs, ys, marker="o", markersize=3, label=name)
+    ax.set_title("Llama CPU preset on Debian's fortunes: validation loss at equal tokens")
+    ax.set_xlabel("tokens trained (whole swarm)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.legend()
+
+
+if __name__ == "__main__":
+    main()
