@@ -9,6 +9,7 @@ and the peers' save files read back by another process's export."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -39,6 +40,10 @@ def _write_corpus(folder: Path, n: int = 80, seed: int = 0) -> None:
         (folder / f"doc{i:03d}.txt").write_text(" ".join(sentences) + "\n")
 
 
+@pytest.mark.skipif(not os.environ.get("SWARMGRAD_SLOW_TESTS"),
+                    reason="opt-in (2 peer processes train 4 rounds; 135 s on 2 cores at load 16, more than the "
+                           "default tier's ~40 s per real-process test): set SWARMGRAD_SLOW_TESTS=1 or run "
+                           "`make test-slow`")
 def test_tokenizer_swarm_export_generate(local_swarm, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the CLI resolves --files globs against the working folder, as for a user
     _write_corpus(tmp_path / "texts")
