@@ -20,7 +20,8 @@ from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, stop_on_signals
 from swarmgrad.peer.manifest import Manifest, dumps
 
 DEFAULT_MANIFEST = REPO / "peer" / "defaults" / "tiny-gpt.toml"
-"""The demo's manifest (`swarmgrad demo` runs it)."""
+"""The byte-level GPT demo's manifest (`swarmgrad demo` ran it until the embedded default became the
+tiny Llama of peer/defaults/tiny-llama.toml; the swarm benchmarks' figures are on it)."""
 
 
 class SwarmFailed(RuntimeError):

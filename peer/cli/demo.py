@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from swarmgrad.peer.cli.launcher import LocalSwarm, PeerProcess, stop_on_signals
-from swarmgrad.peer.manifest import dumps, load
+from swarmgrad.peer.manifest import Manifest, dumps, load
 
 
 def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | None,
@@ -21,6 +21,8 @@ def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | No
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-")) if workdir is None else workdir
     workdir.mkdir(parents=True, exist_ok=True)
+    if wants_stdlib_tokenizer(manifest):
+        manifest = with_stdlib_tokenizer(manifest, workdir)
     run_manifest = workdir / "manifest.toml"
     run_manifest.write_text(dumps(manifest))
     n_peers = n_stages * replicas
@@ -41,6 +43,37 @@ def run_demo(manifest_path: Path, rounds: int, replicas: int, workdir: Path | No
     if own_dir and code == 0 and summary_ok:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if code == 0 and summary_ok else 1
+
+
+STDLIB_TOKENIZER_BYTES = 4_000_000
+"""The demo's BPE is trained on the first this many bytes of the standard library's sources (sorted
+by path): seconds on 2 cores, and the merges of a larger sample barely differ."""
+
+
+def wants_stdlib_tokenizer(m: Manifest) -> bool:
+    """A manifest on the standard library's text whose model expects more ids than bytes and that names
+    no tokenizer: the demo trains one for it (`with_stdlib_tokenizer`)."""
+    return m.data.source == "stdlib" and not m.data.tokenizer and m.model.kind != "entry_point" \
+        and m.model.vocab_size > 256
+
+
+def with_stdlib_tokenizer(m: Manifest, workdir: Path) -> Manifest:
+    """`m` naming a byte-level BPE of `m.model.vocab_size` ids trained now on the standard library's
+    sources (the first STDLIB_TOKENIZER_BYTES of them), written to workdir/tokenizer.json and pinned.
+    Training is deterministic, so every peer of the demo reads the one file the manifest pins."""
+    from swarmgrad.peer.data import stdlib_python_files
+    from swarmgrad.peer.text.tokenizer import train_bpe_on_files
+    started = time.monotonic()
+    files, size = [], 0
+    for f in stdlib_python_files():
+        if size >= STDLIB_TOKENIZER_BYTES:
+            break
+        files.append(f)
+        size += f.stat().st_size
+    trained = train_bpe_on_files(files, m.model.vocab_size, workdir / "tokenizer.json")
+    print(f"swarmgrad demo: trained a byte-level BPE of {trained.vocab_size} tokens on {len(files)} standard library "
+          f"files ({size / 1e6:.1f} MB) in {time.monotonic() - started:.0f}s: {trained.path}", flush=True)
+    return m.replace(data={"tokenizer": str(trained.path), "tokenizer_sha256": trained.sha256})
 
 
 def _follow(swarm: LocalSwarm, budget: float) -> int:
@@ -99,6 +132,12 @@ def _summary(peers: list[PeerProcess], wall: float) -> bool:
     before = first["val_loss"] if first else math.nan
     after = sum(e["val_loss"] for e in finals) / len(finals) if finals else math.nan
     print(f"validation loss: {before:.3f} -> {after:.3f} bits/byte")
+    if first and finals and first.get("val_tokens") != first.get("val_bytes") and first.get("val_nats") is not None:
+        nats = [e["val_nats"] for e in finals if e.get("val_nats") is not None]
+        if nats:  # a tokenized run: the loss per token, in the units language models are compared in
+            mean = sum(nats) / len(nats)
+            print(f"per token: {first['val_nats']:.3f} -> {mean:.3f} nats, "
+                  f"perplexity {math.exp(first['val_nats']):.1f} -> {math.exp(mean):.1f}")
     print(f"samples trained: {samples} in {train_s:.0f}s = {samples / train_s:.1f} samples/s (whole swarm)")
     print(f"bytes sent: {sent / 1e6:.1f} MB in all = {sent / max(1, samples) / 1e3:.1f} kB per sample")
     print(f"rounds complete: {rounds_ok}/{rounds_all} (per replica), driver retries: {retries}, wall {wall:.0f}s")

@@ -17,7 +17,7 @@ from swarmgrad.peer.cli.private import cmd_coordinator, cmd_export, cmd_invite, 
 from swarmgrad.peer.cli.public import cmd_runs
 from swarmgrad.peer.cli.swarm_access import add_initial_peer_flags
 
-DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "defaults" / "tiny-gpt.toml"
+DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "defaults" / "tiny-llama.toml"
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="deadline of each DHT read (and of joining the swarm)")
     ru.set_defaults(fn=cmd_runs)
 
-    d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
+    d = sub.add_parser("demo", help="train the built-in tiny Llama (a BPE of the stdlib's sources) on a local swarm of 4 peers "
+                                           "and summarise")
     d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
     d.add_argument("--rounds", type=positive_int, default=14)
     d.add_argument("--replicas", type=positive_int, default=2, help="replicas per stage")
