@@ -1,8 +1,10 @@
 """Quality, side by side: the CPU Llama preset on real English text, trained by one process and by
 swarms of real peer processes, at the same global batch and the same tokens.
 
-    python -m benchmarks.lm_quality [--quick] [--out DIR] [--seed N] [--steps S] [--inner-steps H]
-                                    [--vocab-size V] [--activation-codec C] [--gradient-codec C]
+    python -m benchmarks.lm_quality [--quick] [--out DIR] [--seed N] [--steps S] [--global-batch W]
+                                    [--inner-steps H] [--vocab-size V] [--activation-codec C]
+                                    [--gradient-codec C] [--outer-lr LR] [--outer-momentum M]
+                                    [--runs single 1x2 2x2]
 
 The corpus is Debian's `fortunes` package (fortune-mod's data: /usr/share/games/fortunes/*, about
 2.6 MB of English quips, quotations and jokes; `apt-get install fortunes`). Every fortune (the text
@@ -27,20 +29,23 @@ steps of `--global-batch` windows of 128 tokens (default 16: 2048 tokens):
   `--gradient-codec` (default int8 both ways: blockwise 8-bit, 4x fewer bytes than fp32).
 
 The swarms are real `swarmgrad peer` processes on 127.0.0.1 (benchmarks/harness/swarm.py), drivers
-leasing disjoint shards of the corpus. Every run is scored on the same validation windows (the
-first `eval_batches` x 8 windows of the validation documents), in nats per token, perplexity and
-bits per byte. The goal: every swarm run within 1.5 % of the single process's final validation
-loss (nats per token) at equal tokens.
+leasing disjoint shards of the corpus, each peer `--max-rounds steps / H`. Peers start one after
+another, so a replica that joins late trains its last rounds after the first one stopped: a swarm
+trains somewhat more tokens than planned (the table says how many, from the drivers' round events).
+The swarms run first; the single process then trains as far as the longest of them (past the
+schedule's end, the lr stays at its floor, as in the swarm) and is scored after the step where each
+swarm's token count falls, so every comparison is at equal tokens (to one step). Every run is scored
+on the same validation windows (the first `eval_batches` x 8 windows of the validation documents),
+in nats per token, perplexity and bits per byte. The goal: every swarm run within 1.5 % of the
+single process's validation loss (nats per token) at equal tokens.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +122,17 @@ def prepare(workdir: Path, vocab_size: int, seed: int, steps: int, global_batch:
     }
 
 
-def train_single(m: Manifest, steps: int, eval_steps: int, seed: int) -> dict[str, Any]:
+def train_single(m: Manifest, steps: int, eval_steps: int, seed: int, planned: int,
+                 score_at: set[int]) -> dict[str, Any]:
     """One process, the whole model: `steps` steps on the stream a driver with data seed `seed` reads,
-    evaluated at the start, every `eval_steps` steps and at the end."""
+    evaluated at the start, every `eval_steps` steps and after each step of `score_at`. Its result
+    is its state after `planned` steps (in `score_at`; its wall time is to there); ``at`` maps the
+    tokens of each step of `score_at` to the validation loss there (a swarm's equal-token baseline)."""
     data = load_run_data(m, seed)
     trainer = Trainer(m)
-    per_step = m.inner.microbatch_size * m.inner.microbatches_per_step
+    per_step = m.inner.microbatch_size * m.inner.microbatches_per_step * m.model.seq_len
     curve: list[tuple[int, float]] = []
+    at: dict[int, float] = {}
 
     def evaluate() -> float:
         for stage in trainer.stages:
@@ -136,27 +145,23 @@ def train_single(m: Manifest, steps: int, eval_steps: int, seed: int) -> dict[st
         curve.append((trainer.samples * m.model.seq_len, nats))
         return nats
 
-    started = time.monotonic()
+    started, wall = time.monotonic(), 0.0
     evaluate()
     try:
-        for step in range(steps):
+        for step in range(1, steps + 1):
             trainer.step([data.stream.draw(m.inner.microbatch_size) for _ in range(m.inner.microbatches_per_step)])
-            if (step + 1) % eval_steps == 0 and step + 1 < steps:
-                print(f"  [single] step {step + 1}/{steps}: val {evaluate():.4f} nats/token", flush=True)
-        final = evaluate()
+            if step == planned:
+                wall = time.monotonic() - started
+            if step in score_at or step % eval_steps == 0:
+                nats = evaluate()
+                print(f"  [single] step {step}/{steps}: val {nats:.4f} nats/token", flush=True)
+                if step in score_at:
+                    at[step * per_step] = nats
     finally:
         data.close()
-    return {"nats": final, "curve": curve, "tokens": steps * per_step * m.model.seq_len,
-            "wall_s": time.monotonic() - started, "val_tokens": data.val_tokens, "val_bytes": data.val_bytes}
-
-
-def run_one(name: str, m: Manifest, workdir: Path, steps: int, h: int, every: int, seed: int) -> dict[str, Any]:
-    """One run's result (`train_single`'s or `swarm_result`'s). Raises SwarmFailed (its peers' log tails)."""
-    print(f"\n--- {name} ---", flush=True)
-    if name == "single":
-        return train_single(m, steps, every * h, seed)
-    run = run_swarm(m, workdir, steps // h, replicas=REPLICAS, budget_s=max(1800.0, 60.0 * steps), label=name)
-    return swarm_result(run)
+    return {"nats": at[planned * per_step], "curve": curve,
+            "tokens": planned * per_step, "wall_s": wall, "at": at, "val_tokens": data.val_tokens,
+            "val_bytes": data.val_bytes}
 
 
 def swarm_result(run: SwarmRun) -> dict[str, Any]:
@@ -192,11 +197,11 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=16, help="validation batches of 8 windows (default 16)")
     p.add_argument("--activation-codec", default="int8", help="2x2's boundary activations (default int8)")
     p.add_argument("--gradient-codec", default="int8", help="2x2's boundary gradients (default int8)")
+    p.add_argument("--outer-lr", type=float, default=None, help="the swarms' outer lr (default: the preset's 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="the swarms' outer Nesterov momentum (default: the preset's 0.9; 0: none)")
     p.add_argument("--runs", nargs="+", default=["single", "1x2", "2x2"], choices=["single", "1x2", "2x2"])
     p.add_argument("--workdir", type=Path, default=None, help="corpus, tokenizer and peer logs (default: --out/work)")
-    p.add_argument("--parallel", action="store_true",
-                   help="train the runs at once, one process each (on a shared machine: the figures are the same, "
-                        "the wall times then count cores shared between the runs)")
     args = p.parse_args()
     if not FORTUNES.is_dir() or not any(FORTUNES.iterdir()):
         print(f"no fortunes in {FORTUNES}: apt-get install fortunes", file=sys.stderr)
@@ -213,43 +218,62 @@ def main() -> None:
     report = Report("Real text: the Llama preset on Debian's fortunes", args.out)
     manifests = prepare(workdir, vocab, seed, steps, args.global_batch, h, every, val, args.activation_codec,
                         args.gradient_codec)
+    outer = {k: v for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum)) if v is not None}
+    if args.outer_momentum == 0:
+        outer["nesterov"] = False
+    manifests = {n: mf.replace(outer=outer) if outer and n != "single" else mf for n, mf in manifests.items()}
     m = manifests["single"]
     corpus = text_corpus(m)
     report.print(f"corpus: Debian fortunes, {workdir / 'fortunes.jsonl'} ({len(corpus.shards)} shards); BPE vocab "
                  f"{m.model.vocab_size}; {steps} global steps of {args.global_batch} x {m.model.seq_len} tokens "
                  f"= {steps * args.global_batch * m.model.seq_len:,} tokens; swarm rounds of H = {h} inner steps; "
-                 f"2x2 boundary codecs: activations {args.activation_codec}, gradients {args.gradient_codec}")
+                 f"2x2 boundary codecs: activations {args.activation_codec}, gradients {args.gradient_codec}; "
+                 f"outer lr {manifests['1x2'].outer.lr}, momentum {manifests['1x2'].outer.momentum}")
     results: dict[str, dict[str, Any]] = {}
     report.results = {"steps": steps, "global_batch": args.global_batch, "inner_steps": h,
-                      "vocab_size": m.model.vocab_size, "seed": seed, "parallel": args.parallel,
-                      "activation_codec": args.activation_codec, "gradient_codec": args.gradient_codec, "runs": results}
-    jobs = [(name, manifests[name], workdir / name, steps, h, every, seed) for name in args.runs]
-    try:
-        if args.parallel:  # spawn: the tokenizer's threads already ran in this process
-            with ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
-                for name, result in zip(args.runs, pool.map(run_one, *zip(*jobs))):
-                    results[name] = result
-        else:
-            for job in jobs:
-                results[job[0]] = run_one(*job)
-                report.write()
-    except SwarmFailed as e:
+                      "vocab_size": m.model.vocab_size, "seed": seed,
+                      "activation_codec": args.activation_codec, "gradient_codec": args.gradient_codec,
+                      "outer": {"lr": manifests["1x2"].outer.lr, "momentum": manifests["1x2"].outer.momentum},
+                      "runs": results}
+    # the swarms first: a replica that joins a round late trains rounds past the others' last one, so a
+    # swarm trains somewhat more tokens than planned; the single process then trains as far as the
+    # longest swarm and is scored at each swarm's own token count too (equal tokens, exactly)
+    for name in [n for n in args.runs if n != "single"]:
+        print(f"\n--- {name} ---", flush=True)
+        try:
+            run = run_swarm(manifests[name], workdir / name, steps // h, replicas=REPLICAS,
+                            budget_s=max(1800.0, 60.0 * steps), label=name)
+        except SwarmFailed as e:
+            report.write()
+            fail(e)
+        results[name] = swarm_result(run)
         report.write()
-        fail(e)
+    if "single" in args.runs:
+        print("\n--- single ---", flush=True)
+        per_step = args.global_batch * m.model.seq_len
+        at = {math.ceil(r["tokens"] / per_step) for r in results.values()}
+        results["single"] = train_single(m, max([steps, *at]), every * h, seed, steps, at | {steps})
     table(report, results)
     report.figure("curves.png", lambda fig: plot(fig, results))
     report.finish()
 
 
 def table(report: Report, results: dict[str, dict[str, Any]]) -> None:
-    base = results.get("single", {}).get("nats")
+    single = results.get("single")
+    order = ["single"] + [n for n in results if n != "single"] if single else list(results)
     rows = []
-    for name, r in results.items():
+    for name in order:
+        r = results[name]
         u = eval_units(r["nats"], r["val_tokens"], r["val_bytes"])
+        base = None
+        if single and name != "single":  # the single process at this swarm's tokens (its step rounded up)
+            key = min((t for t in single["at"] if t >= r["tokens"]), default=None)
+            base = single["at"].get(key) if key is not None else None
+            r["single_at_tokens"] = [key, base]
         rel = (r["nats"] - base) / base if base else math.nan
         rows.append([name, f"{u.nats_per_token:.4f}", f"{u.perplexity:.2f}", f"{u.bits_per_byte:.4f}",
-                     "—" if name == "single" else f"{100 * rel:+.2f} %"
-                     + ("" if name == "single" or not base else (" (goal met)" if rel <= GOAL else " (goal missed)")),
+                     "—" if name == "single" else f"{100 * rel:+.2f} % (single {base:.4f} at equal tokens)"
+                     + (" goal met" if rel <= GOAL else " goal missed") if base else "—",
                      f"{r['tokens']:,}", fmt(r["wall_s"], 0)])
         r["val_ppl"], r["val_bpb"], r["vs_single"] = u.perplexity, u.bits_per_byte, rel
     report.table(["run", "val nats/token", "val ppl", "val bits/byte", "vs single process", "tokens", "wall s"], rows)
