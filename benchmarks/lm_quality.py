@@ -58,7 +58,7 @@ from benchmarks.harness.training import Trainer
 from swarmgrad.peer.manifest import Manifest, load
 from swarmgrad.peer.text.run_data import load_run_data, text_corpus
 from swarmgrad.peer.text.sources import TextSource, is_validation
-from swarmgrad.peer.text.tokenizer import train_bpe
+from swarmgrad.peer.text.tokenizer import BPETokenizer, TrainedTokenizer, file_sha256, train_bpe
 from swarmgrad.peer.text.units import eval_units
 
 FORTUNES = Path("/usr/share/games/fortunes")
@@ -89,19 +89,27 @@ def fortunes(root: Path = FORTUNES) -> list[str]:
 
 
 def prepare(workdir: Path, vocab_size: int, seed: int, steps: int, global_batch: int, inner_steps: int,
-            eval_every: int, eval_batches: int, activation_codec: str, gradient_codec: str) -> dict[str, Manifest]:
-    """fortunes.jsonl, the tokenizer trained on its training documents, and the three runs' manifests."""
+            eval_every: int, eval_batches: int, activation_codec: str, gradient_codec: str,
+            tokenizer: Path | None = None) -> dict[str, Manifest]:
+    """fortunes.jsonl, the tokenizer trained on its training documents (or `tokenizer`, an earlier
+    run's), and the three runs' manifests."""
     workdir.mkdir(parents=True, exist_ok=True)
     corpus = workdir / "fortunes.jsonl"
-    with open(corpus, "w") as f:
-        f.writelines(json.dumps({"text": d}) + "\n" for d in fortunes())
+    # a document's key (the validation split hashes it) names the file's path: runs compare only on
+    # one corpus file, so a second invocation with the same --workdir reuses it (never rewrites it)
+    text = "".join(json.dumps({"text": d}) + "\n" for d in fortunes())
+    if not corpus.is_file() or corpus.read_text() != text:
+        corpus.write_text(text)
     data = {"source": "jsonl", "paths": [str(corpus)], "text_field": "text", "val_fraction": 0.05,
             "shard_mb": 0.25, "max_bytes": 0, "eval_every": eval_every, "eval_batches": eval_batches,
             "evaluators": 1}
     # the training side of the split, exactly as the corpus will cut it (the keys are the rows' offsets)
     source = TextSource("jsonl", [str(corpus)], "", "text", int(0.25 * (1 << 20)))
     train_docs = (d.text for s in source.shards for d in source.documents(s) if not is_validation(d.key, 0.05))
-    tok = train_bpe(train_docs, vocab_size, workdir / "tokenizer.json")
+    if tokenizer is None:
+        tok = train_bpe(train_docs, vocab_size, workdir / "tokenizer.json")
+    else:
+        tok = TrainedTokenizer(tokenizer.absolute(), BPETokenizer(tokenizer).vocab_size, file_sha256(tokenizer))
     tokens = steps * global_batch  # the schedule counts samples: windows
     base = load(PRESET).replace(
         seed=seed, model={"vocab_size": tok.vocab_size},
@@ -200,6 +208,9 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=None, help="the swarms' outer lr (default: the preset's 0.7)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="the swarms' outer Nesterov momentum (default: the preset's 0.9; 0: none)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a tokenizer.json to use instead of training one (runs compare in nats/token only with one "
+                        "tokenizer; with an earlier invocation's --workdir it is the same one, trained again)")
     p.add_argument("--runs", nargs="+", default=["single", "1x2", "2x2"], choices=["single", "1x2", "2x2"])
     p.add_argument("--workdir", type=Path, default=None, help="corpus, tokenizer and peer logs (default: --out/work)")
     args = p.parse_args()
@@ -217,7 +228,7 @@ def main() -> None:
     workdir = args.workdir or ((args.out / "work") if args.out else Path("/tmp") / "swarmgrad-lm-quality")
     report = Report("Real text: the Llama preset on Debian's fortunes", args.out)
     manifests = prepare(workdir, vocab, seed, steps, args.global_batch, h, every, val, args.activation_codec,
-                        args.gradient_codec)
+                        args.gradient_codec, args.tokenizer)
     outer = {k: v for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum)) if v is not None}
     if args.outer_momentum == 0:
         outer["nesterov"] = False
