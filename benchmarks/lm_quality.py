@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -251,6 +252,7 @@ def main() -> None:
     # longest swarm and is scored at each swarm's own token count too (equal tokens, exactly)
     for name in [n for n in args.runs if n != "single"]:
         print(f"\n--- {name} ---", flush=True)
+        shutil.rmtree(workdir / name, ignore_errors=True)  # a peer's events file is appended to: start clean
         try:
             run = run_swarm(manifests[name], workdir / name, steps // h, replicas=REPLICAS,
                             budget_s=max(1800.0, 60.0 * steps), label=name)
