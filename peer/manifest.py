@@ -203,8 +203,24 @@ class PipelineConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = "stdlib"
-    """`stdlib` (the running interpreter's own .py files) or `files` (data.paths)."""
+    """`stdlib` (the running interpreter's own .py files), `files` (data.paths, one document per file),
+    `jsonl`, `parquet` or `hf-disk` (a folder `datasets`' save_to_disk wrote): docs/data.md."""
     paths: tuple[str, ...] = ()
+    """Files, folders or globs, relative to the manifest's folder (data.base_dir)."""
+    text_field: str = "text"
+    """The JSON key or column holding a document's text (jsonl, parquet, hf-disk)."""
+    tokenizer: str = field(default="", compare=False)
+    """A tokenizer JSON file (`swarmgrad tokenizer train`); empty: bytes. Written relative to the
+    manifest's folder; after loading, the absolute path (not part of the run's hash nor of equality:
+    the file's content is, through tokenizer_sha256)."""
+    tokenizer_sha256: str = ""
+    """The tokenizer file's sha256: a peer whose file differs refuses to start."""
+    shard_mb: float = 64.0
+    """Target size on disk of one shard of the corpus (the streaming path: peer/text/sources.py)."""
+    base_dir: str = field(default="", compare=False)
+    """What relative data.paths and data.tokenizer are resolved against: the manifest's folder
+    unless set (relative to it); not part of the run's hash nor of equality, so peers may keep the
+    data elsewhere."""
     val_fraction: float = 0.05
     max_bytes: int = 0
     """Cap on bytes read per split (0: no cap)."""
@@ -276,7 +292,10 @@ class Manifest:
     @property
     def hash(self) -> str:
         """Stable identity of the run: sha256 of the canonical JSON of every field."""
-        canonical = json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"))
+        data = to_dict(self)
+        for local in _LOCAL_DATA_FIELDS:  # where this machine keeps the files, not what they are
+            del data["data"][local]
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     @property
@@ -295,6 +314,21 @@ class Manifest:
             else:
                 data[key] = value
         return from_dict(data)
+
+
+_LOCAL_DATA_FIELDS = ("tokenizer", "base_dir")
+"""Fields of [data] that are left out of the run's hash: paths on this machine (the tokenizer's
+content is hashed through data.tokenizer_sha256)."""
+
+
+def _resolve_data_paths(data: DataConfig, folder: Path | None) -> DataConfig:
+    """data.base_dir made absolute (default: the manifest's folder, else the working directory) and
+    data.tokenizer resolved against it."""
+    base = Path(folder if folder is not None else Path.cwd()).absolute()
+    if data.base_dir:
+        base = base / Path(data.base_dir).expanduser()
+    tokenizer = str((base / Path(data.tokenizer).expanduser()).absolute()) if data.tokenizer else ""
+    return dataclasses.replace(data, base_dir=str(base), tokenizer=tokenizer)
 
 
 _SECTIONS = {
@@ -375,8 +409,9 @@ def _build(cls: type, section: str, raw: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def from_dict(raw: Mapping[str, Any]) -> Manifest:
-    """Build and validate a Manifest from parsed TOML (or an equivalent dict)."""
+def from_dict(raw: Mapping[str, Any], folder: str | Path | None = None) -> Manifest:
+    """Build and validate a Manifest from parsed TOML (or an equivalent dict); `folder`: the
+    manifest file's, which relative data paths are resolved against (default: the working directory)."""
     if "run_id" not in raw:
         raise _fail("run_id", "is required (a short name for the run, e.g. \"tiny-gpt\")")
     top = {k: v for k, v in raw.items() if k not in _SECTIONS}
@@ -389,6 +424,7 @@ def from_dict(raw: Mapping[str, Any]) -> Manifest:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise _fail("seed", f"must be an integer (got {seed!r})")
     sections = {name: _build(cls, name, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    sections["data"] = _resolve_data_paths(sections["data"], Path(folder) if folder is not None else None)
     manifest = Manifest(run_id=run_id, seed=seed, **sections)
     validate(manifest)
     return manifest
@@ -410,7 +446,7 @@ def load(path: str | Path) -> Manifest:
         raise ManifestError(f"manifest: file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ManifestError(f"manifest: {path} is not valid TOML: {e}") from None
-    return from_dict(raw)
+    return from_dict(raw, path.parent)
 
 
 def loads(text: str) -> Manifest:

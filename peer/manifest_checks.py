@@ -27,8 +27,9 @@ def check(m: Manifest) -> None:
             raise _fail("model.entry_point", "is only used with model.kind = \"entry_point\"")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
             _positive(f"model.{name}", getattr(md, name))
-        if md.vocab_size != 256:
-            raise _fail("model.vocab_size", f"must be 256 for the byte-level GPT (got {md.vocab_size})")
+        if md.vocab_size != 256 and not m.data.tokenizer:
+            raise _fail("model.vocab_size", f"must be 256 for the byte-level GPT without data.tokenizer "
+                                            f"(got {md.vocab_size})")
         if md.d_model % md.n_heads:
             raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
     elif not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
@@ -115,10 +116,7 @@ def check(m: Manifest) -> None:
         raise _fail("pipeline.max_message_mb", f"must be in [1, 4096] MiB (got {m.pipeline.max_message_mb}): "
                                                "smaller cannot carry a microbatch, larger is a memory hazard")
     d = m.data
-    if d.source not in ("stdlib", "files"):
-        raise _fail("data.source", f"must be \"stdlib\" or \"files\" (got {d.source!r})")
-    if d.source == "files" and not d.paths:
-        raise _fail("data.paths", "must list files or globs when data.source = \"files\"")
+    _check_data_source(m)
     if not 0 < d.val_fraction < 1:
         raise _fail("data.val_fraction", f"must be in (0, 1) (got {d.val_fraction})")
     if d.max_bytes < 0 or d.eval_every < 0:
@@ -144,6 +142,29 @@ def check(m: Manifest) -> None:
                                              "are capped at 600 s and registrations live 4 x announce_ttl")
     if m.timeouts.heartbeat >= m.timeouts.announce_ttl:
         raise _fail("timeouts.heartbeat", "must be shorter than timeouts.announce_ttl, or records expire between refreshes")
+
+
+def _check_data_source(m: Manifest) -> None:
+    d = m.data
+    sources = ("stdlib", "files", "jsonl", "parquet", "hf-disk")
+    if d.source not in sources:
+        raise _fail("data.source", f"must be one of {', '.join(repr(s) for s in sources)} (got {d.source!r})")
+    if d.source != "stdlib" and not d.paths:
+        raise _fail("data.paths", f"must list files, folders or globs when data.source = \"{d.source}\"")
+    if d.source == "stdlib" and d.paths:
+        raise _fail("data.paths", "is only used with a source other than \"stdlib\"; remove it or set data.source")
+    if not d.text_field:
+        raise _fail("data.text_field", "must name the JSON key or column that holds the text (default \"text\")")
+    if not d.shard_mb > 0:
+        raise _fail("data.shard_mb", f"must be > 0 (got {d.shard_mb})")
+    if d.tokenizer and not re.fullmatch(r"[0-9a-f]{64}", d.tokenizer_sha256):
+        raise _fail("data.tokenizer_sha256", "must pin the tokenizer file: the 64 hex digits `swarmgrad tokenizer "
+                                             f"train` printed, or `sha256sum {d.tokenizer}` (got {d.tokenizer_sha256!r})")
+    if d.tokenizer_sha256 and not d.tokenizer:
+        raise _fail("data.tokenizer_sha256", "pins a tokenizer but data.tokenizer names none")
+    if d.max_bytes and (d.tokenizer or d.source in ("jsonl", "parquet", "hf-disk")):
+        raise _fail("data.max_bytes", "caps the byte-level corpus only; a tokenized or row source streams "
+                                      "its shards (choose the files with data.paths)")
 
 
 def _check_codec(name: str, spec: str) -> None:

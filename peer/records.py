@@ -87,6 +87,10 @@ class ReplicaStats:
     train_loss: float | None = None
     val_loss: float | None = None
     """bits/byte of the last evaluation (drivers only)."""
+    val_nats: float | None = None
+    """The same evaluation in nats per token of the run's tokenizer (per byte for the byte-level model)."""
+    val_ppl: float | None = None
+    """Its perplexity per token: exp(val_nats)."""
     round_s: float | None = None
     group_size: int | None = None
     samples_per_s: float | None = None

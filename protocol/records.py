@@ -139,7 +139,7 @@ def _backups(value: Any, max_stage: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(pairs))
 
 
-STATS_BOUNDS = {"train_loss": 1e6, "val_loss": 1e6, "round_s": 1e7, "group_size": 1e6, "samples_per_s": 1e9,
+STATS_BOUNDS = {"train_loss": 1e6, "val_loss": 1e6, "val_nats": 1e6, "val_ppl": 1e300, "round_s": 1e7, "group_size": 1e6, "samples_per_s": 1e9,
                 "samples": 1e15, "bytes_sent": 1e18, "bytes_activations": 1e18, "bytes_gradients": 1e18,
                 "bytes_averaging": 1e18, "bytes_state": 1e18}
 """The fields of a record's `stats` and the largest value each may have (all >= 0)."""

@@ -58,6 +58,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    pinned_share=args.pinned_share, pinned_stage=args.pinned_stage)
 
 
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from swarmgrad.peer.cli.tokenizer import train_tokenizer
+    return train_tokenizer(args.files, args.vocab_size, Path(args.out), args.source, args.text_field)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmgrad", description="Decentralized low-bandwidth pipeline training.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -226,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
     c.set_defaults(fn=cmd_coordinator)
+
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer for a run (docs/data.md)")
+    tsub = t.add_subparsers(dest="tokenizer_command", required=True)
+    tt = tsub.add_parser("train", help="train a byte-level BPE on text and print the manifest lines that pin it")
+    tt.add_argument("--files", nargs="+", required=True, metavar="GLOB",
+                    help="text files, folders or globs (** recursive), read in sorted order")
+    tt.add_argument("--vocab-size", type=positive_int, required=True, metavar="N",
+                    help="tokens in the vocabulary, with the 256 bytes and the special tokens")
+    tt.add_argument("--out", required=True, metavar="FILE", help="where to write the tokenizer (JSON)")
+    tt.add_argument("--source", choices=("files", "jsonl", "parquet", "hf-disk"), default="files",
+                    help="how to read --files: as text (default) or documents of a row source, as data.source")
+    tt.add_argument("--text-field", default="text", help="the JSON key or column of the text (row sources)")
+    tt.set_defaults(fn=cmd_tokenizer_train)
 
     e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file")
     e.add_argument("--state-dir", required=True, metavar="DIR")

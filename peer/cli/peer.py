@@ -187,6 +187,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.stage != "auto" and args.stage >= manifest.stages.count:
         print(f"--stage {args.stage}: the run has stages 0..{manifest.stages.count - 1}", file=sys.stderr)
         return 2
+    from swarmgrad.peer.text.run_data import run_tokenizer
+    from swarmgrad.peer.text.tokenizer import TokenizerMismatch
+    try:  # every peer, not only drivers: placement may move any of them to stage 0
+        run_tokenizer(manifest)
+    except TokenizerMismatch as e:
+        print(e, file=sys.stderr)
+        return 2
     from swarmgrad.peer.node.peer import Peer, PeerNetwork, PeerOptions
     from swarmgrad.peer.model import from_manifest
     model = from_manifest(manifest)

@@ -63,6 +63,8 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
             print(f"  {r.peer_id}  {r.state:8s}{' moving' if r.moving else ' pinned' if r.pinned else '       '} "
                   f"{'driver ' if r.driver else '       '}{r.throughput:8.1f} samples/s  "
                   f"{r.memory / 2**30:6.1f} GiB  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
+            if (evaluation := eval_line(r.stats)) is not None:
+                print(f"      {evaluation}")
     if placement:
         print(f"throughput {placement['throughput']:.1f} samples/s; placement can reach "
               f"{placement['reachable']:.1f} ({placement['reachable_method']})")
@@ -75,6 +77,18 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
             print(f"  stage {s} is empty and no peer would move there (those that could are pinned, or their "
                   f"stage has none to spare): start a peer with --stage {s} or --stage auto")
     return 0
+
+
+def eval_line(stats: dict | None) -> str | None:
+    """A driver's last evaluation in the units people compare (peer/text/units.py); None before its first."""
+    if not stats or stats.get("val_loss") is None:
+        return None
+    line = f"validation {stats['val_loss']:.4f} bits/byte"
+    if stats.get("val_nats") is not None:
+        line += f", {stats['val_nats']:.4f} nats/token"
+    if stats.get("val_ppl") is not None:
+        line += f", perplexity {stats['val_ppl']:.2f}"
+    return line
 
 
 def _placement(manifest, swarm: dict[int, list]) -> dict:

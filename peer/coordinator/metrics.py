@@ -24,6 +24,10 @@ class CoordinatorMetrics:
                                 "(mean)", registry=r)
         self.val_loss = Gauge("swarmgrad_coordinator_val_bits_per_byte", "Last validation loss a driver announced",
                               registry=r)
+        self.val_nats = Gauge("swarmgrad_coordinator_val_nats_per_token", "Last validation loss a driver announced, "
+                              "in nats per token", registry=r)
+        self.val_ppl = Gauge("swarmgrad_coordinator_val_perplexity", "Last validation perplexity per token a "
+                             "driver announced", registry=r)
         self.admitted = Gauge("swarmgrad_coordinator_admitted_peers", "Peers holding a certificate", registry=r)
         self.revoked = Gauge("swarmgrad_coordinator_revoked_peers", "Peers revoked", registry=r)
         self.checkpoint_round = Gauge("swarmgrad_coordinator_checkpoint_round", "Round of the newest checkpoint",
@@ -68,10 +72,14 @@ class CoordinatorMetrics:
             self.checkpoint_round.set(snapshot["checkpoints"][0]["round"])
         losses = [row for row in history["loss"]]
         train = [row["train_loss"] for row in losses if row.get("train_loss") is not None]
-        val = [row["val_loss"] for row in losses if row.get("val_loss") is not None]
+        val = [row for row in losses if row.get("val_loss") is not None]
         if train:
             self.train_loss.set(train[-1])
         if val:
-            self.val_loss.set(val[-1])
+            self.val_loss.set(val[-1]["val_loss"])
+            if val[-1].get("val_nats") is not None:
+                self.val_nats.set(val[-1]["val_nats"])
+            if val[-1].get("val_ppl") is not None:
+                self.val_ppl.set(val[-1]["val_ppl"])
         self._count(self.calls, "calls", calls)
         self._count(self.refusals, "refusals", refusals)

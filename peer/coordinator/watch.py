@@ -85,7 +85,9 @@ class History:
                     if stage == len(view) - 1 or val is not None:
                         self.loss.append({"time": now, "samples": samples,
                                           "train_loss": _stat(r, "train_loss") if stage == len(view) - 1 else None,
-                                          "val_loss": val})
+                                          "val_loss": val,
+                                          "val_nats": _stat(r, "val_nats") if val is not None else None,
+                                          "val_ppl": _stat(r, "val_ppl") if val is not None else None})
 
     def bytes_per_sample(self, view: dict[int, list[PeerRecord]]) -> dict[str, float]:
         """Bytes the swarm sent per sample trained, by kind: what every replica announces it sent,

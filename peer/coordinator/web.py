@@ -36,7 +36,8 @@ marked |null may be null; NaN and infinities are sent as null):
      "coordinator": {"peer_id": str, "grpc": str, "uptime_s": float}}
 
 /api/history
-    {"loss": [{"time": float, "samples": int, "train_loss": float|null, "val_loss": float|null}],
+    {"loss": [{"time": float, "samples": int, "train_loss": float|null, "val_loss": float|null,
+              "val_nats": float|null, "val_ppl": float|null}],
      "rounds": [{"stage": int, "round": int, "time": float, "duration_s": float|null,
                  "group_size": int|null, "train_loss": float|null, "samples_per_s": float|null}],
      "bytes_per_sample": {"activations": float, "gradients": float, "averaging": float,

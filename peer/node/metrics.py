@@ -63,6 +63,10 @@ class PeerMetrics:
                                 "the last stage)", stage, registry=r)
         self.val_loss = Gauge("swarmgrad_val_loss", "Validation loss of the last evaluation (bits per byte; "
                               "drivers)", stage, registry=r)
+        self.val_nats = Gauge("swarmgrad_val_nats_per_token", "Validation loss of the last evaluation in nats per "
+                              "token of the run's tokenizer (drivers)", stage, registry=r)
+        self.val_ppl = Gauge("swarmgrad_val_perplexity", "Validation perplexity per token of the last evaluation "
+                             "(drivers)", stage, registry=r)
         self.samples = Counter("swarmgrad_samples", "Samples this replica trained on", stage, registry=r)
         self.samples_per_s = Gauge("swarmgrad_samples_per_second", "Samples per second of the last round "
                                    "(its samples over its duration)", stage, registry=r)
@@ -119,6 +123,10 @@ class PeerMetrics:
     def _on_eval(self, e: dict[str, Any], stage: str) -> None:
         if _finite(e.get("val_loss")):
             self.val_loss.labels(stage).set(e["val_loss"])
+        if _finite(e.get("val_nats")):
+            self.val_nats.labels(stage).set(e["val_nats"])
+        if _finite(e.get("val_ppl")):
+            self.val_ppl.labels(stage).set(e["val_ppl"])
 
     def _on_retry(self, e: dict[str, Any], stage: str) -> None:
         self.retries.labels(stage).inc()

@@ -13,7 +13,8 @@ from hivemind.p2p import PeerID
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.data import MicrobatchStream, bits_per_byte, load_corpora, validation_batches
+from swarmgrad.peer.text.run_data import load_run_data
+from swarmgrad.peer.text.units import eval_units
 from swarmgrad.peer.pipeline.driver import Batch, Driver
 from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
@@ -93,6 +94,8 @@ class DrivingLoop:
         self.stop_training = asyncio.Event()
         """Set after the last round: no more training microbatches (evaluation goes on)."""
         self._val: list[Batch] = []
+        self._val_tokens = self._val_bytes = 0
+        """Target tokens of the validation batches and the bytes of text they stand for (eval units)."""
         self._evaluating = False
         self._hinted = False
         self.evaluate_at_start = True
@@ -101,13 +104,10 @@ class DrivingLoop:
         while it evaluated the same θ again."""
 
     async def run(self) -> None:
-        d = self.m.data
-        train, val = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: load_corpora(d.source, d.paths, d.val_fraction, d.max_bytes or None))
-        stream = MicrobatchStream(train, self.m.model.seq_len, self.m.inner.microbatch_size, self.seed)
-        self._val = validation_batches(val, self.m.model.seq_len, self.m.inner.microbatch_size, d.eval_batches,
-                                       seed=self.m.seed)
-        self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
+        data = await asyncio.get_running_loop().run_in_executor(None, lambda: load_run_data(self.m, self.seed))
+        self._val = data.validation
+        self._val_tokens, self._val_bytes = data.val_tokens, data.val_bytes
+        self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, data.stream,
                              self.events.emit, self.clock, memory_window=self.memory_window)
         # a stage may be empty for a while (peers still joining, or one moving in to fill it):
         # wait, saying so, rather than give up on a swarm that is still assembling
@@ -167,15 +167,20 @@ class DrivingLoop:
             val_nats = await self.driver.evaluate(self._val)
         finally:
             self._evaluating = False
-        bpb = bits_per_byte(val_nats) if val_nats == val_nats else math.nan
+        # a lost batch leaves the mean over those that came back: their share of bytes is the whole set's
+        units = eval_units(val_nats, self._val_tokens, self._val_bytes)
+        bpb = units.bits_per_byte
         if self.report_stats is not None:
-            self.report_stats(val_loss=bpb if math.isfinite(bpb) else None)
+            finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
+            self.report_stats(val_loss=finite(bpb), val_nats=finite(units.nats_per_token),
+                              val_ppl=finite(units.perplexity))
         stats = self.driver.stats
-        self.events.emit("eval", round=self.clock.current, val_loss=bpb, val_nats=val_nats, final=final,
+        self.events.emit("eval", round=self.clock.current, val_loss=bpb, **units.fields(), final=final,
                          after_round=after_round,
                          completed=stats.completed, retries=stats.retries, lost=stats.lost,
                          commit_failures=stats.commit_failures)
-        logger.info("stage 0 eval at round %d: validation %.3f bits/byte", self.clock.current, bpb)
+        logger.info("stage 0 eval at round %d: validation %.3f bits/byte, %.3f nats/token, perplexity %.2f",
+                    self.clock.current, bpb, units.nats_per_token, units.perplexity)
 
     async def finish(self) -> None:
         """The last round is done: stop training and evaluate a final time."""

@@ -348,7 +348,10 @@ function renderLoss(history) {
   const all = series.flatMap(s => s.pts);
   const chart = $("loss-chart");
   const last = s => s.pts.length ? fmt(s.pts[s.pts.length - 1][1], 3) : "—";
-  $("loss-summary").textContent = all.length ? "train " + last(series[0]) + " · val " + last(series[1]) : "";
+  const lastVal = points.filter(p => num(p.val_loss) !== null).sort((a, b) => num(a.time) - num(b.time)).pop();
+  const units = lastVal && num(lastVal.val_nats) !== null
+    ? " bits/byte (" + fmt(lastVal.val_nats, 3) + " nats/token, perplexity " + fmt(lastVal.val_ppl, 2) + ")" : "";
+  $("loss-summary").textContent = all.length ? "train " + last(series[0]) + " · val " + last(series[1]) + units : "";
   if (!all.length) {
     chart.replaceChildren(el("p", {class: "empty"}, "no loss reported yet"));
     return;
