@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -79,7 +80,9 @@ def swarm_fixture(n_stages: int, replicas_per_stage: int, seed: int = 0) -> tupl
         train = 8.0 * (1 + samples / 4000) ** -0.35 + rng.uniform(-0.08, 0.08) + 1.2
         val = train + 0.1 if k % 16 == 15 else None
         loss.append({"time": now - 5 * (160 - k), "samples": samples, "train_loss": round(train, 4),
-                     "val_loss": None if val is None else round(val, 4)})
+                     "val_loss": None if val is None else round(val, 4),
+                     "val_nats": None if val is None else round(val * 0.6, 4),
+                     "val_ppl": None if val is None else round(math.exp(val * 0.6), 2)})
     rounds = [{"stage": s, "round": r, "time": now - 20 * (latest - r) + s, "duration_s": round(rng.uniform(1.2, 4.0), 2),
                "group_size": replicas_per_stage - (1 if r % 5 == 0 and replicas_per_stage > 2 else 0),
                "train_loss": loss[min(len(loss) - 1, r * 4)]["train_loss"] if s == n_stages - 1 else None,
@@ -281,6 +284,8 @@ def test_page_shows_the_swarm_of_the_api(chromium: Path, serve: Callable[..., st
     assert len(rows) == min(20, len(history["rounds"]))
     assert rows[0][1] == str(snapshot["latest_round"])
     assert 'data-series="train_loss"' in dom and 'data-series="val_loss"' in dom
+    last_val = [row for row in history["loss"] if row["val_loss"] is not None][-1]  # in every unit (peer/text/units.py)
+    assert f'{last_val["val_nats"]:.3f} nats/token, perplexity' in dom
 
     out = Path(os.environ.get("SWARMGRAD_SCREENSHOTS") or tmp_path)
     png = screenshot(base, out / f"dashboard-{name}.png")

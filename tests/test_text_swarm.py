@@ -69,3 +69,29 @@ def test_units_reach_metrics_and_status() -> None:
     assert eval_line({"val_loss": 1.5, "val_nats": 2.0, "val_ppl": 7.389}) == \
         "validation 1.5000 bits/byte, 2.0000 nats/token, perplexity 7.39"
     assert eval_line({"val_loss": None}) is None and eval_line(None) is None
+
+
+def test_units_reach_the_coordinators_history_and_metrics() -> None:
+    from swarmgrad.peer.coordinator.metrics import CoordinatorMetrics
+    from swarmgrad.peer.coordinator.watch import History
+    from swarmgrad.peer.records import PeerRecord, ReplicaStats
+
+    def view(round_no: int, **stats: float) -> dict[int, list[PeerRecord]]:
+        rec = PeerRecord(peer_id="d", stage=0, state="online", throughput=1.0, round=round_no, applied_rounds=round_no,
+                         digest="x", manifest_hash="h", driver=True,
+                         stats=ReplicaStats(samples=8 * round_no, **stats).to_value())
+        return {0: [rec], 1: []}
+
+    history = History()
+    history.observe(view(1))  # the first sight of a replica is old news
+    history.observe(view(2, val_loss=1.5, val_nats=2.0, val_ppl=math.exp(2.0)))
+    row = history.to_json(view(2))["loss"][-1]
+    assert row["val_loss"] == 1.5 and row["val_nats"] == 2.0 and row["val_ppl"] == pytest.approx(math.exp(2.0))
+    metrics = CoordinatorMetrics()
+    snapshot = {"latest_round": 2, "swarm_rate": 1.0, "stages": [], "peers": {"admitted": [], "revoked": []},
+                "checkpoints": []}
+    metrics.update(snapshot, history.to_json(view(2)), {}, {})
+    get = metrics.registry.get_sample_value
+    assert get("swarmgrad_coordinator_val_bits_per_byte") == 1.5
+    assert get("swarmgrad_coordinator_val_nats_per_token") == 2.0
+    assert get("swarmgrad_coordinator_val_perplexity") == pytest.approx(math.exp(2.0))
