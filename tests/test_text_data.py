@@ -217,3 +217,25 @@ def test_eval_units() -> None:
     assert u.perplexity == pytest.approx(math.exp(2.0)) and u.nats_per_token == 2.0
     assert set(u.fields()) == {"val_nats", "val_ppl", "val_bpb", "val_tokens", "val_bytes"}
     assert math.isnan(eval_units(math.nan, 1, 1).bits_per_byte) and eval_units(800.0, 1, 1).perplexity == math.inf
+
+
+def test_prefetching_stream_gives_the_same_windows_and_stops(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "a.jsonl", DOCS * 2)
+    corpus = TokenCorpus(TextSource("jsonl", ["a.jsonl"], tmp_path, shard_bytes=500), ByteTokenizer(), 16, 0.1)
+    plain, ahead = TokenStream(corpus, 4, seed=5), TokenStream(corpus, 4, seed=5, prefetch=8)
+    try:
+        for _ in range(30):  # past the end of an epoch
+            assert torch.equal(plain.draw(4)[0], ahead.draw(4)[0])
+        assert plain.position == ahead.position  # what was drawn, not what the thread read ahead
+    finally:
+        ahead.close()
+    assert ahead._thread is not None and not ahead._thread.is_alive()
+    with pytest.raises(ValueError, match="closed"):
+        ahead.draw(1)
+    # an error while reading reaches the consumer (here: every document in validation)
+    empty = TokenStream(TokenCorpus(corpus.source, ByteTokenizer(), 16, 0.999999), 4, seed=0, prefetch=4)
+    try:
+        with pytest.raises(ValueError, match="gave no training window"):
+            empty.draw(1)
+    finally:
+        empty.close()

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.text.run_data import load_run_data
+from swarmgrad.peer.text.run_data import RunData, load_run_data
 from swarmgrad.peer.text.units import eval_units
 from swarmgrad.peer.pipeline.driver import Batch, Driver
 from swarmgrad.peer.events import EventLog
@@ -105,6 +105,12 @@ class DrivingLoop:
 
     async def run(self) -> None:
         data = await asyncio.get_running_loop().run_in_executor(None, lambda: load_run_data(self.m, self.seed))
+        try:
+            await self._drive(data)
+        finally:
+            data.close()
+
+    async def _drive(self, data: RunData) -> None:
         self._val = data.validation
         self._val_tokens, self._val_bytes = data.val_tokens, data.val_bytes
         self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, data.stream,

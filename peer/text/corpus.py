@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -109,13 +111,28 @@ class ValidationSet:
 
 @dataclass
 class StreamPosition:
-    """Where a `TokenStream` is: for a driver to report (and later resume) its data position."""
+    """Where a `TokenStream`'s consumer is (what was drawn, not what was read ahead): for a driver to
+    report, and later resume, its data position."""
     epoch: int = 0
     shard: Shard | None = None
     windows_in_shard: int = 0
     """Windows drawn from `shard` so far."""
     shards_done: list[str] = field(default_factory=list)
-    """Ids of the shards drawn to their end in this epoch, in order."""
+    """Ids of the shards drawn to their end in this epoch, in order (a shard with no training window
+    counts once the stream passes it)."""
+
+
+@dataclass(frozen=True)
+class _Item:
+    epoch: int
+    shard: Shard
+    window: torch.Tensor | None
+    """None: a shard without a training window, passed."""
+    last: bool
+    """The shard's last window."""
+
+
+_END = object()
 
 
 class TokenStream:
@@ -125,17 +142,30 @@ class TokenStream:
     (a lease-holding driver's); by default every epoch is a permutation of the corpus's shards drawn
     from a generator seeded by a hash of (seed, epoch), forever. Same seed, same batches.
 
+    `prefetch` > 0 reads and tokenizes on a thread of the stream's own, up to that many windows
+    ahead, so a driver's event loop does not wait for the tokenizer (a batch of long documents takes
+    a large part of a second); `close` stops it. The windows and their order are the same either way.
+
     Raises (from `draw`):
-        ValueError: a whole pass over the shards yielded no training window.
+        ValueError: a whole pass over the shards yielded no training window; a given shard iterator
+            is exhausted.
     """
 
-    def __init__(self, corpus: TokenCorpus, batch_size: int, seed: int, shards: Iterable[Shard] | None = None) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    def __init__(self, corpus: TokenCorpus, batch_size: int, seed: int, shards: Iterable[Shard] | None = None,
+                 prefetch: int = 0) -> None:
+        if batch_size < 1 or prefetch < 0:
+            raise ValueError(f"batch_size must be >= 1 and prefetch >= 0, got {batch_size}, {prefetch}")
         self.corpus, self.batch_size, self.seed = corpus, batch_size, seed
         self.batches_drawn = 0
         self.position = StreamPosition()
-        self._windows = self._all_windows(shards)
+        self._items = self._all_items(shards)
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if prefetch:
+            self._queue = queue.Queue(maxsize=prefetch)
+            self._thread = threading.Thread(target=self._produce, name="token-stream", daemon=True)
+            self._thread.start()
 
     def _epochs(self) -> Iterator[tuple[int, list[Shard]]]:
         shards = self.corpus.shards
@@ -145,23 +175,70 @@ class TokenStream:
                 hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "big") >> 1)
             yield epoch, [shards[i] for i in torch.randperm(len(shards), generator=gen).tolist()]
 
-    def _all_windows(self, shards: Iterable[Shard] | None) -> Iterator[torch.Tensor]:
+    def _all_items(self, shards: Iterable[Shard] | None) -> Iterator[_Item]:
         passes = self._epochs() if shards is None else iter([(0, shards)])
         for epoch, order in passes:
-            pos = self.position
-            if epoch != pos.epoch:
-                pos.epoch, pos.shards_done = epoch, []
             found = False
             for shard in order:
-                pos.shard, pos.windows_in_shard = shard, 0
-                for w in self.corpus.shard_windows(shard):
-                    pos.windows_in_shard += 1
-                    found = True
-                    yield w
-                pos.shards_done.append(shard.id)
-            if not found:
+                windows = self.corpus.shard_windows(shard)
+                w = next(windows, None)
+                if w is None:
+                    yield _Item(epoch, shard, None, True)
+                    continue
+                found = True
+                for following in windows:  # one ahead, to tag the shard's last window
+                    yield _Item(epoch, shard, w, False)
+                    w = following
+                yield _Item(epoch, shard, w, True)
+            if not found and shards is None:
                 raise ValueError(f"data: a pass over {len(self.corpus.shards)} shard(s) gave no training window "
                                  "(every document in validation, or the corpus is empty)")
+
+    def _produce(self) -> None:
+        assert self._queue is not None
+        try:
+            for item in self._items:
+                if not self._put(item):
+                    return
+        except Exception as e:  # handed to the consumer, raised by its draw
+            self._put(e)
+            return
+        self._put(_END)
+
+    def _put(self, item: object) -> bool:
+        assert self._queue is not None
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _next(self) -> _Item | None:
+        if self._stop.is_set():
+            raise ValueError("data: the token stream is closed")
+        if self._queue is None:
+            return next(self._items, None)
+        while True:
+            try:
+                item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._stop.is_set():
+                    raise ValueError("data: the token stream is closed") from None
+        if item is _END or isinstance(item, Exception):
+            self._queue.put(item)  # the producer has stopped: every later draw sees it too
+            if isinstance(item, Exception):
+                raise item
+            return None
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the prefetching thread (if any) and wait for it; the stream draws nothing after."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def __iter__(self) -> TokenStream:
         return self
@@ -173,11 +250,22 @@ class TokenStream:
         """The next `size` windows as (inputs, targets), int64 ``[size, seq_len]``."""
         if size < 1:
             raise ValueError(f"a microbatch needs >= 1 window, got {size}")
-        rows = list(itertools.islice(self._windows, size))
+        rows: list[torch.Tensor] = []
+        pos = self.position
+        while len(rows) < size and (item := self._next()) is not None:
+            if item.epoch != pos.epoch:
+                pos.epoch, pos.shards_done, pos.shard = item.epoch, [], None
+            if pos.shard is None or item.shard.id != pos.shard.id:
+                pos.shard, pos.windows_in_shard = item.shard, 0
+            if item.window is not None:
+                rows.append(item.window)
+                pos.windows_in_shard += 1
+            if item.last:
+                pos.shards_done.append(item.shard.id)
         if not rows:
             raise ValueError("data: the shards this stream was given are exhausted")
         w = torch.stack(rows)
-        if w.shape[0] < size:  # a leased iterator ran out: repeat what we have rather than a short batch
+        if w.shape[0] < size:  # a given shard iterator ran out: repeat what we have rather than a short batch
             w = w.repeat((size + w.shape[0] - 1) // w.shape[0], 1)[:size]
         self.batches_drawn += 1
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()

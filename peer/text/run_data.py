@@ -26,6 +26,10 @@ __all__ = ["RunData", "load_run_data", "run_tokenizer", "text_corpus", "uses_tex
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+PREFETCH_BATCHES = 8
+"""Microbatches a driver's token stream reads ahead on its thread (the event loop never tokenizes)."""
+
+
 def uses_text_pipeline(d: DataConfig) -> bool:
     """Whether `[data]` is read through the streaming path (a tokenizer, or a row source)."""
     return bool(d.tokenizer) or d.source in ("jsonl", "parquet", "hf-disk")
@@ -51,7 +55,7 @@ def text_corpus(m: Manifest, tokenizer: TextTokenizer | None = None) -> TokenCor
 @dataclass
 class RunData:
     stream: Union[MicrobatchStream, TokenStream]
-    """What the driver draws training microbatches from (``draw(size)``)."""
+    """What the driver draws training microbatches from (``draw(size)``); `close` it when done."""
     validation: list[Batch]
     val_tokens: int
     """Target tokens of the validation batches."""
@@ -60,6 +64,11 @@ class RunData:
     tokenizer: TextTokenizer
     corpus: TokenCorpus | None = None
     """The streaming path's corpus (its shards); None on the byte-level path."""
+
+    def close(self) -> None:
+        """Stop the stream's reading thread (the streaming path's); idempotent."""
+        if isinstance(self.stream, TokenStream):
+            self.stream.close()
 
 
 def load_run_data(m: Manifest, seed: int, shards: Iterable[Shard] | None = None) -> RunData:
@@ -78,5 +87,5 @@ def load_run_data(m: Manifest, seed: int, shards: Iterable[Shard] | None = None)
         return RunData(stream, val_batches, tokens, tokens, ByteTokenizer())
     corpus = text_corpus(m)
     val = corpus.validation(d.eval_batches * batch)
-    return RunData(TokenStream(corpus, batch, seed, shards), val.batches(batch), val.tokens, val.bytes,
-                   corpus.tokenizer, corpus)
+    stream = TokenStream(corpus, batch, seed, shards, prefetch=PREFETCH_BATCHES * batch)
+    return RunData(stream, val.batches(batch), val.tokens, val.bytes, corpus.tokenizer, corpus)
