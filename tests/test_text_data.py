@@ -239,3 +239,33 @@ def test_prefetching_stream_gives_the_same_windows_and_stops(tmp_path: Path) -> 
             empty.draw(1)
     finally:
         empty.close()
+
+
+@pytest.mark.parametrize("data,error", [
+    ({"source": "jsonl"}, "data.paths must list files"),
+    ({"source": "stdlib", "paths": ["x"]}, "data.paths is only used with a source other than"),
+    ({"source": "csv", "paths": ["x"]}, "data.source must be one of"),
+    ({"source": "jsonl", "paths": ["x"], "text_field": ""}, "data.text_field must name"),
+    ({"source": "jsonl", "paths": ["x"], "max_bytes": 1000}, "data.max_bytes caps the byte-level corpus only"),
+    ({"source": "jsonl", "paths": ["x"], "shard_mb": 0}, "data.shard_mb must be > 0"),
+])
+def test_manifest_refuses_bad_data_fields(data: dict, error: str) -> None:
+    from swarmgrad.peer.manifest import ManifestError, from_dict
+    with pytest.raises(ManifestError, match=error):
+        from_dict({"run_id": "t", "data": data})
+
+
+def test_paths_resolve_against_the_manifests_folder(tmp_path: Path) -> None:
+    from swarmgrad.peer.manifest import load
+    (tmp_path / "data").mkdir()
+    _write_jsonl(tmp_path / "data" / "a.jsonl", DOCS)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "m.toml").write_text('run_id = "t"\n[data]\nsource = "jsonl"\npaths = ["../data/*.jsonl"]\n')
+    m = load(tmp_path / "run" / "m.toml")
+    assert m.data.base_dir == str(tmp_path / "run")
+    (tmp_path / "run" / "n.toml").write_text('run_id = "t"\n[data]\nsource = "jsonl"\npaths = ["*.jsonl"]\n'
+                                             'base_dir = "../data"\n')
+    n = load(tmp_path / "run" / "n.toml")
+    assert n.hash != m.hash  # other paths ...
+    for manifest in (m, n):  # ... the same documents
+        assert _texts(TextSource("jsonl", manifest.data.paths, manifest.data.base_dir)) == DOCS

@@ -63,7 +63,7 @@ class TokenCorpus:
     def token_docs(self, shard: Shard, validation: bool = False) -> Iterator[list[int]]:
         encode_batch = getattr(self.tokenizer, "encode_batch", None)
         for chunk in _batched(self.documents(shard, validation), ENCODE_BATCH):
-            texts = [d.text for d in chunk]
+            texts = [d.text for d in chunk if d.text]  # an empty document would only add an end-of-document
             yield from (encode_batch(texts) if encode_batch else map(self.tokenizer.encode, texts))
 
     def shard_windows(self, shard: Shard, validation: bool = False) -> Iterator[torch.Tensor]:
