@@ -161,10 +161,17 @@ def test_stream_draws_whole_shards_reproducibly(tmp_path: Path) -> None:
     # a leasing driver hands its own shards: only their windows come out
     one = corpus.shards[1]
     expected = list(corpus.shard_windows(one))
-    leased = TokenStream(corpus, 2, seed=0, shards=iter([one]))
-    got = torch.cat([leased.draw(1)[0] for _ in range(len(expected))])
+    in_order = TokenStream(corpus, 2, seed=0, shards=iter([one]), shuffle=0)
+    got = torch.cat([in_order.draw(1)[0] for _ in range(len(expected))])
     assert torch.equal(got, torch.stack([w[:-1] for w in expected]))
-    assert leased.position.shard == one and leased.position.windows_in_shard == len(expected)
+    assert in_order.position.shard == one and in_order.position.windows_in_shard == len(expected)
+    assert in_order.position.shards_done == [one.id]
+    # shuffled within the shard: the same windows, another order, and every one before the shard is done
+    shuffled = TokenStream(corpus, 2, seed=0, shards=iter([one]), shuffle=4)
+    rows = [shuffled.draw(1)[0][0] for _ in range(len(expected))]
+    assert sorted(r.tolist() for r in rows) == sorted(w[:-1].tolist() for w in expected)
+    assert [r.tolist() for r in rows] != [w[:-1].tolist() for w in expected]
+    assert shuffled.position.shards_done == [one.id]
 
 
 def test_streaming_does_not_materialise_the_corpus(tmp_path: Path) -> None:

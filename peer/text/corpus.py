@@ -9,14 +9,16 @@ shards drawn from the driver's seed, so drivers with different seeds start on di
 a driver that leases its shards from the swarm hands the stream an iterator of the shards it
 holds instead (``shards=``), and reads `TokenStream.position` to report what it finished.
 
-Memory is bounded by one shard reader's (sources.py), `ENCODE_BATCH` documents being tokenized and
-the packer's carry-over (packing.py); no corpus-sized structure exists anywhere.
+Memory is bounded by one shard reader's (sources.py), `ENCODE_BATCH` documents being tokenized, the
+packer's carry-over (packing.py), a stream's shuffle buffer (`SHUFFLE_WINDOWS`) and its read-ahead;
+no corpus-sized structure exists anywhere.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 import queue
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -31,6 +33,8 @@ __all__ = ["ENCODE_BATCH", "StreamPosition", "TokenCorpus", "TokenStream", "Vali
 
 ENCODE_BATCH = 64
 """Documents tokenized at once (a BPE tokenizer spreads a batch over its threads)."""
+SHUFFLE_WINDOWS = 1024
+"""A driver's shuffle buffer within a shard, in windows (at seq_len 2048, 16 MiB of int64)."""
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -138,7 +142,8 @@ _END = object()
 class TokenStream:
     """Endless training microbatches from a `TokenCorpus`, the driver's `stream` (``draw(size)``).
 
-    Windows come in order from one shard after another. `shards`: an iterable of the shards to read
+    Windows come from one shard after another, each shard's through a shuffle buffer of `shuffle`
+    windows (0 or 1: in order). `shards`: an iterable of the shards to read
     (a lease-holding driver's); by default every epoch is a permutation of the corpus's shards drawn
     from a generator seeded by a hash of (seed, epoch), forever. Same seed, same batches.
 
@@ -152,10 +157,11 @@ class TokenStream:
     """
 
     def __init__(self, corpus: TokenCorpus, batch_size: int, seed: int, shards: Iterable[Shard] | None = None,
-                 prefetch: int = 0) -> None:
-        if batch_size < 1 or prefetch < 0:
-            raise ValueError(f"batch_size must be >= 1 and prefetch >= 0, got {batch_size}, {prefetch}")
-        self.corpus, self.batch_size, self.seed = corpus, batch_size, seed
+                 prefetch: int = 0, shuffle: int = SHUFFLE_WINDOWS) -> None:
+        if batch_size < 1 or prefetch < 0 or shuffle < 0:
+            raise ValueError(f"batch_size must be >= 1, prefetch and shuffle >= 0, got {batch_size}, {prefetch}, "
+                             f"{shuffle}")
+        self.corpus, self.batch_size, self.seed, self.shuffle = corpus, batch_size, seed, shuffle
         self.batches_drawn = 0
         self.position = StreamPosition()
         self._items = self._all_items(shards)
@@ -180,7 +186,7 @@ class TokenStream:
         for epoch, order in passes:
             found = False
             for shard in order:
-                windows = self.corpus.shard_windows(shard)
+                windows = self._shuffled(self.corpus.shard_windows(shard), f"{self.seed}:{epoch}:{shard.id}")
                 w = next(windows, None)
                 if w is None:
                     yield _Item(epoch, shard, None, True)
@@ -193,6 +199,26 @@ class TokenStream:
             if not found and shards is None:
                 raise ValueError(f"data: a pass over {len(self.corpus.shards)} shard(s) gave no training window "
                                  "(every document in validation, or the corpus is empty)")
+
+    def _shuffled(self, windows: Iterator[torch.Tensor], key: str) -> Iterator[torch.Tensor]:
+        """A shard's windows through a shuffle buffer of `self.shuffle` windows (a window leaves it for a
+        random one that comes in; the rest, shuffled, at the shard's end), so a microbatch's windows
+        come from across the shard rather than one document's consecutive windows. Seeded by (seed,
+        epoch, shard id); a shard's windows all come before the next shard's."""
+        if self.shuffle <= 1:
+            yield from windows
+            return
+        rng = random.Random(key)  # a str seed is hashed (sha512): the same on every machine
+        buf: list[torch.Tensor] = []
+        for w in windows:
+            if len(buf) < self.shuffle:
+                buf.append(w)
+                continue
+            i = rng.randrange(self.shuffle)
+            yield buf[i]
+            buf[i] = w
+        rng.shuffle(buf)
+        yield from buf
 
     def _produce(self) -> None:
         assert self._queue is not None
