@@ -73,7 +73,10 @@ def _progress_line(name: str, e: dict) -> str | None:
                 f"recv {e['bytes_recv'] / 1e6:6.2f} MB  group {e['group_size']} "
                 f"{'ok' if e['complete'] else 'INCOMPLETE: ' + e['reason']}")
     if kind == "eval":
-        return f"[{name} stage {e['stage']}] eval at round {e['round']}: validation {e['val_loss']:.3f} bits/byte"
+        line = f"[{name} stage {e['stage']}] eval at round {e['round']}: validation {e['val_loss']:.3f} bits/byte"
+        if e.get("val_tokens") != e.get("val_bytes") and e.get("val_ppl") is not None:  # a tokenized run
+            line += f", {e['val_nats']:.3f} nats/token, perplexity {e['val_ppl']:.1f}"
+        return line
     if kind in ("retry", "lost", "resynced", "state_loaded"):
         return f"[{name}] {kind}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "peer"))
     return None
