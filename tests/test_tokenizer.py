@@ -125,3 +125,25 @@ def test_manifest_refuses_a_tokenizer_without_its_pin() -> None:
         loads(base.replace("vocab_size = 300", "vocab_size = 256") + f'tokenizer_sha256 = "{"0" * 64}"\n')
     with pytest.raises(ManifestError, match="model.vocab_size must be 256"):
         loads(base)  # the byte-level GPT without a tokenizer
+
+
+def test_the_standard_library_through_a_bpe(tmp_path: Path) -> None:
+    """source = "stdlib" with a tokenizer (what an embedded BPE demo reads): the streaming path, the
+    byte path's split by file, bits per byte counted over the text the tokens stand for."""
+    from swarmgrad.peer.data import split_train_val, stdlib_python_files, stdlib_root
+    from swarmgrad.peer.text.run_data import load_run_data
+    files = stdlib_python_files(include_tests=False)
+    trained = train_bpe_on_files(files[:40], 512, tmp_path / "tok.json")
+    (tmp_path / "m.toml").write_text(
+        f'run_id = "t"\n[model]\nvocab_size = 512\nseq_len = 64\n[inner]\nmicrobatch_size = 4\n'
+        f'[data]\ntokenizer = "tok.json"\ntokenizer_sha256 = "{trained.sha256}"\neval_batches = 2\n')
+    data = load_run_data(load(tmp_path / "m.toml"), seed=0)
+    try:
+        assert data.corpus is not None and data.val_bytes > data.val_tokens == 2 * 4 * 64
+        x, y = data.stream.draw(4)
+        assert x.shape == (4, 64) and int(x.max()) < 512
+        val_docs = {d.key for s in data.corpus.shards[:1] for d in data.corpus.documents(s, validation=True)}
+        _, val_files = split_train_val(stdlib_python_files(), 0.05, root=stdlib_root())
+        assert val_docs and val_docs <= {f.relative_to(stdlib_root()).as_posix() for f in val_files}
+    finally:
+        data.close()

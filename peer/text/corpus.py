@@ -40,8 +40,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _batched(docs: Iterator[Document], n: int) -> Iterator[list[Document]]:
-    while chunk := list(itertools.islice(docs, n)):
+    """Chunks of 1, 2, 4, … up to `n` documents: the first windows come after one document's
+    tokenization, not `n` documents' (a validation set of a few windows, a driver's first batch)."""
+    size = 1
+    while chunk := list(itertools.islice(docs, size)):
         yield chunk
+        size = min(n, 2 * size)
 
 
 class TokenCorpus:
