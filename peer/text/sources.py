@@ -18,6 +18,7 @@ nothing of the corpus is kept after it is yielded.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -134,11 +135,13 @@ class TextSource:
         self.shards: list[Shard] = getattr(self, f"_list_{source.replace('-', '_')}")(found)
 
     def _make(self, paths: Sequence[Path], start: int = 0, stop: int = 0, size: int = 0) -> Shard:
+        """A shard not yet numbered (`_numbered` gives the indices once the list is complete)."""
         names = tuple(_relative(p, self.base) for p in paths)
-        return Shard(0, _shard_id(self.source, names, start, stop), self.source, tuple(str(p) for p in paths), names, start, stop, size)
+        return Shard(0, _shard_id(self.source, names, start, stop), self.source, tuple(str(p) for p in paths),
+                     names, start, stop, size)
 
     def _numbered(self, shards: list[Shard]) -> list[Shard]:
-        return [Shard(i, s.id, s.kind, s.paths, s.names, s.start, s.stop, s.size) for i, s in enumerate(shards)]
+        return [dataclasses.replace(s, index=i) for i, s in enumerate(shards)]
 
     def _list_files(self, found: list[Path]) -> list[Shard]:
         shards, group, size = [], [], 0
