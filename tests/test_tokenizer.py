@@ -67,7 +67,7 @@ def test_cli_train_prints_the_manifest_lines(tmp_path: Path, capsys: pytest.Capt
     assert main(["tokenizer", "train", "--files", "doc*.txt", "--vocab-size", "300", "--out", "tok.json"]) == 0
     out = capsys.readouterr().out
     sha = file_sha256(tmp_path / "tok.json")
-    assert f'tokenizer = "tok.json"' in out and f'tokenizer_sha256 = "{sha}"' in out
+    assert 'tokenizer = "tok.json"' in out and f'tokenizer_sha256 = "{sha}"' in out
     assert "vocab_size = 300" in out and "4 file(s)" in out
     # the printed lines make a manifest that loads, and whose tokenizer verifies
     m = load(_manifest(tmp_path, "tok.json", sha, vocab=300))
