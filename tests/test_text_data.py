@@ -60,6 +60,12 @@ def test_jsonl_byte_ranges_hold_every_line_once(tmp_path: Path, shard_bytes: int
     assert _texts(TextSource("jsonl", ["b.jsonl"], tmp_path, "body", shard_bytes)) == DOCS[30:]
     with pytest.raises(ValueError, match="no field data.text_field = 'text'"):
         _texts(TextSource("jsonl", ["b.jsonl"], tmp_path))
+    # gzip: the same documents and identities, one shard
+    import gzip
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))
+    gz = TextSource("jsonl", ["a.jsonl.gz"], tmp_path, shard_bytes=shard_bytes)
+    assert len(gz.shards) == 1 and _texts(gz) == DOCS[:30]
+    assert [d.key.split("@")[1] for d in gz.documents(gz.shards[0])] == [k.split("@")[1] for k in keys]
 
 
 def test_parquet_row_groups(tmp_path: Path) -> None:

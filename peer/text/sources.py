@@ -9,7 +9,8 @@ manifest's folder, range), so it is the same on every machine and in every run o
 a driver that leases shards (the swarm's data position) names them by it.
 
 Each document has an identity, stable across runs and machines: the file's relative path (files),
-``path@byte offset`` of its line (jsonl), ``path#row group:row`` (parquet), ``path#row`` (hf-disk).
+``path@byte offset`` of its line (jsonl; in the decompressed text of a ``.gz`` file, which is one
+shard: a gzip stream cannot be entered in the middle), ``path#row group:row`` (parquet), ``path#row`` (hf-disk).
 The validation split hashes it (`is_validation`).
 
 Memory: `documents` yields one document at a time and holds at most one record batch of
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
 import hashlib
 import json
 from dataclasses import dataclass
@@ -160,6 +162,9 @@ class TextSource:
         shards = []
         for p in found:
             n = p.stat().st_size
+            if p.name.endswith(".gz"):  # no seeking into a gzip stream: the whole file is one shard
+                shards.append(self._make([p], 0, 0, n))
+                continue
             for start in range(0, max(n, 1), self.shard_bytes):
                 stop = min(n, start + self.shard_bytes)
                 shards.append(self._make([p], start, stop, stop - start))
@@ -216,13 +221,14 @@ class TextSource:
 
     def _docs_jsonl(self, shard: Shard) -> Iterator[Document]:
         path, name = shard.paths[0], shard.names[0]
-        with open(path, "rb") as f:
+        whole = path.endswith(".gz")
+        with (gzip.open(path, "rb") if whole else open(path, "rb")) as f:
             if shard.start:  # the line in progress at `start` belongs to the shard before
                 f.seek(shard.start - 1)
                 f.readline()
             while True:
-                offset = f.tell()
-                if offset >= shard.stop:
+                offset = f.tell()  # of the decompressed text, for a gzip file
+                if not whole and offset >= shard.stop:
                     return
                 line = f.readline()
                 if not line:
