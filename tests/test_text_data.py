@@ -282,3 +282,21 @@ def test_paths_resolve_against_the_manifests_folder(tmp_path: Path) -> None:
     assert n.hash != m.hash  # other paths ...
     for manifest in (m, n):  # ... the same documents
         assert _texts(TextSource("jsonl", manifest.data.paths, manifest.data.base_dir)) == DOCS
+
+
+def test_a_shard_taken_over_part_way_continues_where_its_holder_stopped(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "a.jsonl", DOCS * 3)
+    corpus = TokenCorpus(TextSource("jsonl", ["a.jsonl"], tmp_path, shard_bytes=2000), ByteTokenizer(), 8, 0.1)
+    shard = corpus.shards[0]
+    holder = TokenStream(corpus, 1, seed=11, shards=iter([shard]), epoch=2, shuffle=16)
+    order = [w[:-1] for w in holder.window_order(shard, epoch=2)]
+    assert len(order) > 20
+    drawn = [holder.draw(1)[0][0] for _ in range(7)]
+    assert holder.position.windows_in_shard == 7 and holder.position.epoch == 2
+    # another driver (another seed) takes the shard over, skipping what the holder drew
+    taker = TokenStream(corpus, 1, seed=99, shards=iter([(shard, 7)]), epoch=2, shuffle=16)
+    rest = [taker.draw(1)[0][0] for _ in range(len(order) - 7)]
+    assert [r.tolist() for r in drawn + rest] == [w.tolist() for w in order]  # none twice, none lost
+    assert taker.position.windows_in_shard == len(order) and taker.position.shards_done == [shard.id]
+    with pytest.raises(ValueError, match="exhausted"):
+        taker.draw(1)

@@ -135,9 +135,11 @@ class _Item:
     epoch: int
     shard: Shard
     window: torch.Tensor | None
-    """None: a shard without a training window, passed."""
+    """None: a shard without a training window (or none after the skipped ones), passed."""
     last: bool
     """The shard's last window."""
+    drawn: int
+    """Windows of the shard drawn once this item is (skipped ones included)."""
 
 
 _END = object()
@@ -146,10 +148,11 @@ _END = object()
 class TokenStream:
     """Endless training microbatches from a `TokenCorpus`, the driver's `stream` (``draw(size)``).
 
-    Windows come from one shard after another, each shard's through a shuffle buffer of `shuffle`
-    windows (0 or 1: in order). `shards`: an iterable of the shards to read
-    (a lease-holding driver's); by default every epoch is a permutation of the corpus's shards drawn
-    from a generator seeded by a hash of (seed, epoch), forever. Same seed, same batches.
+    Windows come from one shard after another, each shard's in `window_order` (a shuffle buffer of
+    `shuffle` windows; 0 or 1: in order). `shards`: an iterable of the shards to read in `epoch` (a
+    lease-holding driver's), each a `Shard` or ``(Shard, k)`` to skip its first k windows (a shard
+    taken over part-way); by default every epoch is a permutation of the corpus's shards drawn from
+    a generator seeded by a hash of (seed, epoch), forever. Same seed, same batches.
 
     `prefetch` > 0 reads and tokenizes on a thread of the stream's own, up to that many windows
     ahead, so a driver's event loop does not wait for the tokenizer (a batch of long documents takes
@@ -160,7 +163,8 @@ class TokenStream:
             is exhausted.
     """
 
-    def __init__(self, corpus: TokenCorpus, batch_size: int, seed: int, shards: Iterable[Shard] | None = None,
+    def __init__(self, corpus: TokenCorpus, batch_size: int, seed: int,
+                 shards: Iterable[Shard | tuple[Shard, int]] | None = None, epoch: int = 0,
                  prefetch: int = 0, shuffle: int = SHUFFLE_WINDOWS) -> None:
         if batch_size < 1 or prefetch < 0 or shuffle < 0:
             raise ValueError(f"batch_size must be >= 1, prefetch and shuffle >= 0, got {batch_size}, {prefetch}, "
@@ -168,7 +172,7 @@ class TokenStream:
         self.corpus, self.batch_size, self.seed, self.shuffle = corpus, batch_size, seed, shuffle
         self.batches_drawn = 0
         self.position = StreamPosition()
-        self._items = self._all_items(shards)
+        self._items = self._all_items(shards, epoch)
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -185,34 +189,40 @@ class TokenStream:
                 hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "big") >> 1)
             yield epoch, [shards[i] for i in torch.randperm(len(shards), generator=gen).tolist()]
 
-    def _all_items(self, shards: Iterable[Shard] | None) -> Iterator[_Item]:
-        passes = self._epochs() if shards is None else iter([(0, shards)])
+    def _all_items(self, shards: Iterable[Shard | tuple[Shard, int]] | None, given_epoch: int) -> Iterator[_Item]:
+        passes = self._epochs() if shards is None else iter([(given_epoch, shards)])
         for epoch, order in passes:
             found = False
-            for shard in order:
-                windows = self._shuffled(self.corpus.shard_windows(shard), f"{self.seed}:{epoch}:{shard.id}")
+            for entry in order:
+                shard, skip = (entry, 0) if isinstance(entry, Shard) else entry
+                windows = itertools.islice(self.window_order(shard, epoch), skip, None)
                 w = next(windows, None)
                 if w is None:
-                    yield _Item(epoch, shard, None, True)
+                    yield _Item(epoch, shard, None, True, skip)
                     continue
                 found = True
+                k = skip
                 for following in windows:  # one ahead, to tag the shard's last window
-                    yield _Item(epoch, shard, w, False)
+                    k += 1
+                    yield _Item(epoch, shard, w, False, k)
                     w = following
-                yield _Item(epoch, shard, w, True)
+                yield _Item(epoch, shard, w, True, k + 1)
             if not found and shards is None:
                 raise ValueError(f"data: a pass over {len(self.corpus.shards)} shard(s) gave no training window "
                                  "(every document in validation, or the corpus is empty)")
 
-    def _shuffled(self, windows: Iterator[torch.Tensor], key: str) -> Iterator[torch.Tensor]:
-        """A shard's windows through a shuffle buffer of `self.shuffle` windows (a window leaves it for a
-        random one that comes in; the rest, shuffled, at the shard's end), so a microbatch's windows
-        come from across the shard rather than one document's consecutive windows. Seeded by (seed,
-        epoch, shard id); a shard's windows all come before the next shard's."""
+    def window_order(self, shard: Shard, epoch: int = 0) -> Iterator[torch.Tensor]:
+        """The shard's training windows in the order this stream draws them in `epoch`: through a
+        shuffle buffer of `self.shuffle` windows (a window leaves it for a random one that comes in;
+        the rest, shuffled, at the shard's end), so a microbatch's windows come from across the shard
+        rather than one document's consecutive windows. Seeded by (epoch, shard id) alone, not by the
+        driver: whoever reads a shard in an epoch draws the same windows in the same order, so a
+        driver that takes a shard over may skip the windows its previous holder drew."""
+        windows = self.corpus.shard_windows(shard)
         if self.shuffle <= 1:
             yield from windows
             return
-        rng = random.Random(key)  # a str seed is hashed (sha512): the same on every machine
+        rng = random.Random(f"{epoch}:{shard.id}")  # a str seed is hashed (sha512): the same on every machine
         buf: list[torch.Tensor] = []
         for w in windows:
             if len(buf) < self.shuffle:
@@ -285,11 +295,9 @@ class TokenStream:
         while len(rows) < size and (item := self._next()) is not None:
             if item.epoch != pos.epoch:
                 pos.epoch, pos.shards_done, pos.shard = item.epoch, [], None
-            if pos.shard is None or item.shard.id != pos.shard.id:
-                pos.shard, pos.windows_in_shard = item.shard, 0
+            pos.shard, pos.windows_in_shard = item.shard, item.drawn
             if item.window is not None:
                 rows.append(item.window)
-                pos.windows_in_shard += 1
             if item.last:
                 pos.shards_done.append(item.shard.id)
         if not rows:

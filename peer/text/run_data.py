@@ -71,11 +71,13 @@ class RunData:
             self.stream.close()
 
 
-def load_run_data(m: Manifest, seed: int, shards: Iterable[Shard] | None = None) -> RunData:
+def load_run_data(m: Manifest, seed: int, shards: Iterable[Shard | tuple[Shard, int]] | None = None,
+                  epoch: int = 0) -> RunData:
     """Everything a driver with data seed `seed` reads (blocking I/O: call it off the event loop).
 
-    `shards`: on the streaming path, the shards this driver reads (a lease-holding driver's
-    iterator); None: the whole corpus, epoch after epoch, in an order drawn from `seed`.
+    `shards`: on the streaming path, the shards this driver reads in `epoch` (a lease-holding
+    driver's iterator; ``(shard, k)`` skips its first k windows: TokenStream); None: the whole
+    corpus, epoch after epoch, in an order drawn from `seed`.
     """
     d, batch = m.data, m.inner.microbatch_size
     if not uses_text_pipeline(d):
@@ -87,5 +89,5 @@ def load_run_data(m: Manifest, seed: int, shards: Iterable[Shard] | None = None)
         return RunData(stream, val_batches, tokens, tokens, ByteTokenizer())
     corpus = text_corpus(m)
     val = corpus.validation(d.eval_batches * batch)
-    stream = TokenStream(corpus, batch, seed, shards, prefetch=PREFETCH_BATCHES * batch)
+    stream = TokenStream(corpus, batch, seed, shards, epoch, prefetch=PREFETCH_BATCHES * batch)
     return RunData(stream, val.batches(batch), val.tokens, val.bytes, corpus.tokenizer, corpus)
