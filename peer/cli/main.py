@@ -38,11 +38,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     from swarmgrad.peer.cli.public import PublicRunError
     try:
+        if args.contributors or args.out:
+            from swarmgrad.peer.cli.monitor import print_contributors
+            return run_swarm_command("status", lambda: print_contributors(
+                peers, args.run_id, args.manifest, args.json, args.timeout, args.out, run=args.run), peers)
         return run_swarm_command("status", lambda: print_status(peers, args.run_id, args.manifest, args.json,
                                                                  args.timeout, run=args.run), peers)
     except PublicRunError as e:
         print(f"swarmgrad status: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    if not args.run and not args.manifest:
+        print("swarmgrad monitor: give --run NAME (or --manifest PATH)", file=sys.stderr)
+        return 2
+    from swarmgrad.peer.cli.monitor import cmd_monitor as run_monitor
+    return run_monitor(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -130,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, in the started event)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server listens on (default 127.0.0.1)")
+    p.add_argument("--no-status-line", action="store_true",
+                   help="plain log lines even on a terminal (default: a live status line under the log when "
+                        "stdout is a terminal)")
     p.set_defaults(fn=cmd_peer)
 
     rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
@@ -151,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a public run: its owner-signed manifest, read from the swarm and verified")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--timeout", type=float, default=15.0)
+    s.add_argument("--contributors", action="store_true",
+                   help="print the contributors' credit (samples, tokens, rounds) for the completed rounds the DHT "
+                        "still holds, counted from the rounds' votes")
+    s.add_argument("--out", default=None, metavar="FILE", help="with --contributors: also write its JSON here")
     s.set_defaults(fn=cmd_status)
 
     ru = sub.add_parser("runs", help="list the public runs a swarm hosts, each as NAME@FINGERPRINT")
@@ -159,6 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--timeout", type=positive_float, default=15.0, metavar="SECONDS",
                     help="deadline of each DHT read (and of joining the swarm)")
     ru.set_defaults(fn=cmd_runs)
+
+    mo = sub.add_parser("monitor", help="serve the dashboard of a run with no coordinator (a public run), read "
+                                        "from the DHT")
+    add_initial_peer_flags(mo, "multiaddrs of peers in the swarm")
+    mo.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
+                    help="the run: a public run's name (its verified manifest is read from the swarm), or any "
+                         "run's run_id")
+    mo.add_argument("--manifest", default=None,
+                    help="the run's manifest: its stage count, tokens per sample and the rounds' capacity")
+    mo.add_argument("--http", default="127.0.0.1:8080", type=address_arg, metavar="HOST:PORT",
+                    help="serve the dashboard here (default 127.0.0.1:8080)")
+    mo.add_argument("--ledger", default=None, metavar="FILE",
+                    help="keep the contributors' credit in this file, so a restarted monitor goes on counting")
+    mo.add_argument("--interval", type=positive_float, default=5.0, metavar="SECONDS",
+                    help="seconds between two reads of the swarm (default 5)")
+    mo.add_argument("--timeout", type=positive_float, default=15.0, help="seconds to join the DHT and per read")
+    mo.set_defaults(fn=cmd_monitor)
 
     d = sub.add_parser("demo", help="train the built-in tiny GPT on a local swarm of 4 peers and summarise")
     d.add_argument("--manifest", default=str(DEFAULT_MANIFEST))

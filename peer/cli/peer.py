@@ -270,9 +270,20 @@ def cmd_peer(args: argparse.Namespace) -> int:
             admission = private.admission(dht)
             checkpoints = private.checkpoint_source(model, admission)
             resume_round = private.resume_round()
-        peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
-                    checkpoints=checkpoints, resume_round=resume_round)
-        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
+        from swarmgrad.peer.cli import status_line
+        handler = None
+        if status_line.wants_status_line(sys.stdout, getattr(args, "no_status_line", False)):  # a terminal: the live line
+            from swarmgrad.peer.averaging.credit import tokens_per_sample
+            line = status_line.StatusLine(str(dht.peer_id), tokens_per_sample(manifest))
+            options = dataclasses.replace(options, event_sink=_both(options.event_sink, line.observe))
+            handler = status_line.install(sys.stdout, line)
+        try:
+            peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
+                        checkpoints=checkpoints, resume_round=resume_round)
+            asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
+        finally:
+            if handler is not None:
+                status_line.uninstall(handler)
         if peer.revoked:
             print("this peer was revoked by the run's coordinator", file=sys.stderr)
             code = 3
@@ -301,6 +312,16 @@ def _public_flags_conflict(args: argparse.Namespace) -> str | None:
 def _is_loopback(maddr: str) -> bool:
     parts = maddr.strip("/").split("/")
     return len(parts) >= 2 and parts[0] in ("ip4", "ip6") and parts[1] in ("127.0.0.1", "::1")
+
+
+def _both(first: Callable[[dict], None] | None, second: Callable[[dict], None]) -> Callable[[dict], None]:
+    if first is None:
+        return second
+
+    def sink(record: dict) -> None:
+        first(record)
+        second(record)
+    return sink
 
 
 def _clock(t: float) -> str:

@@ -30,6 +30,8 @@ from swarmgrad.peer.private.coordinator_client import channel_options
 from swarmgrad.peer.private.credentials import Issuer
 from swarmgrad.peer.coordinator.service import CoordinatorService
 from swarmgrad.peer.coordinator.store import StateDir
+from swarmgrad.peer.averaging.credit import manifest_bounds, tokens_per_sample
+from swarmgrad.peer.coordinator.contributors import Contributors
 from swarmgrad.peer.coordinator.watch import History, checkpoint_rows, swarm_snapshot
 from swarmgrad.peer.private.dht_auth import AuthFiles, CertificateAuthorizer
 from swarmgrad.peer.net.dht_process import start_dht_process
@@ -94,6 +96,8 @@ class Coordinator:
         self.metrics = None
         self.started = time.time()
         self.history = History()
+        self.contributors = Contributors(manifest.run_id, manifest_bounds(manifest), tokens_per_sample(manifest),
+                                         path=Path(state_dir) / "contributors.json")
         self._view: dict[int, list] = {}
         self._published: tuple[dict[str, Any], dict[str, Any]] | None = None
         """The dashboard's two documents, rebuilt by the event loop at each look and only read by
@@ -179,7 +183,8 @@ class Coordinator:
             from swarmgrad.peer.coordinator.web import DashboardServer
             http_host, http_port = self.http.rsplit(":", 1)
             web = DashboardServer(http_host, int(http_port), lambda: self._documents()[0],
-                                  lambda: self._documents()[1], allowed_hosts=self.http_allowed_hosts)
+                                  lambda: self._documents()[1], contributors=self.contributors.document,
+                                  allowed_hosts=self.http_allowed_hosts)
             self.http_port = web.start()
         self.serve_metrics()
         self.events.emit("coordinator_started", run_id=m.run_id, grpc=self.address, grpc_port=self.grpc_port,
@@ -239,6 +244,7 @@ class Coordinator:
     async def _look(self) -> None:
         self._view = await self.swarm.swarm()
         self.history.observe(self._view)
+        await self.contributors.look(self.swarm, self._view)
         await self.collector.maybe_collect(self._view)
         self._published = (self.snapshot(), self.history_json())
         if self.metrics is not None:
