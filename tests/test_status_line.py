@@ -34,9 +34,11 @@ def test_render_shows_every_figure_and_fits_the_width() -> None:
     line = render(f, 200)
     assert line == (f"peer …{PEER[-8:]} | stage 1 | round 7 | 12.5 samples/s | loss 2.250 | "
                     "↑3.0 MB ↓1.0 MB | credited 1.3k samples (163.8k tokens), 5/6 rounds")
-    narrow = render(f, 60)
-    assert len(narrow) <= 59 and narrow.startswith(f"peer …{PEER[-8:]} | stage 1 | round 7")
-    assert "credited" not in narrow  # the rightmost parts go first
+    narrow = render(f, 80)
+    assert len(narrow) <= 79  # the peer id, the bytes and the loss go first; stage, round, credit stay
+    assert narrow == "stage 1 | round 7 | credited 1.3k samples (163.8k tokens), 5/6 rounds"
+    assert render(f, 100) == "stage 1 | round 7 | 12.5 samples/s | loss 2.250 | credited 1.3k samples (163.8k tokens), 5/6 rounds"
+    assert render(f, 30).startswith("stage 1 | round 7")
     assert len(render(f, 5)) <= 4
 
 

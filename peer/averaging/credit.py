@@ -170,6 +170,8 @@ class Ledger:
         remembered.append((completed.round, completed.group_hash))
         self._credited_set.add(key)
         for peer_id, weight in completed.credited.items():
+            if weight <= 0:  # a member that trained nothing in the round (it just joined): nothing to credit
+                continue
             c = self._peer(peer_id)
             c.samples += weight
             c.rounds += 1

@@ -57,26 +57,28 @@ def _count(n: float) -> str:
 
 def render(f: Figures, width: int) -> str:
     """The status line: at most `width` − 1 characters (the last column would wrap on some
-    terminals), the least important parts dropped first."""
+    terminals), the least important parts dropped first (the peer id, bytes, loss, rate)."""
     stage = "stage -" if f.stage is None else f"stage {f.stage}"
+    # (priority, text) in display order; a narrow terminal drops the lowest priority first, so the
+    # stage, the round and the contribution stay longest
     parts = [
-        stage,
-        f"round {'-' if f.round is None else f.round}",
-        "- samples/s" if f.samples_per_s is None or not math.isfinite(f.samples_per_s)
-        else f"{f.samples_per_s:.1f} samples/s",
-        "loss -" if f.train_loss is None or not math.isfinite(f.train_loss) else f"loss {f.train_loss:.3f}",
-        f"↑{_bytes(f.bytes_sent)} ↓{_bytes(f.bytes_recv)}",
-        f"credited {_count(f.credited_samples)} samples"
-        + (f" ({_count(f.credited_samples * f.tokens_per_sample)} tokens)" if f.tokens_per_sample else "")
-        + f", {f.rounds_complete}/{f.rounds} rounds",
+        (1, f"peer …{f.peer_id[-8:]}" if f.peer_id else ""),
+        (9, stage),
+        (8, f"round {'-' if f.round is None else f.round}"),
+        (5, "- samples/s" if f.samples_per_s is None or not math.isfinite(f.samples_per_s)
+         else f"{f.samples_per_s:.1f} samples/s"),
+        (4, "loss -" if f.train_loss is None or not math.isfinite(f.train_loss) else f"loss {f.train_loss:.3f}"),
+        (3, f"↑{_bytes(f.bytes_sent)} ↓{_bytes(f.bytes_recv)}"),
+        (7, f"credited {_count(f.credited_samples)} samples"
+         + (f" ({_count(f.credited_samples * f.tokens_per_sample)} tokens)" if f.tokens_per_sample else "")
+         + f", {f.rounds_complete}/{f.rounds} rounds"),
     ]
-    if f.peer_id:
-        parts.insert(0, f"peer …{f.peer_id[-8:]}")
+    parts = [p for p in parts if p[1]]
     limit = max(0, width - 1)
-    line = " | ".join(parts)
+    line = " | ".join(text for _, text in parts)
     while len(line) > limit and len(parts) > 1:
-        parts.pop()  # the rightmost first: what a narrow terminal can spare
-        line = " | ".join(parts)
+        parts.remove(min(parts, key=lambda p: p[0]))
+        line = " | ".join(text for _, text in parts)
     return line[:limit]
 
 
