@@ -106,3 +106,29 @@ def test_monitor_page_in_chromium(chromium: Path, inprocess) -> None:
     for hidden in ("peers", "checkpoints", "coordinator"):  # a coordinator's panels: no coordinator here
         assert re.search(rf'id="{hidden}"[^>]*hidden', dom), hidden
     assert "no coordinator" in view.texts["monitor"] and "…" + WATCHER[-8:] in view.texts["monitor-id"]
+
+
+def test_a_saved_ledger_goes_on_counting_after_a_restart(inprocess, tmp_path: Path) -> None:
+    """--ledger FILE (and the coordinator's STATE_DIR/contributors.json): a restarted watcher
+    reading the same rounds again credits none of them twice."""
+    m, dht = small_manifest(), MemoryDHT()
+    path = tmp_path / "contributors.json"
+
+    async def scenario() -> tuple[dict, dict]:
+        first = Contributors(m.run_id, manifest_bounds(m), tokens_per_sample(m), path=path)
+        view = SwarmView(dht.node(WATCHER), m.run_id, m.hash, m.stages.count, m.timeouts.dht, m.timeouts.announce_ttl)
+        await _round(dht, m, 1)
+        await first.look(view, await view.swarm())
+        again = Contributors(m.run_id, manifest_bounds(m), tokens_per_sample(m), path=path)
+        await again.look(view, await view.swarm())  # the same round, read again
+        await _round(dht, m, 2)
+        await again.look(view, await view.swarm())
+        return first.document(), again.document()
+
+    first, again = inprocess(scenario)
+    assert first["totals"]["rounds"] == 1 and again["totals"]["rounds"] == 2
+    assert {r["peer_id"]: r["rounds"] for r in again["contributors"]} == {A: 2, B: 2}
+    assert again["since"] == first["since"]
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a contributors ledger"):
+        Contributors(m.run_id, manifest_bounds(m), tokens_per_sample(m), path=path)

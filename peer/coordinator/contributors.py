@@ -21,6 +21,8 @@ from swarmgrad.peer.records import ONLINE, PeerRecord
 
 logger = logging.getLogger(__name__)
 
+SAVE_EVERY_S = 30.0
+"""A look that credited nothing (only uptime changed) saves the ledger at most this often."""
 LOOKBACK_ROUNDS = 4
 """Rounds below each stage's latest that a periodic look reads: a round's votes land within its
 vote timeout after the boundary, so a round read once too early is read again at the next look."""
@@ -28,7 +30,7 @@ vote timeout after the boundary, so a round read once too early is read again at
 
 class Contributors:
     """A ledger fed from the stage records and the rounds' entries, saved to `path` (if given)
-    after every look that changed it. One owner calls `look`; `document` may be called from other
+    after every look that credited a round (and every SAVE_EVERY_S for uptime alone). One owner calls `look`; `document` may be called from other
     threads (it returns the copy built by the last look)."""
 
     def __init__(self, run_id: str, bounds: RoundBounds, tokens_per_sample: int | None,
@@ -39,6 +41,7 @@ class Contributors:
         self.path = path
         self.ledger = Ledger(tokens_per_sample)
         self.since = time.time()
+        self._saved = 0.0
         if path is not None and path.is_file():
             try:
                 saved = json.loads(path.read_text())
@@ -58,7 +61,8 @@ class Contributors:
         added = await scan_rounds(board, self.ledger, current, self.lookback, self.bounds)
         self.ledger.seen([r.peer_id for records in view.values() for r in records if r.state == ONLINE], now)
         self._document = self._build(now)
-        if self.path is not None:
+        if self.path is not None and (added or now - self._saved >= SAVE_EVERY_S):
+            self._saved = now
             atomic_write(self.path, json.dumps({"since": self.since, "ledger": self.ledger.to_json()}).encode())
         return added
 
