@@ -64,6 +64,16 @@ def test_sybils_averaging_from_another_state_than_the_stages_are_not_credited() 
     assert [d.members for d in done] == [(A, B, C)]
 
 
+def test_sybils_voting_a_group_of_their_own_at_the_stages_state_are_not_credited() -> None:
+    """Fresh ids registered from the stage's own state, voting among themselves beside the group
+    matchmaking formed: the round's registrations name one group of all five, so neither of the
+    two is credited (the Sybils farm nothing; they can deny one round's credit)."""
+    regs = {A: reg(32), B: reg(32), C: reg(32), X: reg(32), Y: reg(32)}
+    assert completed_rounds(0, 4, regs, votes_of((A, B, C)) | votes_of((X, Y), "whatever")) == []
+    late = {A: reg(32), B: reg(32), C: reg(32)}  # C registered after the group formed and voted nothing
+    assert [d.members for d in completed_rounds(0, 4, late, votes_of((A, B)))] == [(A, B)]
+
+
 def test_ledger_counts_each_round_once_and_ranks_by_samples_then_uptime() -> None:
     ledger = Ledger(tokens_per_sample=128)
     first = completed_rounds(0, 1, {A: reg(10), B: reg(20)}, votes_of((A, B)))[0]

@@ -18,8 +18,11 @@ could have carried (`RoundBounds`):
   bounded by its partner, and a lone claim of 10^9 among honest members is bounded by theirs);
 - `bound(peer_id, stage, weight)`: a caller's own bound, e.g. by observed throughput × round time
   (where an evidence ledger of observed rates exists, it plugs in here).
-Only groups that started from the round's reference state (`choose_group` over the round's
-registrations: the state honest members average from) are credited. A round of one member casts no
+Only the group matchmaking formed is credited: exactly the members `choose_group` picks from the
+registrations of the round's voters (the reference state honest members average from; the rule
+placement's evidence of work applies too, peer/placement/evidence.py `completed_voters`). Ids
+that vote a group of their own beside it, from the same state or another, are credited nothing
+(and deny that round's credit to the real group: which of the two is real cannot be told). A round of one member casts no
 vote, so it is credited nothing: nobody validated it.
 
 Uptime is the time a peer was seen ONLINE by whoever keeps the ledger (its records, read at each
@@ -93,8 +96,12 @@ def completed_rounds(stage: int, round_no: int, registrations: Mapping[str, Mapp
     `registrations`: peer id -> {"digest", "applied_rounds", "weight"} as validated from the DHT
     (dht_view.round_registrations); `votes`: peer id -> vote (dht_view.round_checks). A group
     completed when the voters of one digest vote "H:d" are exactly the members whose sorted list
-    hashes to H, there are two or more, and they all registered from the round's reference state."""
-    reference = choose_group(dict(registrations)) if registrations else None
+    hashes to H, there are two or more, and they are exactly the group `choose_group` forms from the
+    registrations of the round's voters."""
+    # the group matchmaking formed: choose_group over the registrations of that round's voters (one
+    # that registered after the group formed votes nothing). The same rule as placement's evidence
+    # of work (peer/placement/evidence.py, completed_voters), so credit and placement agree.
+    chosen = choose_group({p: dict(v) for p, v in registrations.items() if p in votes})
     by_vote: dict[str, list[str]] = defaultdict(list)
     for peer_id, value in votes.items():
         by_vote[value].append(peer_id)
@@ -104,10 +111,10 @@ def completed_rounds(stage: int, round_no: int, registrations: Mapping[str, Mapp
         members = tuple(sorted(voters))
         if not digest or digest == FAILED or len(members) < 2 or group_hash(members) != hash_:
             continue
-        if reference is None or not all(
-                registrations.get(p, {}).get("digest") == reference.digest
-                and registrations.get(p, {}).get("applied_rounds") == reference.applied_rounds for p in members):
-            continue  # a group that averaged from another state than the stage's: not the swarm's work
+        if chosen is None or members != chosen.members:
+            # another state than the stage's, or ids voting a group of their own beside the one
+            # matchmaking formed: which of the two is real cannot be told, so neither is credited
+            continue
         claimed = {p: _weight(registrations.get(p, {}).get("weight")) for p in members}
         credited = {p: _bounded(p, stage, claimed, bounds) for p in members}
         out.append(CompletedRound(stage, round_no, hash_, digest, members, claimed, credited))
