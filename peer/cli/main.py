@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the run's manifest: its stage count, tokens per sample and the rounds' capacity")
     mo.add_argument("--http", default="127.0.0.1:8080", type=address_arg, metavar="HOST:PORT",
                     help="serve the dashboard here (default 127.0.0.1:8080)")
+    mo.add_argument("--http-allow-host", action="append", default=[], metavar="NAME",
+                    help="a host name the dashboard answers to, besides localhost and IP addresses (repeatable; "
+                         "other Host headers get 403: DNS rebinding)")
     mo.add_argument("--ledger", default=None, metavar="FILE",
                     help="keep the contributors' credit in this file, so a restarted monitor goes on counting")
     mo.add_argument("--interval", type=positive_float, default=5.0, metavar="SECONDS",

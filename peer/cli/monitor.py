@@ -102,7 +102,8 @@ def _monitor(args: argparse.Namespace, peers: list[str], manifest: Any) -> int:
                           str(dht.peer_id), args.interval)
         host, port = args.http.rsplit(":", 1)
         web = DashboardServer(host, int(port), lambda: monitor.documents()[0], lambda: monitor.documents()[1],
-                              contributors=lambda: monitor.documents()[2])
+                              contributors=lambda: monitor.documents()[2],
+                              allowed_hosts=tuple(getattr(args, "http_allow_host", ())))
         try:
             bound = web.start()
         except OSError as e:
