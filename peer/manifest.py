@@ -31,12 +31,25 @@ def _fail(field_name: str, problem: str) -> ManifestError:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     kind: str = "gpt"
-    """`gpt` (the built-in byte-level decoder) or `entry_point` (a user function)."""
+    """`gpt` (the built-in byte-level decoder), `llama` (peer/model/llama.py) or `entry_point` (a user function)."""
     vocab_size: int = 256
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
     seq_len: int = 128
+    n_kv_heads: int = 0
+    """llama: key/value heads (grouped-query attention), dividing n_heads; 0 means n_heads."""
+    ffn_hidden: int = 0
+    """llama: SwiGLU width; 0 means Llama's: 8/3·d_model rounded up to a multiple of 256."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary position embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """llama: RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """llama: the head reuses the embedding matrix; needs both on one stage (stages.count = 1)."""
+    init_from: str = ""
+    """llama: a Hugging Face checkpoint folder (config.json + safetensors) to start from instead of
+    the seeded initialisation; relative to the manifest's folder. Each peer reads only its stage's tensors."""
     entry_point: str = ""
     """`package.module:function` returning a StagedModel; only with kind = "entry_point"."""
     params: Mapping[str, Any] = field(default_factory=dict)

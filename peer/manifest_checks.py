@@ -20,8 +20,14 @@ def _positive(name: str, value: float) -> None:
 def check(m: Manifest) -> None:
     """Cross-field checks; raises ManifestError naming the field and the fix."""
     md = m.model
-    if md.kind not in ("gpt", "entry_point"):
-        raise _fail("model.kind", f"must be \"gpt\" or \"entry_point\" (got {md.kind!r})")
+    if md.kind not in ("gpt", "llama", "entry_point"):
+        raise _fail("model.kind", f"must be \"gpt\", \"llama\" or \"entry_point\" (got {md.kind!r})")
+    if md.kind == "llama":
+        _check_llama(m)
+    else:
+        for name in _LLAMA_ONLY:
+            if getattr(md, name) != getattr(type(md)(), name):
+                raise _fail(f"model.{name}", "is only used with model.kind = \"llama\"")
     if md.kind == "gpt":
         if md.entry_point:
             raise _fail("model.entry_point", "is only used with model.kind = \"entry_point\"")
@@ -32,7 +38,7 @@ def check(m: Manifest) -> None:
                                             f"(got {md.vocab_size})")
         if md.d_model % md.n_heads:
             raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
-    elif not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
+    elif md.kind == "entry_point" and not re.match(r"^[\w.]+:[\w]+$", md.entry_point):
         raise _fail("model.entry_point", f"must look like \"package.module:function\" (got {md.entry_point!r})")
     if md.dtype not in ("float32", "bfloat16"):
         raise _fail("model.dtype", f"must be \"float32\" or \"bfloat16\" (got {md.dtype!r})")
@@ -44,9 +50,9 @@ def check(m: Manifest) -> None:
             raise _fail("stages.layers", f"has {len(st.layers)} entries but stages.count is {st.count}")
         if any((not isinstance(n, int)) or n < 1 for n in st.layers):
             raise _fail("stages.layers", f"entries must be integers >= 1 (got {list(st.layers)})")
-        if md.kind == "gpt" and sum(st.layers) != md.n_layers:
+        if md.kind in ("gpt", "llama") and sum(st.layers) != md.n_layers:
             raise _fail("stages.layers", f"sums to {sum(st.layers)} but model.n_layers is {md.n_layers}")
-    elif md.kind == "gpt" and st.count > md.n_layers:
+    elif md.kind in ("gpt", "llama") and st.count > md.n_layers:
         raise _fail("stages.count", f"({st.count}) cannot exceed model.n_layers ({md.n_layers})")
     inn = m.inner
     _positive("inner.lr", inn.lr)
@@ -123,7 +129,7 @@ def check(m: Manifest) -> None:
         raise _fail("data", "max_bytes and eval_every must be >= 0")
     if d.evaluators < 0:
         raise _fail("data.evaluators", f"must be >= 0 (0: every driver evaluates; got {d.evaluators})")
-    if md.kind == "gpt" and 0 < d.max_bytes < md.seq_len + 1:
+    if md.kind in ("gpt", "llama") and 0 < d.max_bytes < md.seq_len + 1:
         raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
                                       f"({md.seq_len + 1}): one training window needs that many bytes")
     _positive("data.eval_batches", d.eval_batches)
@@ -165,6 +171,39 @@ def _check_data_source(m: Manifest) -> None:
     if d.max_bytes and (d.tokenizer or d.source in ("jsonl", "parquet", "hf-disk")):
         raise _fail("data.max_bytes", "caps the byte-level corpus only; a tokenized or row source streams "
                                       "its shards (choose the files with data.paths)")
+
+
+_LLAMA_ONLY = ("n_kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "init_from")
+
+
+def _check_llama(m: Manifest) -> None:
+    md = m.model
+    if md.entry_point:
+        raise _fail("model.entry_point", "is only used with model.kind = \"entry_point\"")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+        _positive(f"model.{name}", getattr(md, name))
+    for name in ("n_kv_heads", "ffn_hidden"):
+        if getattr(md, name) < 0:
+            raise _fail(f"model.{name}", f"must be >= 0, 0 is the default (got {getattr(md, name)})")
+    _positive("model.rope_theta", md.rope_theta)
+    _positive("model.norm_eps", md.norm_eps)
+    if md.d_model % md.n_heads:
+        raise _fail("model.d_model", f"({md.d_model}) must be divisible by model.n_heads ({md.n_heads})")
+    if (md.d_model // md.n_heads) % 2:
+        raise _fail("model.n_heads", f"gives a head dimension d_model / n_heads = {md.d_model // md.n_heads}; "
+                                     "rotary embeddings need it even")
+    kv = md.n_kv_heads or md.n_heads
+    if md.n_heads % kv:
+        raise _fail("model.n_kv_heads", f"({kv}) must divide model.n_heads ({md.n_heads}): each key/value head "
+                                        "serves a whole group of query heads")
+    if md.tie_embeddings and m.stages.count > 1:
+        raise _fail("model.tie_embeddings", f"needs the embedding (stage 0) and the head (stage "
+                                            f"{m.stages.count - 1}) on one stage: on two, the one tensor would live "
+                                            "on two peers that drift apart between averaging rounds; set "
+                                            "stages.count = 1 or tie_embeddings = false")
+    # byte-level data feeds ids 0..255; a tokenizer (data.tokenizer, when named) gives its own vocabulary
+    if not getattr(m.data, "tokenizer", "") and md.vocab_size < 256:
+        raise _fail("model.vocab_size", f"must be >= 256 with byte-level data (got {md.vocab_size})")
 
 
 def _check_codec(name: str, spec: str) -> None:

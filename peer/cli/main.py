@@ -12,6 +12,7 @@ from pathlib import Path
 from swarmgrad.peer.cli.args import (address_arg, duration_arg, fraction_arg, memory_arg, nonneg_float, nonneg_int,
                                      port_arg, positive_float, positive_int, slowdown_arg, stage_arg)
 from swarmgrad.peer.cli.peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
+from swarmgrad.peer.cli.export import cmd_generate
 from swarmgrad.peer.cli.private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
 from swarmgrad.peer.cli.public import cmd_runs
 from swarmgrad.peer.cli.swarm_access import add_initial_peer_flags
@@ -284,11 +285,28 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--text-field", default="text", help="the JSON key or column of the text (row sources)")
     tt.set_defaults(fn=cmd_tokenizer_train)
 
-    e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file")
-    e.add_argument("--state-dir", required=True, metavar="DIR")
-    e.add_argument("--out", required=True, metavar="FILE")
+    e = sub.add_parser("export", help="write the whole model of a private run's newest checkpoint to one file, "
+                                      "or (--format hf) a llama run's model as a Hugging Face folder")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one file, names stage{s}.*; hf: config.json, model.safetensors, tokenizer")
+    e.add_argument("--state-dir", default=None, metavar="DIR", help="a coordinator's state dir")
+    e.add_argument("--save-dir", nargs="+", default=None, metavar="DIR",
+                   help="peers' --save-dir folders (hf only; one per stage or one holding all)")
+    e.add_argument("--manifest", default=None, metavar="PATH",
+                   help="the run's manifest (needed with --save-dir; default with --state-dir: the checkpoint's)")
+    e.add_argument("--tokenizer", default=None, metavar="PATH", help="hf: the run's tokenizer.json, if not the "
+                                                                      "manifest's data.tokenizer")
+    e.add_argument("--out", required=True, metavar="PATH", help="the file (safetensors) or folder (hf)")
     e.add_argument("--round", type=nonneg_int, default=None, help="a checkpoint other than the newest")
     e.set_defaults(fn=cmd_export)
+
+    g = sub.add_parser("generate", help="continue a prompt with an exported model (needs swarmgrad[hf])")
+    g.add_argument("--model", required=True, metavar="DIR", help="a folder `export --format hf` wrote")
+    g.add_argument("--prompt", required=True, metavar="TEXT")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.set_defaults(fn=cmd_generate)
     return parser
 
 

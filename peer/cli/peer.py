@@ -196,7 +196,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
         return 2
     from swarmgrad.peer.node.peer import Peer, PeerNetwork, PeerOptions
     from swarmgrad.peer.model import from_manifest
-    model = from_manifest(manifest)
+    try:  # a relative model.init_from is read from the manifest's folder
+        model = from_manifest(manifest, Path(args.manifest).parent if args.manifest else None)
+    except ValueError as e:  # an init_from checkpoint that does not fit the manifest
+        print(e, file=sys.stderr)
+        return 2
     if args.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

@@ -132,7 +132,20 @@ async def _run_coordinator(coordinator) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if getattr(args, "format", "safetensors") == "hf":
+        from swarmgrad.peer.cli.export import ExportError, export_hf
+        from swarmgrad.peer.manifest import ManifestError
+        try:
+            print(export_hf(args))
+        except (ExportError, ManifestError, FileNotFoundError) as e:
+            print(e, file=sys.stderr)
+            return 2 if isinstance(e, (ExportError, ManifestError)) else 1
+        return 0
     from swarmgrad.peer.coordinator.checkpoints import export_model
+    if not args.state_dir or args.save_dir:
+        print("the default format exports a coordinator's checkpoint: give --state-dir DIR "
+              "(--save-dir is for --format hf)", file=sys.stderr)
+        return 2
     try:
         round, n = export_model(Path(args.state_dir), Path(args.out), args.round)
     except FileNotFoundError as e:

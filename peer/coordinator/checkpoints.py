@@ -104,17 +104,18 @@ class CheckpointCollector:
         return round
 
 
-def export_model(state_dir: Path, out: Path, round_no: int | None = None) -> tuple[int, int]:
-    """Write θ_global of every stage of the newest complete checkpoint (or of `round`) into one
-    safetensors file, names prefixed `stage{s}.`; metadata: run id, round, manifest. Returns
-    (round, tensors written). Raises FileNotFoundError when there is no checkpoint."""
+def checkpoint_tensors(state_dir: Path, round_no: int | None = None
+                       ) -> tuple[int, str, str, dict[int, dict[str, Any]]]:
+    """(round, run id, manifest TOML, {stage: θ_global}) of the newest complete checkpoint of a
+    coordinator's state dir (or of `round_no`). Raises FileNotFoundError when there is none."""
     import json
-
-    from safetensors.torch import save_file
 
     from swarmgrad.peer.state.stage_state import load_checkpoint
     from swarmgrad.peer.coordinator.store import CoordinatorState, STATE_FILE
-    state = CoordinatorState.from_json(json.loads((state_dir / STATE_FILE).read_text()))
+    try:
+        state = CoordinatorState.from_json(json.loads((state_dir / STATE_FILE).read_text()))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{state_dir} is not a coordinator's state dir (no {STATE_FILE})") from None
     store = StateDir(state_dir, state.run_id)
     rounds = store.checkpoint_rounds()
     if not rounds:
@@ -123,13 +124,20 @@ def export_model(state_dir: Path, out: Path, round_no: int | None = None) -> tup
     if round_no not in rounds:
         raise FileNotFoundError(f"no checkpoint of round {round_no} (have {rounds})")
     entries = store.checkpoint(round_no)
-    tensors = {}
-    for stage, entry in sorted(entries.items()):
-        params, _, _ = load_checkpoint(entry.path)
-        tensors.update({f"stage{stage}.{name}": t.contiguous() for name, t in params.items()})
+    stages = {stage: load_checkpoint(entry.path)[0] for stage, entry in sorted(entries.items())}
     folder = entries[min(entries)].path.parent
-    meta = {"run_id": state.run_id, "round": str(round_no), "stages": str(len(entries)),
-            "manifest": (folder / "manifest.toml").read_text()}
+    return round_no, state.run_id, (folder / "manifest.toml").read_text(), stages
+
+
+def export_model(state_dir: Path, out: Path, round_no: int | None = None) -> tuple[int, int]:
+    """Write θ_global of every stage of the newest complete checkpoint (or of `round`) into one
+    safetensors file, names prefixed `stage{s}.`; metadata: run id, round, manifest. Returns
+    (round, tensors written). Raises FileNotFoundError when there is no checkpoint."""
+    from safetensors.torch import save_file
+
+    round_no, run_id, manifest_toml, stages = checkpoint_tensors(state_dir, round_no)
+    tensors = {f"stage{stage}.{name}": t.contiguous() for stage, params in stages.items() for name, t in params.items()}
+    meta = {"run_id": run_id, "round": str(round_no), "stages": str(len(stages)), "manifest": manifest_toml}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata=meta)
     return round_no, len(tensors)

@@ -201,7 +201,7 @@ class Replica:
         contract = StageContract(stage=stage, n_stages=n_stages, max_batch=m.inner.microbatch_size,
                                  input_spec=lambda b: ctx.model.input_spec(stage, b),
                                  targets_spec=ctx.model.targets_spec,
-                                 vocab_size=m.model.vocab_size if m.model.kind == "gpt" else None)
+                                 vocab_size=m.model.vocab_size if m.model.kind in ("gpt", "llama") else None)
         if stage > 0:
             server = StageServer(ctx.identity, contract, worker, downstream,
                                  parse_codec_spec(m.pipeline.gradient_codec), ctx.max_numel, clock,

@@ -4,7 +4,7 @@ Placement (``rules.py``) needs three figures per stage, all derived from the man
 
 - ``cost`` c_s: relative compute of one sample's forward + backward on the stage. A peer that
   runs r samples/s on stage a runs about r·c_a/c_b on stage b. For the built-in GPT it is a
-  FLOP count; for an ``entry_point`` model (whose layers we cannot see) it falls back to the
+  FLOP count (so is the llama kind's); for an ``entry_point`` model (whose layers we cannot see) it falls back to the
   stage's parameter count (6·P per sample, the dense-transformer rule).
 - ``memory`` M_s: bytes a replica needs: the live parameters, the fp32 θ_global copy, the outer
   momentum, the committed snapshot of both (served to joiners, read by evaluations), the copy of
@@ -153,6 +153,50 @@ class Activations:
         return self.per_block // 2 if bf16 else self.per_block
 
 
+def _llama_shape(m: Manifest) -> tuple[int, int, int, int, int]:
+    """(d, kv width, SwiGLU width, vocab, seq_len) of a llama manifest (peer/model/llama.py's defaults)."""
+    md = m.model
+    d = md.d_model
+    kv = (md.n_kv_heads or md.n_heads) * (d // md.n_heads)
+    ffn = md.ffn_hidden or 256 * ((int(8 * d / 3) + 255) // 256)
+    return d, kv, ffn, md.vocab_size, md.seq_len
+
+
+def llama_stage_params(m: Manifest, stage: int) -> int:
+    """Parameters of stage ``stage`` of the llama kind (matches ``LlamaStage``: no biases)."""
+    layers = m.layers_per_stage
+    d, kv, f, v, _ = _llama_shape(m)
+    n = layers[stage] * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d)  # q, o; k, v; gate, up, down; two norms
+    if stage == 0:
+        n += v * d
+    if stage == len(layers) - 1:
+        n += d + (0 if m.model.tie_embeddings else d * v)  # norm, lm_head
+    return n
+
+
+def _llama_flops(m: Manifest, stage: int) -> float:
+    layers = m.layers_per_stage
+    d, kv, f, v, t = _llama_shape(m)
+    per_token = layers[stage] * (2 * (2 * d * d + 2 * d * kv + 3 * d * f) + 2 * t * d)
+    if stage == len(layers) - 1:
+        per_token += 2 * d * v
+    return 3.0 * per_token * t
+
+
+def _llama_activations(m: Manifest, stage: int) -> Activations:
+    """Kept for backward per token and layer: the layer input, RMSNorm's normalised and scaled
+    outputs (twice), q (roped), k and v, the attention output and its re-laid-out copy, the
+    residual after attention (10·d + 2·kv), and the SwiGLU's gate, silu(gate), up and their
+    product (4·f). The head keeps the norm's three and the logits and softmax (3·d + 2·V)."""
+    layers = m.layers_per_stage
+    d, kv, f, v, t = _llama_shape(m)
+    rest = d  # stage 0: the embedding output; others: the received input
+    if stage == len(layers) - 1:
+        rest += 3 * d + 2 * v
+    return Activations(rest=FP32 * rest * t, blocks=layers[stage], per_block=FP32 * (10 * d + 2 * kv + 4 * f) * t,
+                       block_input=FP32 * d * t)
+
+
 def _memory(m: Manifest, params: int, acts: Activations, compute_dtype: str | None = None) -> MemoryNeed:
     p = FP32 * params
     in_flight = m.pipeline.max_in_flight * m.inner.microbatch_size
@@ -185,7 +229,8 @@ def stage_costs(manifest: Manifest, model: "StagedModel | None" = None,
     """Cost, memory and state bytes of every stage.
 
     ``compute_dtype``: what the replica computes in ("float32" or "bfloat16"; default the
-    manifest's model.dtype, what a CUDA peer uses). The built-in GPT is computed from the manifest alone. An ``entry_point`` model needs its
+    manifest's model.dtype, what a CUDA peer uses). The built-in GPT and the llama kind are computed from
+    the manifest alone. An ``entry_point`` model needs its
     ``StagedModel`` (each stage is built once to count its parameters; activations are taken
     as the stage's input and output per sample, a lower bound).
 
@@ -198,6 +243,11 @@ def stage_costs(manifest: Manifest, model: "StagedModel | None" = None,
         params = [gpt_stage_params(manifest, s) for s in range(n)]
         flops = [_gpt_flops(manifest, s) for s in range(n)]
         acts = [_gpt_activations(manifest, s) for s in range(n)]
+        method = "flops"
+    elif manifest.model.kind == "llama":
+        params = [llama_stage_params(manifest, s) for s in range(n)]
+        flops = [_llama_flops(manifest, s) for s in range(n)]
+        acts = [_llama_activations(manifest, s) for s in range(n)]
         method = "flops"
     else:
         if model is None:
