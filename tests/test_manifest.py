@@ -37,8 +37,9 @@ PINNED = {
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
-# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed)
-PINNED_HASH = "cd65903e752aae9ffcbf0d06f2939e48"
+# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), and the llama
+# kind's model fields
+PINNED_HASH = "d6f03464a63e39ae80695259efdfb4c3"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -278,7 +279,14 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.feedback_decay": [{"feedback_decay": 0.95}],
         "averaging.backup_link_share": [{"backup_link_share": 0.5}],
         "rounds.overlap_steps": [{"overlap": True, "overlap_steps": 1}],
+        "model.n_kv_heads": [{"kind": "llama", "n_kv_heads": 2}],
+        "model.ffn_hidden": [{"kind": "llama", "ffn_hidden": 64}],
+        "model.rope_theta": [{"kind": "llama", "rope_theta": 20000.0}],
+        "model.norm_eps": [{"kind": "llama", "norm_eps": 1e-6}],
+        "model.init_from": [{"kind": "llama", "init_from": "checkpoint"}],
     }
+    if key == "model.tie_embeddings":  # needs the embedding and the head on one stage
+        return [{"model": {"kind": "llama", "tie_embeddings": True}, "stages": {"count": 1}}]
     if key in special:
         return [{section: c} for c in special[key]]
     if isinstance(current, bool):

@@ -1,0 +1,77 @@
+"""The llama kind in a swarm: with one replica per stage, H = 1, outer lr 1 and no momentum, a
+round of 2 real peers (one event loop, loopback transport, tests/support/swarm.py) equals one
+AdamW step of the whole model; and the peers' --save-dir files export to a Hugging Face folder
+whose logits in transformers equal the stages'."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmgrad.peer.cli.main import main
+from swarmgrad.peer.data import MicrobatchStream, load_corpora
+from swarmgrad.peer.manifest import dumps
+from swarmgrad.peer.model import from_manifest
+from swarmgrad.peer.state.stage_state import load_checkpoint
+
+from conftest import small_manifest
+from support.swarm import InProcessSwarm
+
+DATA_SEED = 99
+
+
+@pytest.mark.timeout(120)
+def test_a_llama_round_equals_one_whole_model_step_and_exports(inprocess, tmp_path: Path, capsys) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
+    m = small_manifest(
+        model={"kind": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32},
+        inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 2},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        rounds={"inner_steps": 1, "round_seconds": 0.0},
+        averaging={"codec": "fp32"},
+        pipeline={"activation_codec": "fp32", "gradient_codec": "fp32", "max_in_flight": 2},
+        data={"source": "files", "paths": [str(corpus)], "max_bytes": 0, "eval_batches": 1, "eval_every": 0},
+    )
+
+    async def scenario() -> list[Path]:
+        async with InProcessSwarm(m, tmp_path=tmp_path) as swarm:
+            peers = [swarm.start(s, max_rounds=1, data_seed=DATA_SEED, save=True, linger=5.0) for s in (0, 1)]
+            await swarm.wait_exit(60)
+            return [Path(p.peer.opt.save_dir) for p in peers]  # type: ignore[union-attr,arg-type]
+
+    saves = inprocess(scenario)
+
+    model = from_manifest(m)
+    stages = [model.build_stage(s) for s in range(model.n_stages)]
+    whole = torch.nn.Sequential(*stages)
+    train, _ = load_corpora(m.data.source, m.data.paths, m.data.val_fraction, None)
+    stream = MicrobatchStream(train, m.model.seq_len, m.inner.microbatch_size, DATA_SEED)
+    batches = [stream.draw(n) for n in m.inner.step_sizes]
+    opt = torch.optim.AdamW(whole.parameters(), lr=m.inner.lr, betas=m.inner.betas, weight_decay=m.inner.weight_decay)
+    loss = sum(model.loss_fn(whole(x), y) for x, y in batches) / len(batches)
+    loss.backward()
+    opt.step()
+    for s, stage in enumerate(stages):
+        files = list(saves[s].glob(f"stage{s}-*.safetensors"))
+        assert len(files) == 1, files
+        params, _, meta = load_checkpoint(files[0])
+        assert meta["applied_rounds"] == "1"
+        fresh = dict(model.build_stage(s).named_parameters())
+        assert any(not torch.equal(params[n], fresh[n].detach()) for n in params)
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg: f"stage {s} {name}: {msg}")
+
+    transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'swarmgrad[hf]') is not "
+                                                              "installed")
+    (tmp_path / "run.toml").write_text(dumps(m))
+    out = tmp_path / "hf"
+    assert main(["export", "--format", "hf", "--manifest", str(tmp_path / "run.toml"), "--save-dir",
+                 *map(str, saves), "--out", str(out)]) == 0
+    tokens = batches[0][0]
+    with torch.no_grad():
+        ours = whole(tokens)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(tokens).logits
+    assert float((ours - theirs).abs().max()) <= 1e-4 * float(theirs.abs().max())
