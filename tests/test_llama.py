@@ -168,3 +168,12 @@ def test_estimate_matches_the_built_stages():
         assert c.params == sum(p.numel() for p in model.build_stage(c.stage).parameters())
     m = _manifest("tie_embeddings = true", count=1)
     assert stage_costs(m)[0].params == sum(p.numel() for p in from_manifest(m).build_stage(0).parameters())
+
+
+def test_generate_without_transformers_names_the_extra(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from swarmgrad.peer.cli.main import main
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "pip install 'swarmgrad[hf]'" in capsys.readouterr().err
