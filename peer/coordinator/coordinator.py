@@ -167,7 +167,8 @@ class Coordinator:
         rpcs = {s: FramedRPC(p2p, stage_namespace(m.run_id, s), traffic, max_message) for s in range(m.stages.count)}
         shapes_cache: dict[int, dict[str, tuple[int, ...]]] = {}
         from swarmgrad.peer.model import from_manifest
-        model = from_manifest(m)
+        # only the shapes are needed here: a coordinator need not hold a model.init_from checkpoint
+        model = from_manifest(m.replace(model={"init_from": ""}) if m.model.init_from else m)
 
         def shapes(stage: int) -> dict[str, tuple[int, ...]]:
             if stage not in shapes_cache:
