@@ -223,3 +223,33 @@ def _llama_fields(m) -> dict:
     return dict(vocab_size=md.vocab_size, d_model=md.d_model, n_layers=md.n_layers, n_heads=md.n_heads,
                 n_kv_heads=md.n_kv_heads, seq_len=md.seq_len, ffn_hidden=md.ffn_hidden, rope_theta=md.rope_theta,
                 norm_eps=md.norm_eps, tie_embeddings=md.tie_embeddings)
+
+
+def test_init_from_a_sharded_tied_checkpoint_into_an_untied_split(tmp_path):
+    """A tied checkpoint in two shards with an index (as transformers writes big models): each
+    stage reads its tensors from whichever shard holds them, the head gets the embedding."""
+    from safetensors.torch import save_file
+    source = _manifest(count=1, extra="tie_embeddings = true")
+    tensors = {hf_name(n): p.detach() for n, p in from_manifest(source).build_stage(0).named_parameters()}
+    folder = tmp_path / "ckpt"
+    write_hf_folder(folder, LlamaConfig(**_llama_fields(source)), {n: p for n, p in
+                                                                   from_manifest(source).build_stage(0).named_parameters()})
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    m = _manifest(count=2, extra='init_from = "ckpt"')
+    tokens = _tokens(m)
+    assert _close(_swarm_logits(from_manifest(m, tmp_path), tokens), _swarm_logits(from_manifest(source), tokens), 1e-5)
+    with torch.no_grad():
+        theirs = _hf_model(folder)(tokens).logits
+    assert _close(_swarm_logits(from_manifest(m, tmp_path), tokens), theirs, 1e-4)
+    # the reverse, an untied checkpoint into a tied run, would drop its head: refused
+    untied = tmp_path / "untied"
+    write_hf_folder(untied, LlamaConfig(**_llama_fields(_manifest(count=1))),
+                    dict(from_manifest(_manifest(count=1)).build_stage(0).named_parameters()))
+    with pytest.raises(HFCheckpointError, match="tie_word_embeddings"):
+        from_manifest(_manifest(count=1, extra='tie_embeddings = true\ninit_from = "untied"'), tmp_path)

@@ -100,6 +100,9 @@ def check_hf_config(folder: Path, cfg: LlamaConfig) -> None:
     if c.get("head_dim", want["head_dim"]) != want["head_dim"]:
         raise HFCheckpointError(f"model.init_from {folder}: head_dim {c['head_dim']} is not hidden_size / "
                                 "num_attention_heads, which the llama kind assumes")
+    if cfg.tie_embeddings and not c.get("tie_word_embeddings", False):
+        raise HFCheckpointError(f"model.init_from {folder}: the checkpoint's head is its own (tie_word_embeddings "
+                                "false) but model.tie_embeddings = true would drop it; set tie_embeddings = false")
     for key, field in (("rope_theta", "rope_theta"), ("rms_norm_eps", "norm_eps")):
         have = c.get(key, (c.get("rope_parameters") or {}).get(key))
         if have is not None and abs(float(have) - want[key]) > 1e-12 * max(1.0, abs(want[key])):
