@@ -192,6 +192,10 @@ def test_init_from_refuses_a_checkpoint_of_another_shape(tmp_path):
     with pytest.raises(HFCheckpointError, match="k_proj.weight has shape"):
         model.build_stage(0)
     assert config["model_type"] == "llama"
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="rope scaling"):
+        from_manifest(_manifest(count=2, extra='init_from = "ckpt"'), tmp_path)
 
 
 def test_init_from_is_only_for_llama():

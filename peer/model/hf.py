@@ -85,8 +85,10 @@ def check_hf_config(folder: Path, cfg: LlamaConfig) -> None:
     if c.get("model_type") != "llama":
         raise HFCheckpointError(f"model.init_from {folder}: model_type is {c.get('model_type')!r}; only Llama-"
                                 "architecture checkpoints (model_type \"llama\") can start a llama run")
-    if c.get("rope_scaling"):
-        raise HFCheckpointError(f"model.init_from {folder}: rope_scaling {c['rope_scaling']!r} is not supported")
+    rope_type = (c.get("rope_parameters") or {}).get("rope_type", "default")  # transformers >= 5 writes this
+    if c.get("rope_scaling") or rope_type != "default":
+        raise HFCheckpointError(f"model.init_from {folder}: rope scaling ({c.get('rope_scaling') or rope_type!r}) "
+                                "is not supported: the llama kind uses plain rotary embeddings")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise HFCheckpointError(f"model.init_from {folder}: biases in attention or MLP are not supported")
     want = hf_config(cfg)
