@@ -154,6 +154,12 @@ def test_export_refusals(tmp_path, capsys):
     assert main([*args, "--manifest", str(tmp_path / "run.toml"), "--save-dir", str(dirs[0]),
                  str(tmp_path / "later" / "peer1")]) == 2
     assert "no round in common" in capsys.readouterr().err
+    wider = tmp_path / "wider.toml"
+    wider.write_text(dumps(m).replace("ffn_hidden = 40", "ffn_hidden = 48"))
+    good = [str(dirs[0]), str(tmp_path / "peer1")]
+    _save_dirs(tmp_path, m)
+    assert main([*args, "--manifest", str(wider), "--save-dir", *good]) == 2
+    assert "is it this run's manifest" in capsys.readouterr().err
     gpt = tmp_path / "gpt.toml"
     gpt.write_text('run_id = "g"\n')
     assert main([*args, "--manifest", str(gpt), "--save-dir", *map(str, dirs)]) == 2

@@ -20,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from .llama import LlamaConfig, hf_name
+from .llama import LlamaConfig, LlamaStage, hf_name
 
 __all__ = ["HFCheckpointError", "hf_config", "check_hf_config", "load_stage_tensors", "write_hf_folder",
            "byte_tokenizer_json"]
@@ -199,14 +199,18 @@ def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Ten
     ``tokenizer_file``: the run's ``tokenizer.json``, copied; None writes the byte tokenizer.
 
     Raises:
-        ValueError: tensors missing or left over for the model ``cfg`` describes.
+        ValueError: tensors missing, left over or of another shape than the model ``cfg`` describes.
     """
     from safetensors.torch import save_file
-    expected = _expected_names(cfg)
+    expected = _expected_shapes(cfg)
     names = {hf_name(n) for n in tensors}
-    if names != expected:
-        missing, extra = sorted(expected - names), sorted(names - expected)
+    if names != set(expected):
+        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
         raise ValueError(f"the stages' tensors are not the model's: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[hf_name(name)]:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, the manifest's model has "
+                             f"{expected[hf_name(name)]}: is it this run's manifest?")
     out.mkdir(parents=True, exist_ok=True)
     text = tokenizer_file.read_text() if tokenizer_file is not None else byte_tokenizer_json()
     special = _special_token(text)
@@ -226,13 +230,8 @@ def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Ten
     (out / INDEX).unlink(missing_ok=True)
 
 
-def _expected_names(cfg: LlamaConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names.add("lm_head.weight")
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-    return names
+def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor of the whole model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        whole = LlamaStage(cfg, 0, 1, first_layer=0, n_layers=cfg.n_layers)
+    return {hf_name(n): tuple(p.shape) for n, p in whole.named_parameters()}
