@@ -263,3 +263,15 @@ def test_init_from_a_sharded_tied_checkpoint_into_an_untied_split(tmp_path):
                     dict(from_manifest(_manifest(count=1)).build_stage(0).named_parameters()))
     with pytest.raises(HFCheckpointError, match="tie_word_embeddings"):
         from_manifest(_manifest(count=1, extra='tie_embeddings = true\ninit_from = "untied"'), tmp_path)
+
+
+def test_a_peer_with_an_init_from_that_does_not_fit_stops_with_one_line(tmp_path, capsys):
+    source = _manifest(count=1)
+    write_hf_folder(tmp_path / "ckpt", LlamaConfig(**_llama_fields(source)),
+                    dict(from_manifest(source).build_stage(0).named_parameters()))
+    run = tmp_path / "run" / "run.toml"  # init_from is read from the manifest's folder
+    run.parent.mkdir()
+    run.write_text(dumps(_manifest(count=2, extra='init_from = "../ckpt"')).replace("ffn_hidden = 40", "ffn_hidden = 64"))
+    assert main(["peer", "--manifest", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "intermediate_size is 40 but model.ffn_hidden gives 64" in err and len(err.splitlines()) == 1
