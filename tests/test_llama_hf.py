@@ -275,3 +275,28 @@ def test_a_peer_with_an_init_from_that_does_not_fit_stops_with_one_line(tmp_path
     assert main(["peer", "--manifest", str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert "intermediate_size is 40 but model.ffn_hidden gives 64" in err and len(err.splitlines()) == 1
+
+
+def test_export_with_the_runs_bpe_tokenizer(tmp_path, capsys):
+    """A run with data.tokenizer: the export carries that tokenizer, AutoTokenizer encodes as the
+    run does, the end-of-document token is bos/eos, and generate runs on it."""
+    from swarmgrad.peer.text.tokenizer import load_tokenizer, train_bpe
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+    trained = train_bpe(texts, 300, tmp_path / "tok.json")
+    text = MANIFEST.format(count=2, extra="").replace("vocab_size = 300", f"vocab_size = {trained.vocab_size}")
+    text += f'[data]\ntokenizer = "tok.json"\ntokenizer_sha256 = "{trained.sha256}"\n'
+    (tmp_path / "run.toml").write_text(text)
+    from swarmgrad.peer.manifest import load
+    m = load(tmp_path / "run.toml")
+    dirs = _save_dirs(tmp_path, m)
+    out = tmp_path / "hf"
+    assert main(["export", "--format", "hf", "--manifest", str(tmp_path / "run.toml"), "--save-dir",
+                 *map(str, dirs), "--out", str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    sample = "def g(x):\n    return x * 7\n"
+    assert tok(sample, add_special_tokens=False).input_ids == load_tokenizer(m.data.tokenizer).encode(sample)
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token) == ("<|endoftext|>", 0, "<|pad|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")

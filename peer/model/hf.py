@@ -183,12 +183,19 @@ def byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _special_token(tokenizer_json: str) -> tuple[str, int] | None:
-    """The tokenizer's first special token (its end-of-document token, by the data's convention)."""
-    for t in json.loads(tokenizer_json).get("added_tokens", []):
-        if t.get("special"):
-            return t["content"], int(t["id"])
-    return None
+def _special_tokens(tokenizer_json: str) -> dict[str, tuple[str, int]]:
+    """bos/eos and pad of a tokenizer file: the end-of-document token (``<|endoftext|>``, the
+    run's tokenizers' id 0, peer/text/tokenizer.py; else the first special token) is both bos and
+    eos, ``<|pad|>`` pads. Empty for the byte tokenizer."""
+    special = {t["content"]: int(t["id"]) for t in json.loads(tokenizer_json).get("added_tokens", [])
+               if t.get("special")}
+    out: dict[str, tuple[str, int]] = {}
+    eod = "<|endoftext|>" if "<|endoftext|>" in special else next(iter(special), None)
+    if eod is not None:
+        out["bos_token"] = out["eos_token"] = (eod, special[eod])
+    if "<|pad|>" in special:
+        out["pad_token"] = ("<|pad|>", special["<|pad|>"])
+    return out
 
 
 def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Tensor],
@@ -213,16 +220,17 @@ def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Ten
                              f"{expected[hf_name(name)]}: is it this run's manifest?")
     out.mkdir(parents=True, exist_ok=True)
     text = tokenizer_file.read_text() if tokenizer_file is not None else byte_tokenizer_json()
-    special = _special_token(text)
-    eos_id = special[1] if special else None
+    special = _special_tokens(text)
+    ids = {name: token_id for name, (_, token_id) in special.items()}
     (out / "tokenizer.json").write_text(text)
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
-                  "clean_up_tokenization_spaces": False}
-    if special:
-        tok_config["eos_token"] = special[0]
+                  "clean_up_tokenization_spaces": False, **{name: tok for name, (tok, _) in special.items()}}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, eos_token_id=eos_id), indent=2) + "\n")
-    generation = {"_from_model_config": True, "eos_token_id": eos_id, "max_length": cfg.seq_len}
+    config = hf_config(cfg, bos_token_id=ids.get("bos_token"), eos_token_id=ids.get("eos_token"))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"_from_model_config": True, "bos_token_id": ids.get("bos_token"),
+                  "eos_token_id": ids.get("eos_token"), "pad_token_id": ids.get("pad_token"),
+                  "max_length": cfg.seq_len}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     weights = {hf_name(n): t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items()}
     save_file(weights, str(out / WEIGHTS), metadata={"format": "pt", **(metadata or {})})

@@ -167,11 +167,12 @@ def describe_model(m: Any) -> str:
 
 
 def parameter_count(m: Any) -> int | None:
-    """The built-in GPT's parameters (placement/cost.py); None where only the model could say."""
-    from swarmgrad.peer.placement.cost import gpt_stage_params
-    if m.model.kind != "gpt":
+    """The built-in GPT's or llama kind's parameters (placement/cost.py); None where only the model could say."""
+    from swarmgrad.peer.placement.cost import gpt_stage_params, llama_stage_params
+    count = {"gpt": gpt_stage_params, "llama": llama_stage_params}.get(m.model.kind)
+    if count is None:
         return None
-    return sum(gpt_stage_params(m, s) for s in range(m.stages.count))
+    return sum(count(m, s) for s in range(m.stages.count))
 
 
 class Publisher:
