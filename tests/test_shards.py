@@ -38,7 +38,7 @@ class TaggedShards:
     def shard_ids(self) -> list[str]:
         return [f"s{k}" for k in range(self.n)]
 
-    def windows(self, shard_id: str, start: int = 0) -> Iterator[torch.Tensor]:
+    def windows(self, shard_id: str, start: int = 0, epoch: int = 0) -> Iterator[torch.Tensor]:
         k = int(shard_id[1:])
         for i in range(max(0, start), self.per):
             yield torch.tensor([k, i, 0])

@@ -32,13 +32,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.data import MicrobatchStream
 from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline.stage_server import Downstream, Hop
@@ -52,6 +51,17 @@ from swarmgrad.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class BatchStream(Protocol):
+    """Where a driver's lanes take their training batches: `draw(size)`, a stream that never waits
+    (`MicrobatchStream`: random windows from the driver's seed; the streaming path's `TokenStream`),
+    or `async take(size)`, one that may (`LeasedStream`: the shards it leases, peer/shards/leaser.py,
+    waiting while its next claim is stored). A stream that can run dry for a while (a leased one at
+    an epoch's end) also has `ready`, an asyncio.Event set while a batch can be taken: a lane waits
+    for it before it is admitted, since an admitted microbatch holds the round boundary."""
+
+    def draw(self, size: int) -> Batch: ...
 
 NOT_READY_BACKOFF = Backoff(first=0.2, cap=1.0, growth=1.5)
 """Waits before re-sending a microbatch that every replica refused NOT_READY (between rounds, or
@@ -83,7 +93,7 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: MicrobatchStream | None, emit: Callable[..., None], clock: RoundClock,
+                 n_stages: int, stream: BatchStream | None, emit: Callable[..., None], clock: RoundClock,
                  memory_window: int | None = None):
         self.m = manifest
         self.worker = worker
@@ -243,16 +253,18 @@ class Driver:
                 "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
                 if self.worker.device.type == "cpu" and now[8] > el0 else None}
 
-    def _draw(self, slot: Slot) -> Batch:
+    async def _draw(self, slot: Slot) -> Batch:
         """A training batch of the size of the slot's place in its step."""
         assert self.stream is not None, "a driver without a stream is given its batches"
-        return self.stream.draw(self.sizes[slot.position % len(self.sizes)])
+        size = self.sizes[slot.position % len(self.sizes)]
+        take = getattr(self.stream, "take", None)
+        return await take(size) if take is not None else self.stream.draw(size)
 
     async def _attempt(self, mb: int, attempt: int, pending: Pending, eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
         async with self.worker.admitted(wait=True, train=not eval_only, ahead=self._lookahead) as slot:
             if pending.batch is None:
-                pending.batch = self._draw(slot)
+                pending.batch = await self._draw(slot)
             inputs, targets = pending.batch
             if self.n_stages == 1:
                 try:

@@ -219,7 +219,7 @@ class ShardLeaser:
             return
         self.lease, self.lease_epoch = lease, epoch
         self.consumed = offset
-        self._iter = self.source.windows(self.ids[shard], offset)
+        self._iter = self.source.windows(self.ids[shard], offset, epoch)
         self.emit("shard_leased", shard=self.ids[shard], index=shard, epoch=epoch, offset=offset,
                   until=lease.until)
         logger.info("data: leased shard %s (epoch %d) from window %d", self.ids[shard], epoch, offset)

@@ -11,13 +11,14 @@ module's `ByteShards` cuts today's byte-level corpus (peer/data.py).
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Protocol, runtime_checkable
+import itertools
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from swarmgrad.peer.data import ByteCorpus
 
-__all__ = ["ByteShards", "ShardSource", "Window"]
+__all__ = ["ByteShards", "ShardSource", "TextShards", "Window"]
 
 Window = torch.Tensor
 """int64 [seq_len + 1]."""
@@ -30,15 +31,15 @@ class ShardSource(Protocol):
     Contract (every driver of a run must see the same thing, the lease records name shards by
     their index in `shard_ids()`):
     - `shard_ids()` is the same list, in the same order, on every peer with the same manifest;
-    - `windows(shard_id, start)` yields the shard's windows from index `start` on, in an order
-      that depends only on the manifest (not on the peer, nor on the time); it ends when the shard
-      does (a `start` past the end yields nothing);
+    - `windows(shard_id, start, epoch)` yields the shard's windows in `epoch` from index `start`
+      on, in an order that depends only on the manifest and the epoch (not on the peer, nor on the
+      time); it ends when the shard does (a `start` past the end yields nothing);
     - every window has `seq_len + 1` tokens.
     """
 
     def shard_ids(self) -> list[str]: ...
 
-    def windows(self, shard_id: str, start: int = 0) -> Iterator[Window]: ...
+    def windows(self, shard_id: str, start: int = 0, epoch: int = 0) -> Iterator[Window]: ...
 
 
 def _permutation(n: int, *salt: object) -> torch.Tensor:
@@ -53,8 +54,8 @@ class ByteShards:
 
     The corpus's windows are `data[i·seq_len : i·seq_len + seq_len + 1]` for i in [0, W) with
     W = (len − 1) // seq_len: each byte is a target exactly once per epoch. Shard k holds windows
-    [k·W // n, (k+1)·W // n), yielded in an order shuffled by (seed, shard), so a microbatch mixes
-    far-apart text, and the same on every peer.
+    [k·W // n, (k+1)·W // n), yielded in an order shuffled by (seed, epoch, shard), so a microbatch
+    mixes far-apart text, and the same on every peer.
 
     Raises:
         ValueError: if the corpus has fewer windows than shards.
@@ -83,12 +84,29 @@ class ByteShards:
         k = self._index[shard_id]
         return self._bounds[k + 1] - self._bounds[k]
 
-    def windows(self, shard_id: str, start: int = 0) -> Iterator[Window]:
+    def windows(self, shard_id: str, start: int = 0, epoch: int = 0) -> Iterator[Window]:
         if shard_id not in self._index:
             raise KeyError(f"no shard {shard_id!r} in this corpus")
         k = self._index[shard_id]
         lo, n = self._bounds[k], self.shard_windows(shard_id)
-        order = _permutation(n, self.seed, shard_id)
+        order = _permutation(n, self.seed, epoch, shard_id)
         for i in range(max(0, start), n):
             first = (lo + int(order[i])) * self.seq_len
             yield self.corpus.data[first + self._offsets].long()
+
+
+class TextShards:
+    """The streaming path's corpus (peer/text/: `TokenCorpus`) as a shard source: its shards, by
+    their stable ids in corpus order, each shard's training windows in the order
+    `TokenStream.window_order` gives them in the epoch (shuffled by (epoch, shard id) alone, so
+    every driver reads a shard alike). The windows are read and tokenized as they are taken."""
+
+    def __init__(self, corpus: Any, stream: Any) -> None:
+        self.corpus, self.stream = corpus, stream
+        self._shards = {shard.id: shard for shard in corpus.shards}
+
+    def shard_ids(self) -> list[str]:
+        return [shard.id for shard in self.corpus.shards]
+
+    def windows(self, shard_id: str, start: int = 0, epoch: int = 0) -> Iterator[Window]:
+        return itertools.islice(self.stream.window_order(self._shards[shard_id], epoch), max(0, start), None)
