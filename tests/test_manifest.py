@@ -37,8 +37,9 @@ PINNED = {
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
-# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed)
-PINNED_HASH = "cd65903e752aae9ffcbf0d06f2939e48"
+# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), and data.shards,
+# data.lease_seconds, data.lease_settle
+PINNED_HASH = "d0018573a312cbf61bcbeec51e4bc157"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -293,3 +293,17 @@ def test_the_leased_stream_makes_shifted_microbatches(inprocess) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     inprocess(scenario)
+
+
+def test_status_shows_the_data_position_and_the_live_leases() -> None:
+    from swarmgrad.peer.cli.status import data_line
+    from swarmgrad.peer.shards.leases import swarm_data
+    records = [(A, DriverRecord(A, DataPosition(8, 1, frozenset({0, 1}), {2: 5}), Lease(A, 2, 10.0, 50.0, 9)).to_value()),
+               (B, DriverRecord(B, DataPosition(8, 1, frozenset({3})), Lease(B, 4, 10.0, 20.0, 4)).to_value()),
+               (C, {"garbage": True})]
+    data = swarm_data(records, None, now=30.0)
+    # begun: A's shard 2 (claimed to 9) and B's expired lease of shard 4: whoever takes it starts at 4
+    assert data is not None and (data["epoch"], data["shards"], data["done"], data["begun"]) == (1, 8, 3, 2)
+    assert [(lease["peer_id"], lease["shard"]) for lease in data["leases"]] == [(A, 2)]  # B's expired
+    assert data_line(data) == f"data: epoch 1, 3 of 8 shards done, 2 begun; leased: {A[-8:]} shard 2 (to window 9)"
+    assert swarm_data([], None, 0.0) is None and swarm_data(records, 9, 30.0) is None

@@ -214,3 +214,24 @@ def choose_shard(position: DataPosition, leases: Iterable[Lease], me: str) -> in
 def epoch_complete(position: DataPosition) -> bool:
     """Every shard of the epoch is done: the next epoch may start."""
     return position.complete
+
+
+def swarm_data(raw: Iterable[tuple[str, Any]], n_shards: int | None, now: float) -> dict[str, Any] | None:
+    """The swarm's data position and live leases as `swarmgrad status` shows them, from the raw
+    records (peer id, value); `n_shards` from the manifest, or (None) the count most records name.
+    None when no driver leases shards."""
+    raw = list(raw)
+    if n_shards is None:
+        counts = [v.get("shards") for _, v in raw if isinstance(v, Mapping) and _count(v.get("shards"))]
+        if not counts:
+            return None
+        n_shards = max(set(counts), key=lambda n: (counts.count(n), -n))
+    records = [r for r in (parse_record(p, v, n_shards) for p, v in raw) if r is not None]
+    if not records:
+        return None
+    position = merge_position(DataPosition(n_shards), records)
+    leases = sorted(live_leases(records, position.epoch, now), key=lambda lease: lease.shard)
+    return {"epoch": position.epoch, "shards": n_shards, "done": len(position.done), "begun": len(position.offsets),
+            "windows_claimed": sum(position.offsets.values()),
+            "leases": [{"peer_id": lease.peer_id, "shard": lease.shard, "claimed": lease.claimed,
+                        "expires_in": round(lease.until - now, 1)} for lease in leases]}
