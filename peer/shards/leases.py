@@ -216,6 +216,13 @@ def epoch_complete(position: DataPosition) -> bool:
     return position.complete
 
 
+def swarm_position(raw: Iterable[tuple[str, Any]], n_shards: int) -> DataPosition | None:
+    """The data position the raw records (peer id, value) publish together, or None when none
+    parses: what a coordinator's checkpoint keeps."""
+    records = [r for r in (parse_record(p, v, n_shards) for p, v in raw) if r is not None]
+    return merge_position(DataPosition(n_shards), records) if records else None
+
+
 def swarm_data(raw: Iterable[tuple[str, Any]], n_shards: int | None, now: float) -> dict[str, Any] | None:
     """The swarm's data position and live leases as `swarmgrad status` shows them, from the raw
     records (peer id, value); `n_shards` from the manifest, or (None) the count most records name.
