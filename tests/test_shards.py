@@ -307,3 +307,14 @@ def test_status_shows_the_data_position_and_the_live_leases() -> None:
     assert [(lease["peer_id"], lease["shard"]) for lease in data["leases"]] == [(A, 2)]  # B's expired
     assert data_line(data) == f"data: epoch 1, 3 of 8 shards done, 2 begun; leased: {A[-8:]} shard 2 (to window 9)"
     assert swarm_data([], None, 0.0) is None and swarm_data(records, 9, 30.0) is None
+
+
+def test_a_save_dir_holds_the_position_and_several_files_merge(tmp_path) -> None:
+    from swarmgrad.peer.shards.saved import load_position, save_position
+    assert load_position(tmp_path, 6) is None and load_position(None, 6) is None
+    save_position(tmp_path, A, DataPosition(6, 2, frozenset({0}), {1: 4}))
+    save_position(tmp_path, B, DataPosition(6, 2, frozenset({3}), {1: 6}))
+    save_position(tmp_path, C, DataPosition(6, 1, frozenset({5})))  # an older epoch: superseded
+    (tmp_path / "data-position-broken.json").write_text("{not json")
+    assert load_position(tmp_path, 6) == DataPosition(6, 2, frozenset({0, 3}), {1: 6})
+    assert load_position(tmp_path, 7) is None  # another data.shards: nothing to resume

@@ -91,6 +91,9 @@ class ShardLeaser:
         self._publishing = asyncio.Lock()
         self._renewed_at = 0.0
         self._waiting_said = False
+        self._unpublished = False
+        """A shard was done since our last store: say so before anything else (the others wait for
+        it at an epoch's end)."""
 
     # the driver's side ----------------------------------------------------------------------
     async def take(self, n: int) -> list[Window]:
@@ -121,6 +124,7 @@ class ShardLeaser:
         self.position = self.position.with_done(shard)
         self.lease, self._iter = None, None
         self.shards_done += 1
+        self._unpublished = True
         self.emit("shard_done", shard=self.ids[shard], index=shard, epoch=self.position.epoch,
                   windows=self.consumed, done=len(self.position.done), shards=len(self.ids))
         self._want.set()
@@ -171,10 +175,13 @@ class ShardLeaser:
             if stored:
                 self.position = position
                 self._renewed_at = time.monotonic()
+                self._unpublished = False
             return stored
 
     async def _acquire(self) -> None:
         records = await self._read()
+        if self._unpublished:
+            await self._publish(None)
         if epoch_complete(self.position):
             self.position = self.position.next_epoch()
             self.emit("data_epoch", epoch=self.position.epoch, shards=len(self.ids))
