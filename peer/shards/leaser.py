@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 from hivemind.utils import get_dht_time
 
+from swarmgrad.peer.manifest_checks import MAX_SHARDS
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.errors import SwarmUnavailable
@@ -67,8 +68,9 @@ class ShardLeaser:
                  clock: Callable[[], float] = get_dht_time, rng: random.Random | None = None) -> None:
         self.source = source
         self.ids = source.shard_ids()
-        if not self.ids:
-            raise ValueError("the shard source has no shards")
+        if not 0 < len(self.ids) <= MAX_SHARDS:
+            raise ValueError(f"the corpus has {len(self.ids)} shards: leases need 1 to {MAX_SHARDS} (a driver's DHT "
+                             "record carries the done ones as a bitmap); change data.shard_mb or data.shards")
         self.swarm = swarm
         self.me = swarm.peer_id
         self.s = settings
@@ -254,7 +256,8 @@ class ShardLeaser:
     def _drop(self, why: str) -> None:
         assert self.lease is not None
         shard = self.lease.shard
-        self.emit("lease_dropped", shard=self.ids[shard], index=shard, reason=why, windows=self.consumed)
+        self.emit("lease_dropped", shard=self.ids[shard], index=shard, epoch=self.lease_epoch, reason=why,
+                  windows=self.consumed)
         logger.warning("data: dropped the lease of shard %s (%s) after window %d", self.ids[shard], why,
                        self.consumed)
         self.lease, self._iter = None, None
@@ -273,8 +276,8 @@ class ShardLeaser:
             logger.info("data: could not release shard %s (%r): it is free when the lease expires in %.0f s",
                         self.ids[lease.shard], e, max(0.0, lease.until - self.clock()))
             stored = False
-        self.emit("shard_released", shard=self.ids[lease.shard], index=lease.shard, windows=self.consumed,
-                  stored=stored)
+        self.emit("shard_released", shard=self.ids[lease.shard], index=lease.shard, epoch=self.lease_epoch,
+                  windows=self.consumed, stored=stored)
         return stored
 
 
