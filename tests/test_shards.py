@@ -153,8 +153,8 @@ class Driver:
         return await self.leaser.release(timeout=1.0)
 
 
-def leaser(dht: MemoryDHT, peer: str, source: ShardSource, s: LeaseSettings, **kw) -> ShardLeaser:
-    return ShardLeaser(source, swarm_view(dht, peer, manifest()), s, **kw)
+def leaser(dht: MemoryDHT, peer: str, source: ShardSource, s: LeaseSettings, m=None, **kw) -> ShardLeaser:
+    return ShardLeaser(source, swarm_view(dht, peer, m or manifest()), s, **kw)
 
 
 async def until(predicate, timeout: float = 20.0) -> None:
@@ -318,3 +318,28 @@ def test_a_save_dir_holds_the_position_and_several_files_merge(tmp_path) -> None
     (tmp_path / "data-position-broken.json").write_text("{not json")
     assert load_position(tmp_path, 6) == DataPosition(6, 2, frozenset({0, 3}), {1: 6})
     assert load_position(tmp_path, 7) is None  # another data.shards: nothing to resume
+
+
+def test_a_swarm_restarted_from_a_checkpoint_goes_on_from_its_data_position(inprocess, tmp_path) -> None:
+    """The coordinator publishes its newest checkpoint's position (Coordinator._resume_data, run
+    here on a stand-in holding what it reads); a driver of a fresh swarm continues from it."""
+    from types import SimpleNamespace
+
+    from swarmgrad.peer.coordinator.coordinator import Coordinator
+    from swarmgrad.peer.coordinator.store import StateDir
+
+    async def scenario() -> None:
+        m = small_manifest(data={"shards": 3, "lease_seconds": 30.0, "lease_settle": 0.02})
+        store = StateDir(tmp_path, m.run_id)
+        info = {"round": 7, "applied_rounds": 7, "trained_samples": 9, "digest": "d"}
+        saved = DataPosition(3, epoch=2, done=frozenset({1}), offsets={0: 3})
+        store.write_checkpoint(7, {0: (b"s0", info)}, "run_id = 'test-run'", 1, data_position=saved.to_json())
+        dht = MemoryDHT()
+        coordinator = SimpleNamespace(m=m, store=store, swarm=swarm_view(dht, C, m), peer_id=C,
+                                      _data_published=float("-inf"))
+        await Coordinator._resume_data(coordinator)
+        a = Driver(leaser(dht, A, TaggedShards(3, 5), settings(block=2), m))
+        await until(lambda: a.leaser.position.epoch >= 3)
+        await a.kill()
+        assert sorted((k, i) for e, k, i in a.got if e == 2) == [(0, 3), (0, 4)] + [(2, i) for i in range(5)]
+    inprocess(scenario)
