@@ -173,7 +173,7 @@ def merge_position(mine: DataPosition, records: Iterable[DriverRecord]) -> DataP
     claims = [(k, v) for p in same for k, v in p.offsets.items()]
     claims += [(r.lease.shard, r.lease.claimed) for r in records if r.lease and r.position.epoch == epoch]
     for k, v in claims:
-        if k not in done:
+        if k not in done and v > 0:  # a lease that claimed nothing yet (just taken) has begun nothing
             offsets[k] = max(offsets.get(k, 0), v)
     return DataPosition(mine.n_shards, epoch, done, offsets)
 
