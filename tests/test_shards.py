@@ -343,3 +343,19 @@ def test_a_swarm_restarted_from_a_checkpoint_goes_on_from_its_data_position(inpr
         await a.kill()
         assert sorted((k, i) for e, k, i in a.got if e == 2) == [(0, 3), (0, 4)] + [(2, i) for i in range(5)]
     inprocess(scenario)
+
+
+def test_a_leave_while_taking_a_shard_withdraws_the_unconfirmed_lease(inprocess) -> None:
+    async def scenario() -> None:
+        dht = MemoryDHT()
+        lsr = leaser(dht, A, TaggedShards(2, 5), settings(settle=5.0))  # stuck before its read-back
+        task = asyncio.create_task(lsr.run())
+        view = swarm_view(dht, B, manifest())
+        await until(lambda: A in dht.entries(view.data_key))
+        assert lsr.lease is None  # not confirmed yet, but stored
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await lsr.release(timeout=1.0)
+        [(peer, value)] = await view.data_records()
+        assert parse_record(peer, value, 2).lease is None
+    inprocess(scenario)

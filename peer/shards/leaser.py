@@ -93,6 +93,8 @@ class ShardLeaser:
         self._publishing = asyncio.Lock()
         self._renewed_at = 0.0
         self._waiting_said = False
+        self._stored_lease: Lease | None = None
+        """The lease in our last stored record (a taken shard not yet confirmed is one too)."""
         self._unpublished = False
         """A shard was done since our last store: say so before anything else (the others wait for
         it at an epoch's end)."""
@@ -178,6 +180,7 @@ class ShardLeaser:
                 self.position = position
                 self._renewed_at = time.monotonic()
                 self._unpublished = False
+                self._stored_lease = lease
             return stored
 
     async def _acquire(self) -> None:
@@ -266,9 +269,9 @@ class ShardLeaser:
         """Give the held shard back at once (a graceful leave): store our record without a lease,
         within `timeout` (s). Its claim stays in the position, so whoever takes it goes on there.
         Call after cancelling `run`. True if the release was stored."""
-        if self.lease is None:
+        lease = self.lease or self._stored_lease  # cancelled while taking a shard: its record names it
+        if lease is None:
             return True
-        lease = self.lease
         self.lease, self._iter = None, None
         try:
             stored = await within(self._publish(None), timeout)
