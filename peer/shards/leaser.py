@@ -175,11 +175,13 @@ class ShardLeaser:
     async def _publish(self, lease: Lease | None) -> bool:
         async with self._publishing:
             position = self.position if lease is None else self.position.with_claim(lease.shard, lease.claimed)
+            finished = self.shards_done
             stored = await self.swarm.publish_data(DriverRecord(self.me, position, lease).to_value())
             if stored:
-                self.position = position
+                # merged, not assigned: a shard may have ended (take) while the store was on its way
+                self.position = merge_position(self.position, [DriverRecord(self.me, position, None)])
                 self._renewed_at = time.monotonic()
-                self._unpublished = False
+                self._unpublished = self.shards_done != finished
                 self._stored_lease = lease
             return stored
 
