@@ -257,6 +257,9 @@ def test_two_drivers_reaching_for_the_same_shard_at_once_one_backs_off(inprocess
         holder = a if a.lease is not None else b
         assert [me for me, e in events if e == "lease_contested"] == [({a.me, b.me} - {holder.me}).pop()]
         assert holder.lease.claimed > 0 and holder.position.offsets == {0: holder.lease.claimed}
+        # the driver's lanes wait for `ready` before they are admitted: set only where windows wait
+        loser = b if holder is a else a
+        assert holder.ready.is_set() and not loser.ready.is_set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -158,7 +158,11 @@ class Driver:
             await asyncio.gather(*list(self._commits), return_exceptions=True)
 
     async def _lane(self, stop: asyncio.Event) -> None:
+        ready: asyncio.Event | None = getattr(self.stream, "ready", None)
         while not stop.is_set():
+            if ready is not None and not ready.is_set():
+                await self._until_ready(ready, stop)
+                continue
             async with self._window_changed:  # a lane beyond the window waits for it to grow
                 await self._window_changed.wait_for(lambda: self._in_flight < self.window)
                 self._in_flight += 1
@@ -167,6 +171,16 @@ class Driver:
             finally:
                 self._in_flight -= 1
                 await asyncio.shield(self._rewindow())
+
+    @staticmethod
+    async def _until_ready(ready: asyncio.Event, stop: asyncio.Event) -> None:
+        """Wait, not admitted, until the stream has data or training stops."""
+        waits = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _rewindow(self) -> None:
         """Re-size the window from the latest measurements and wake lanes that may now go."""

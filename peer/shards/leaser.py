@@ -90,6 +90,9 @@ class ShardLeaser:
         self.shards_done = 0
         self._want = asyncio.Event()
         self._supply = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set while a window can be taken without waiting: the driver's lanes wait for it before
+        they are admitted, so a lane waiting for data (an epoch's tail) holds no round boundary."""
         self._publishing = asyncio.Lock()
         self._renewed_at = 0.0
         self._waiting_said = False
@@ -114,19 +117,33 @@ class ShardLeaser:
                 self.consumed += 1
                 self.windows_taken += 1
                 out.append(window)
+                self._update_ready()
                 if lease.claimed - self.consumed <= self.s.claim_block // 2:
                     self._want.set()
                 continue
             self._supply.clear()
+            self._update_ready()
             self._want.set()
             await self._supply.wait()
         return out
+
+    def _update_ready(self) -> None:
+        lease = self.lease
+        if lease is not None and self._iter is not None and self.consumed < lease.claimed:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    def _supplied(self) -> None:
+        self._update_ready()
+        self._supply.set()
 
     def _shard_done(self) -> None:
         assert self.lease is not None
         shard = self.lease.shard
         self.position = self.position.with_done(shard)
         self.lease, self._iter = None, None
+        self.ready.clear()
         self.shards_done += 1
         self._unpublished = True
         self.emit("shard_done", shard=self.ids[shard], index=shard, epoch=self.position.epoch,
@@ -256,7 +273,7 @@ class ShardLeaser:
                           claimed=lease.claimed + (self.s.claim_block if extend else 0))
         if await self._publish(renewed) and self.lease is lease:
             self.lease = renewed
-            self._supply.set()
+            self._supplied()
 
     def _drop(self, why: str) -> None:
         assert self.lease is not None
@@ -266,6 +283,7 @@ class ShardLeaser:
         logger.warning("data: dropped the lease of shard %s (%s) after window %d", self.ids[shard], why,
                        self.consumed)
         self.lease, self._iter = None, None
+        self.ready.clear()
 
     async def release(self, timeout: float) -> bool:
         """Give the held shard back at once (a graceful leave): store our record without a lease,
@@ -275,6 +293,7 @@ class ShardLeaser:
         if lease is None:
             return True
         self.lease, self._iter = None, None
+        self.ready.clear()
         try:
             stored = await within(self._publish(None), timeout)
         except (asyncio.TimeoutError, SwarmUnavailable) as e:
