@@ -38,7 +38,8 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
 
         async def gather() -> tuple[dict[int, list], list]:
             results = await asyncio.gather(*(view.stage_records(s) for s in range(n_stages)))
-            return {s: recs for s, recs in enumerate(results) if recs or manifest is not None}, await view.data_records()
+            stages = {s: recs for s, recs in enumerate(results) if recs or manifest is not None}
+            return stages, await view.data_records()
 
         swarm, data_records = asyncio.run(asyncio.wait_for(gather(), timeout))
     finally:
