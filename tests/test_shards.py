@@ -362,3 +362,42 @@ def test_a_leave_while_taking_a_shard_withdraws_the_unconfirmed_lease(inprocess)
         [(peer, value)] = await view.data_records()
         assert parse_record(peer, value, 2).lease is None
     inprocess(scenario)
+
+
+def test_drivers_lease_the_streaming_paths_shards_and_read_each_window_once(inprocess, tmp_path) -> None:
+    """The text pipeline's corpus (peer/text/) as a shard source: two drivers lease its shards,
+    and every training window of the corpus comes out once in the epoch."""
+    import json
+
+    from swarmgrad.peer.shards.source import TextShards
+    from swarmgrad.peer.text.corpus import TokenCorpus, TokenStream
+    from swarmgrad.peer.text.sources import TextSource
+    from swarmgrad.peer.text.tokenizer import ByteTokenizer
+
+    docs = [f"document {i}: " + "some words of text " * (3 + i % 7) for i in range(60)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    corpus = TokenCorpus(TextSource("jsonl", ["a.jsonl"], tmp_path, shard_bytes=600), ByteTokenizer(), 16, 0.1)
+    source = TextShards(corpus, TokenStream(corpus, 4, seed=0, shuffle=4))
+    assert len(source.shard_ids()) >= 4
+    every = Counter(tuple(w.tolist()) for sid in source.shard_ids() for w in source.windows(sid))
+    three = list(source.windows(source.shard_ids()[0]))[3:]
+    assert [w.tolist() for w in source.windows(source.shard_ids()[0], 3)] == [w.tolist() for w in three]
+
+    async def scenario() -> None:
+        dht, got = MemoryDHT(), Counter()
+        lsrs = [leaser(dht, p, source, settings(block=3)) for p in (A, B)]
+        tasks = [asyncio.create_task(lsr.run()) for lsr in lsrs]
+
+        async def consume(lsr: ShardLeaser) -> None:
+            while True:
+                [w] = await lsr.take(1)
+                if lsr.lease_epoch == 0:
+                    got[tuple(w.tolist())] += 1
+        tasks += [asyncio.create_task(consume(lsr)) for lsr in lsrs]
+        await until(lambda: all(lsr.position.epoch >= 1 for lsr in lsrs))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert got == every  # each window as often as the corpus holds it: none twice
+        assert all(lsr.shards_done for lsr in lsrs)
+    inprocess(scenario)
