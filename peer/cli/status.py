@@ -46,7 +46,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         dht.shutdown()
     from hivemind.utils import get_dht_time
     from swarmgrad.peer.shards.leases import swarm_data
-    data = swarm_data(data_records, (manifest.data.shards or None) if manifest is not None else None, get_dht_time())
+    data = swarm_data(data_records, None, get_dht_time())  # the count the records name (a text corpus's own)
     placement = _placement(manifest, swarm) if manifest is not None else None
     if as_json:
         print(json.dumps({"run_id": run_id, "time": time.time(), "stages": {

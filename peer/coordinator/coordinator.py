@@ -247,7 +247,7 @@ class Coordinator:
     async def _data_position(self) -> dict[str, Any] | None:
         """The drivers' data position now (for a checkpoint); None when none publishes one."""
         from swarmgrad.peer.shards.leases import swarm_position
-        position = swarm_position(await self.swarm.data_records(), self.m.data.shards)
+        position = swarm_position(await self.swarm.data_records())
         return position.to_json() if position is not None else None
 
     async def _resume_data(self) -> None:
@@ -257,14 +257,17 @@ class Coordinator:
         so a swarm that is further along is not set back)."""
         if not self.m.data.shards or time.monotonic() - self._data_published < DATA_TTL / 3:
             return
-        saved = self.store.data_position()
-        if saved is None:
-            return
         from swarmgrad.peer.shards.leases import DataPosition, DriverRecord
         try:
-            position = DataPosition.from_json(saved[1], self.m.data.shards)
-        except ValueError as e:
-            logger.warning("the data position of the checkpoint of round %d is not usable: %s", saved[0], e)
+            saved = self.store.data_position()
+            if saved is None:
+                return
+            shards = saved[1].get("shards") if isinstance(saved[1], dict) else None
+            if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+                raise ValueError(f"no shard count in it ({shards!r})")
+            position = DataPosition.from_json(saved[1], shards)
+        except ValueError as e:  # a corrupt file, or one of another data.shards: nothing to resume from
+            logger.warning("the newest checkpoint's data position is not usable: %s", e)
             self._data_published = time.monotonic()
             return
         if await self.swarm.publish_data(DriverRecord(self.peer_id, position, None).to_value()):

@@ -137,7 +137,7 @@ class DrivingLoop:
         if d.shards:
             source = shard_source(self.m, data)
             block = self.m.inner.microbatches_per_step * self.m.inner.microbatch_size
-            position = load_position(self.save_dir, d.shards)
+            position = load_position(self.save_dir, len(source.shard_ids()))
             if position is not None:
                 logger.info("data: resuming from the position saved in %s (%s)", self.save_dir, position.summary())
             self.leaser = ShardLeaser(source, self.swarm, LeaseSettings(d.lease_seconds, d.lease_settle, block),

@@ -216,9 +216,20 @@ def epoch_complete(position: DataPosition) -> bool:
     return position.complete
 
 
-def swarm_position(raw: Iterable[tuple[str, Any]], n_shards: int) -> DataPosition | None:
+def _shard_count(raw: list[tuple[str, Any]]) -> int | None:
+    """The number of shards most records name (the streaming path's count comes from the corpus,
+    which a reader without it, a coordinator or `swarmgrad status`, does not list)."""
+    counts = [v.get("shards") for _, v in raw if isinstance(v, Mapping) and _count(v.get("shards"))]
+    return max(set(counts), key=lambda n: (counts.count(n), -n)) if counts else None
+
+
+def swarm_position(raw: Iterable[tuple[str, Any]], n_shards: int | None = None) -> DataPosition | None:
     """The data position the raw records (peer id, value) publish together, or None when none
-    parses: what a coordinator's checkpoint keeps."""
+    parses: what a coordinator's checkpoint keeps. `n_shards` None: the count most records name."""
+    raw = list(raw)
+    n_shards = n_shards if n_shards is not None else _shard_count(raw)
+    if n_shards is None:
+        return None
     records = [r for r in (parse_record(p, v, n_shards) for p, v in raw) if r is not None]
     return merge_position(DataPosition(n_shards), records) if records else None
 
@@ -228,11 +239,9 @@ def swarm_data(raw: Iterable[tuple[str, Any]], n_shards: int | None, now: float)
     records (peer id, value); `n_shards` from the manifest, or (None) the count most records name.
     None when no driver leases shards."""
     raw = list(raw)
+    n_shards = n_shards if n_shards is not None else _shard_count(raw)
     if n_shards is None:
-        counts = [v.get("shards") for _, v in raw if isinstance(v, Mapping) and _count(v.get("shards"))]
-        if not counts:
-            return None
-        n_shards = max(set(counts), key=lambda n: (counts.count(n), -n))
+        return None
     records = [r for r in (parse_record(p, v, n_shards) for p, v in raw) if r is not None]
     if not records:
         return None
