@@ -3,8 +3,9 @@ pure rules (peer/shards/leases.py), act: lease a shard, claim its windows a bloc
 renew, hand the driver its windows, release on leave.
 
 One task (`run`, owned by the driving loop's replica: cancelled and awaited by it) does every DHT
-access; the driver's lanes only call `take`, which hands out windows below the published claim and
-waits (never touching the network) when there are none. Every DHT access goes through the
+access and reads the claimed windows on a thread (a text shard is tokenized as it is read); the
+driver's lanes only call `take`, which hands out read windows, all below the published claim, and
+waits (touching neither the network nor the corpus) when there are none. Every DHT access goes through the
 SwarmView, whose every read and write has the deadline `timeouts.dht`. Records are stored one at a
 time (a lock): a node keeps the later-expiring of two that cross.
 
@@ -17,9 +18,11 @@ its lease wins (`leases.lease_winner`); a loser backs off and chooses again.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
@@ -84,6 +87,11 @@ class ShardLeaser:
         """The published lease this driver draws under (its claim is published before it is drawn)."""
         self.lease_epoch = 0
         self._iter: Iterator[Window] | None = None
+        self._buffer: deque[Window] = deque()
+        """Windows of the held shard read (on a thread: a text shard is tokenized as it is read) and
+        not yet taken; all below the published claim."""
+        self._ended = False
+        """The held shard's windows have all been read (into the buffer or taken)."""
         self.consumed = 0
         """Windows of the held shard handed out, counting the offset it was taken over at."""
         self.windows_taken = 0
@@ -105,21 +113,20 @@ class ShardLeaser:
     # the driver's side ----------------------------------------------------------------------
     async def take(self, n: int) -> list[Window]:
         """`n` windows from the leased shards (several when one ends); waits while none is held
-        or the claim is used up. Never touches the network."""
+        or none is read yet. Never touches the network, nor reads the corpus."""
         out: list[Window] = []
         while len(out) < n:
             lease = self.lease
-            if lease is not None and self._iter is not None and self.consumed < lease.claimed:
-                window = next(self._iter, None)
-                if window is None:
-                    self._shard_done()
-                    continue
+            if lease is not None and self._buffer:
+                out.append(self._buffer.popleft())
                 self.consumed += 1
                 self.windows_taken += 1
-                out.append(window)
-                self._update_ready()
-                if lease.claimed - self.consumed <= self.s.claim_block // 2:
+                if not self._ended and lease.claimed - self.consumed <= self.s.claim_block // 2:
                     self._want.set()
+                self._update_ready()
+                continue
+            if lease is not None and self._ended:
+                self._shard_done()
                 continue
             self._supply.clear()
             self._update_ready()
@@ -128,8 +135,7 @@ class ShardLeaser:
         return out
 
     def _update_ready(self) -> None:
-        lease = self.lease
-        if lease is not None and self._iter is not None and self.consumed < lease.claimed:
+        if self.lease is not None and self._buffer:
             self.ready.set()
         else:
             self.ready.clear()
@@ -138,12 +144,16 @@ class ShardLeaser:
         self._update_ready()
         self._supply.set()
 
+    def _forget_shard(self) -> None:
+        self.lease, self._iter, self._ended = None, None, False
+        self._buffer.clear()
+        self.ready.clear()
+
     def _shard_done(self) -> None:
         assert self.lease is not None
         shard = self.lease.shard
         self.position = self.position.with_done(shard)
-        self.lease, self._iter = None, None
-        self.ready.clear()
+        self._forget_shard()
         self.shards_done += 1
         self._unpublished = True
         self.emit("shard_done", shard=self.ids[shard], index=shard, epoch=self.position.epoch,
@@ -170,8 +180,12 @@ class ShardLeaser:
             return
         if self.lease is None:
             await self._acquire()
-        elif self.lease.claimed - self.consumed <= self.s.claim_block // 2:
+        elif self._ended and not self._buffer:
+            self._shard_done()
+        elif not self._ended and self.lease.claimed - self.consumed <= self.s.claim_block // 2:
             await self._renew(extend=True)
+        elif not self._ended and self.lease.claimed - self.consumed - len(self._buffer) > 0:
+            await self._fill()
         else:
             self._want.clear()
             due = self._renewed_at + self.s.renew_every - time.monotonic()
@@ -250,6 +264,8 @@ class ShardLeaser:
             return
         self.lease, self.lease_epoch = lease, epoch
         self.consumed = offset
+        self._buffer.clear()
+        self._ended = False
         self._iter = self.source.windows(self.ids[shard], offset, epoch)
         self.emit("shard_leased", shard=self.ids[shard], index=shard, epoch=epoch, offset=offset,
                   until=lease.until)
@@ -275,6 +291,18 @@ class ShardLeaser:
             self.lease = renewed
             self._supplied()
 
+    async def _fill(self) -> None:
+        """Read the claimed windows not read yet, on a thread (the event loop never tokenizes)."""
+        lease, it = self.lease, self._iter
+        assert lease is not None and it is not None
+        want = lease.claimed - self.consumed - len(self._buffer)
+        windows = await asyncio.to_thread(lambda: list(itertools.islice(it, want)))
+        if self.lease is not lease:  # only this task replaces the lease: it cannot have moved on
+            return
+        self._buffer.extend(windows)
+        self._ended = len(windows) < want
+        self._supplied()
+
     def _drop(self, why: str) -> None:
         assert self.lease is not None
         shard = self.lease.shard
@@ -282,8 +310,7 @@ class ShardLeaser:
                   windows=self.consumed)
         logger.warning("data: dropped the lease of shard %s (%s) after window %d", self.ids[shard], why,
                        self.consumed)
-        self.lease, self._iter = None, None
-        self.ready.clear()
+        self._forget_shard()
 
     async def release(self, timeout: float) -> bool:
         """Give the held shard back at once (a graceful leave): store our record without a lease,
@@ -292,8 +319,7 @@ class ShardLeaser:
         lease = self.lease or self._stored_lease  # cancelled while taking a shard: its record names it
         if lease is None:
             return True
-        self.lease, self._iter = None, None
-        self.ready.clear()
+        self._forget_shard()
         try:
             stored = await within(self._publish(None), timeout)
         except (asyncio.TimeoutError, SwarmUnavailable) as e:
