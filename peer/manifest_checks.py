@@ -11,6 +11,10 @@ import re
 
 from swarmgrad.peer.manifest import Manifest, _fail
 
+MAX_SHARDS = 65536
+"""data.shards at most: a driver's DHT record carries the done shards as a bitmap, 8 KiB at this
+many, well inside hivemind's ~16 KiB values (peer/shards/leases.py)."""
+
 
 def _positive(name: str, value: float) -> None:
     if not value > 0:
@@ -133,6 +137,16 @@ def check(m: Manifest) -> None:
         raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
                                       f"({md.seq_len + 1}): one training window needs that many bytes")
     _positive("data.eval_batches", d.eval_batches)
+    if not 0 <= d.shards <= MAX_SHARDS:
+        raise _fail("data.shards", f"must be 0 (no leases) or 1 to {MAX_SHARDS} (got {d.shards}): a driver's DHT "
+                                   "record carries the done shards as a bitmap")
+    if not d.lease_seconds >= 2 * m.timeouts.dht:
+        raise _fail("data.lease_seconds", f"({d.lease_seconds}) must be at least 2 x timeouts.dht "
+                                          f"({2 * m.timeouts.dht}): a renewal reads and writes the DHT, each within "
+                                          "timeouts.dht, every third of a lease")
+    if not 0 <= d.lease_settle < d.lease_seconds / 3:
+        raise _fail("data.lease_settle", f"must be >= 0 and under a third of data.lease_seconds "
+                                         f"(got {d.lease_settle})")
     for f in dataclasses.fields(m.timeouts):
         if f.name not in ("between_rounds", "join_hold"):  # 0 turns these holds off
             _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))

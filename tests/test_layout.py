@@ -13,6 +13,7 @@ PEER = Path(__file__).resolve().parent.parent / "peer"
 LAYERS: list[set[str]] = [
     {"records", "events", "manifest", "manifest_checks", "model", "data", "text", "decisions"},
     {"net"},
+    {"shards"},  # the data leases: read and write the DHT through net's SwarmView; the driver uses them
     {"clock"},
     {"compute"},
     {"averaging"},

@@ -37,9 +37,9 @@ PINNED = {
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
-# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), and the llama
-# kind's model fields
-PINNED_HASH = "d6f03464a63e39ae80695259efdfb4c3"
+# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
+# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle
+PINNED_HASH = "c04c90c5eec171062f6b223ca49c1489"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ed25519 key file for a stable peer id (created if missing; default: a fresh id each run)")
     p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
     p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
-    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's random windows (unused with data.shards: drivers lease shards)")
     p.add_argument("--max-rounds", type=nonneg_int, default=None,
                    help="stop after this many rounds (overrides manifest; 0: until stopped)")
     p.add_argument("--slowdown", type=slowdown_arg, default=1.0, metavar="F",

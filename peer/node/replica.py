@@ -179,7 +179,8 @@ class Replica:
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
                                        seed=data_seed(m, ctx.peer_id, ctx.data_seed), spawn=self.spawn,
                                        report_stats=presence.set_stats,
-                                       memory_window=driver_memory_window(m, ctx.memory, ctx.model))
+                                       memory_window=driver_memory_window(m, ctx.memory, ctx.model),
+                                       save_dir=ctx.save_dir)
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
                                   sync=sync, presence=presence, phase=self.phase, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
@@ -313,6 +314,8 @@ class Replica:
                             "the others see it gone when its record expires (timeouts.announce_ttl, %.0f s)",
                             t.shutdown / 3, t.announce_ttl)
             self.events.emit("leaving", announced=bool(announced))
+        if self.driving is not None:  # its shard goes back at once, not when the lease expires
+            await self.driving.release()
         tasks = self.tasks + ([self.main] if self.main is not None else [])
         for task in tasks:
             task.cancel()
