@@ -239,6 +239,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     options = dataclasses.replace(options, initial_peer_ids=tuple(
         m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m))
     try:
+        if key is None:  # the peer signs its round tickets with the key p2pd runs with: hold it here
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+            from swarmgrad.peer.net.identity import load_or_create
+            key = load_or_create(Path(args.identity)) if args.identity else Ed25519PrivateKey.generate()
         dht = start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,
                          authorizer=private.authorizer() if private else None, network=network.dht_kwargs,
@@ -282,7 +286,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             options = dataclasses.replace(options, event_sink=_both(options.event_sink, line.observe))
             handler = status_line.install(sys.stdout, line)
         try:
-            peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
+            peer = Peer(manifest, model, PeerNetwork.from_dht(dht, key=key), options, admission=admission,
                         checkpoints=checkpoints, resume_round=resume_round)
             asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
         finally:

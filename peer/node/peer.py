@@ -60,10 +60,14 @@ class PeerNetwork:
     """The P2P instance, asked for once the peer runs."""
     maddrs: Callable[[], tuple[str, ...]]
     """The addresses the peer announces, asked for once, while the DHT surely runs."""
+    key: Any = None
+    """The Ed25519 key whose public half is the peer id (the one p2pd and the record signer run
+    with): a driver signs its round tickets with it (peer/net/round_tickets.py). None: its requests
+    carry none, and later stages end their rounds only from the drivers' records."""
 
     @classmethod
-    def from_dht(cls, dht: DHT) -> "PeerNetwork":
-        return cls(dht=dht, p2p=dht.replicate_p2p, maddrs=lambda: visible_maddrs(dht))
+    def from_dht(cls, dht: DHT, key: Any = None) -> "PeerNetwork":
+        return cls(dht=dht, p2p=dht.replicate_p2p, maddrs=lambda: visible_maddrs(dht), key=key)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +227,7 @@ class Peer:
                           backup_rpc=backup_rpc, backup_store=self._backup_store, pinned=not self.opt.rebalancing,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
-                          resume_round=self.resume_round)
+                          resume_round=self.resume_round, key=self.network.key)
         costs = stage_costs(self.m, self.model, compute_dtype=self.compute_dtype)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:

@@ -25,6 +25,7 @@ from swarmgrad.compression import parse_codec_spec
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import Averager
 from swarmgrad.peer.state.backup import BackupPusher
+from swarmgrad.peer.net.round_tickets import RoundSigner, VerifiedTickets
 from swarmgrad.peer.clock import RoundClock, resume_epoch
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import BestEffort
@@ -89,6 +90,8 @@ class PeerContext:
     """The peer does not rebalance (PeerOptions.rebalancing is false): its records say so."""
     compute_dtype: str = "float32"
     """What this peer's forwards compute in (peer/compute/precision.py resolve_compute_dtype)."""
+    key: Any = None
+    """The peer's Ed25519 key (PeerNetwork.key): a driver signs its round tickets with it."""
     backup_store: Any = None
     """The peer's BackupStore (peer/state/backup.py): its copies are announced, and a replica joining a
     stage whose current state it holds starts from that copy instead of downloading it."""
@@ -162,7 +165,8 @@ class Replica:
             downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id,
-                                    boundary=precision.boundary)
+                                    boundary=precision.boundary,
+                                    signer=RoundSigner(ctx.key, m.run_id, m.hash) if stage == 0 and ctx.key else None)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, phase=self.phase, worker=worker, state=state,
@@ -209,7 +213,8 @@ class Replica:
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
                                  max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
                                  lookahead=m.pipeline.lookahead, hold_s=t.between_rounds,
-                                 boundary=precision.boundary)
+                                 boundary=precision.boundary,
+                                 tickets=VerifiedTickets(m.run_id, m.hash))
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))
