@@ -5,6 +5,9 @@ transport), the handler or the pure decision where that shows it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from hivemind.utils import get_dht_time
 
 from swarmgrad.compression import get_codec
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
+from swarmgrad.peer.records import LEAVING
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import encoded_to_proto, raw_from_tensor
 
@@ -75,3 +79,118 @@ def test_a_request_naming_a_driver_does_not_end_a_later_stages_round(inprocess) 
             assert clock.seen == now + 1 and clock.current == now + 1
 
     inprocess(scenario)
+
+
+# --- 2: backups only from a stage's current replicas, to its holders, at most a round ahead -------
+def _planted(state: Any, round_no: int = 2**40) -> Any:
+    """`state`'s committed snapshot claiming `round_no` rounds (the digest covers tensors and
+    samples, not the counters: it still verifies)."""
+    return dataclasses.replace(state.snapshot, round=round_no, applied_rounds=round_no)
+
+
+def test_a_stranger_cannot_plant_a_backup(inprocess) -> None:
+    """A stranger pushes a copy of stage 1 claiming 2^40 rounds to stage 1's backup holder (the driver),
+    and one of stage 0 to stage 0's (stage 1's replica). Before: both were taken, the planted copy made every honest push STALE, and it was
+    what an emptied stage would be restored from. Now both are refused and honest pushes land."""
+    from swarmgrad.peer.state.backup import push_backup
+    from swarmgrad.peer.state.stage_state import StageState
+    from swarmgrad.peer.model import from_manifest
+    from swarmgrad.protocol.validation import RunIdentity
+
+    m = step_manifest(2, averaging={"backup_every": 1, "backup_link_share": 1.0})
+    model, identity = from_manifest(m), RunIdentity(m.run_id, m.hash)
+
+    def copy_of(stage: int) -> Any:
+        state = StageState(model.build_stage(stage), m.outer)
+        state.commit(0)
+        return _planted(state)
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            driver, stage1 = swarm.start(0), swarm.start(1)
+            pushed = await swarm.wait_for(stage1, lambda e: e["event"] == "backup", 60, "stage 1's first push")
+            assert pushed["holders"] == [driver.peer_id]
+            store = driver.peer._backup_store
+            rpc = FramedRPC(swarm.client("intruder"), f"swarmgrad/{m.run_id}/backup", Traffic(),
+                            max_message_bytes=1 << 26)
+            taken = await push_backup(rpc, driver.peer_id, identity, 1, copy_of(1), timeout=20)
+            assert store.copies[1].applied_rounds < 2**40, "the planted copy is what stage 1 would restore"
+            assert not taken
+            taken = await push_backup(rpc, stage1.peer_id, identity, 0, copy_of(0), timeout=20)
+            assert not taken and all(c.applied_rounds < 2**40 for c in stage1.peer._backup_store.copies.values())
+            # honest pushes still land: the holder's copy follows stage 1's rounds
+            held = store.copies[1].applied_rounds
+            await swarm.until(lambda: store.copies[1].applied_rounds > held, 60, "a later honest push")
+
+    inprocess(scenario)
+
+
+def test_whose_backup_a_holder_takes() -> None:
+    """backup.put_refusal over one snapshot of the swarm: a current replica of the stage, pushing to
+    one of the stage's holders, at most one round ahead of what the stage's replicas announce (lower
+    medians: one record claiming more moves nothing)."""
+    from swarmgrad.peer.state.backup import RESTORE_HOLDERS, backup_holders, put_refusal
+    from support.records import rec
+
+    view = {0: [rec(f"d{i}", stage=0) for i in range(6)],
+            1: [rec("r1", round_no=9, applied=8), rec("r2", round_no=9, applied=8),
+                rec("liar", round_no=2**40, applied=2**40), rec("gone", state=LEAVING, round_no=9, applied=8)]}
+    holders = backup_holders("run", 1, view)
+    me, not_me = holders[0], holders[RESTORE_HOLDERS]
+    assert put_refusal(view, "run", 1, "r1", me, 10, 9) is None  # the round just applied
+    assert put_refusal(view, "run", 1, "liar", me, 10, 9) is None  # a replica's honest-looking copy
+    assert "not an online replica" in put_refusal(view, "run", 1, "stranger", me, 10, 9)
+    assert "not an online replica" in put_refusal(view, "run", 1, "gone", me, 10, 9)
+    assert "not an online replica" in put_refusal(view, "run", 1, "d0", me, 10, 9)  # another stage's
+    assert "does not hold" in put_refusal(view, "run", 1, "r1", not_me, 10, 9)
+    assert "ahead" in put_refusal(view, "run", 1, "liar", me, 2**40, 2**40)
+    assert "ahead" in put_refusal(view, "run", 1, "r1", me, 11, 10)  # two rounds ahead
+
+
+def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An emptied stage: one holder has a planted copy (2^40 rounds), another an honest one. Before,
+    the planted one won (the most applied rounds), and moved the refill's clock 2^40 rounds ahead.
+    Now it is not plausible (more than one round ahead of the swarm's corroborated round) and the
+    honest one is restored; in a private run the coordinator's checkpoint wins over both."""
+    from swarmgrad.peer.clock import RoundClock
+    from swarmgrad.peer.compute.schedule import TrainingProgress
+    from swarmgrad.peer.events import EventLog
+    from swarmgrad.peer.manifest import RoundsConfig, ScheduleConfig, TimeoutsConfig
+    from swarmgrad.peer.state import backup
+    from swarmgrad.peer.state.phase import ReplicaPhase
+    from swarmgrad.peer.state.sync import StateSync
+    from support.records import rec
+    from support.state import trained
+
+    view = {0: [rec(f"d{i}", stage=0, round_no=10) for i in range(3)] + [rec("liar", stage=0, round_no=2**40)]}
+    holders = backup.backup_holders("run", 1, view)
+    honest = dataclasses.replace(trained(1).snapshot, round=10, applied_rounds=9)
+    copies = {holders[0]: _planted(trained(2)), holders[1]: honest}
+
+    async def fetch(rpc: Any, holder: str, *args: Any, **kwargs: Any) -> Any:
+        return copies.get(holder)
+
+    monkeypatch.setattr(backup, "fetch_backup", fetch)
+
+    class Swarm:
+        async def swarm(self) -> dict:
+            return view
+
+    def restore(checkpoint: Any = None) -> tuple[StateSync, bool]:
+        clock = RoundClock(RoundsConfig(), counts_steps=False, max_rounds=0, epoch=None)
+        s = StateSync(rpc=None, swarm=Swarm(), identity=SimpleNamespace(run_id="run"), peer_id="refill",  # type: ignore[arg-type]
+                      stage=1, state=trained(3), worker=None, clock=clock, progress=TrainingProgress(ScheduleConfig()),  # type: ignore[arg-type]
+                      events=EventLog(None), phase=ReplicaPhase(), timeouts=TimeoutsConfig(), max_numel=1 << 22,
+                      backup_rpc=object())  # type: ignore[arg-type]
+        if checkpoint is not None:
+            async def checkpoints(stage: int) -> Any:
+                return checkpoint
+            s.checkpoints = checkpoints
+        return s, asyncio.run(s.restore_backup())
+
+    s, ok = restore()
+    assert ok and s.state.applied_rounds == 9 and s.state.digest == honest.digest
+    assert s.clock.current == 10  # the swarm's corroborated round, not the liar's record
+    checkpoint = dataclasses.replace(trained(4).snapshot, round=8, applied_rounds=7)
+    s, ok = restore(checkpoint)
+    assert ok and s.state.applied_rounds == 7 and s.state.digest == checkpoint.digest

@@ -258,7 +258,8 @@ class Peer:
                 shapes[stage] = {n: tuple(p.shape) for n, p in self.model.build_stage(stage).named_parameters()}
             return shapes[stage]
 
-        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes)
+        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes,
+                                         peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht)
         rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
                         read_timeout=self.m.timeouts.state_download,
                         gate=self.admission.check if self.admission is not None else None)

@@ -319,9 +319,18 @@ class StateSync:
         return True
 
     async def restore_backup(self) -> bool:
-        """The stage is empty: restore the newest state that survives it, from the backups its
-        holders have (peer/state/backup.py) or, in a private run, the coordinator's newest checkpoint.
-        Reports how many rounds of the stage were lost (the swarm's round against the state's)."""
+        """The stage is empty: restore the state that survives it, from the coordinator's newest
+        checkpoint (a private run) or the backups its holders have (peer/state/backup.py).
+        Reports how many rounds of the stage were lost (the swarm's round against the state's).
+
+        Evidence over claims (docs/trust.md, "Backups"): the coordinator's checkpoint, when it has
+        one, wins over any backup, however newer the backup says it is. The coordinator took it from
+        the stage's replicas by what their majority announced, and it comes from the run's owner; a
+        backup is one replica's push, which the holder could check only for being a current
+        replica's and at most one round ahead. A private run may lose the rounds since the last
+        checkpoint; it cannot be handed one replica's state. Without a checkpoint (a public run, or
+        the coordinator has none or did not answer) the newest backup that is plausible
+        (backup.plausible: at most one round ahead of the swarm's corroborated round) is restored."""
         if self.backup_rpc is None and self.checkpoints is None:
             return False
         view: dict[int, list[PeerRecord]] = {}
@@ -329,11 +338,19 @@ class StateSync:
             view = await self.swarm.swarm()
         best: tuple[str, StateSnapshot] | None = None
         if self.backup_rpc is not None and view:
-            from swarmgrad.peer.state.backup import BACKUP_COPIES, backup_holders, fetch_backup
-            holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
+            from swarmgrad.peer.state.backup import (RESTORE_HOLDERS, backup_holders, fetch_backup, lower_median,
+                                                     plausible)
+            others = [r.round for s, recs in view.items() if s != self.stage for r in recs if r.state == ONLINE]
+            swarm_position = lower_median(others) if others else None
+            holders = backup_holders(self.identity.run_id, self.stage, view)[:RESTORE_HOLDERS]
             for holder in holders:
                 snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
                                           self.max_numel, self.t.state_download)
+                if snap is not None and not plausible(snap, swarm_position):
+                    logger.warning("stage %d: the backup on %s claims round %d (%d applied), more than one round "
+                                   "ahead of the swarm's (%s): not restored", self.stage, holder[-8:], snap.round,
+                                   snap.applied_rounds, swarm_position)
+                    continue
                 if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
                     best = (holder, snap)
         self._checkpoint_unknown = False
@@ -345,14 +362,17 @@ class StateSync:
                                type(e).__name__, e)
                 snap = None
                 self._checkpoint_unknown = True
-            if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+            if snap is not None:  # evidence over claims: the checkpoint wins over any backup (docstring)
                 best = ("coordinator", snap)
         if best is None:
             return False
         source, snap = best
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.adopt(snap.trained_samples)
-        swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
+        online = [r.round for s, recs in view.items() if s != self.stage for r in recs if r.state == ONLINE]
+        # the swarm's corroborated round (lower median), not its highest claim: one record saying
+        # 2^40 must not move the restored stage's clock
+        swarm_round = max(snap.round, sorted(online)[(len(online) - 1) // 2]) if online else snap.round
         self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
         lost = max(0, swarm_round - snap.round)
         self.events.emit("state_restored", source=source, round=self.clock.current, backup_round=snap.round,
