@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from swarmgrad.peer.records import FAILED
 from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
@@ -79,7 +79,8 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
 
 
 def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
-              hold: float, connected: set[str] | None = None) -> tuple[list[str], list[str]]:
+              hold: float, connected: set[str] | None = None, *, shares: Mapping[str, float] | None = None,
+              min_share: float = 0.0, held_before: Collection[str] = ()) -> tuple[list[str], list[str]]:
     """(the peers a replica waits for at its round boundary, the peers it may forget).
 
     At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
@@ -95,7 +96,16 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
     stage's other replicas) applies the round meanwhile, the state arrives superseded, and the
     joiner downloads again or fails its first round as stale, round after round (measured:
     docs/measurements.md, "Notes moved from the code"). A round held until the download lands
-    costs the donors that wait once."""
+    costs the donors that wait once.
+
+    Who may be waited for at all (docs/trust.md, "Join hold"): a hold stalls the whole stage, so it
+    is granted only to a plausible joiner, never on a request alone. Besides a record of this stage
+    that is JOINING (or ONLINE and re-syncing) and a live connection, the peer must have asked us
+    for at least `min_share` of the state (`shares`: peer -> the fraction of the state's tensors,
+    by size, it asked for; a joiner asks every donor for its part of the whole state at once, so
+    one small part does not qualify), and it must not be in `held_before` (the peers a boundary was
+    already held for: one hold per peer id). A peer that does not qualify is neither waited for nor
+    forgotten. How long all holds together may last is `join_hold_left`'s."""
     by_id = {r.peer_id: r for r in records}
     waiting, settled = [], []
     for peer, since in served.items():
@@ -104,9 +114,18 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
                 record.state == ONLINE and record.digest == own_digest) or (
                 connected is not None and peer not in connected):
             settled.append(peer)
-        elif now - since < hold:
+        elif now - since < hold and peer not in held_before and (
+                shares is None or shares.get(peer, 0.0) >= min_share):
             waiting.append(peer)
     return sorted(waiting), sorted(settled)
+
+
+def join_hold_left(holds: Sequence[tuple[float, float]], now: float, hold: float, window: float) -> float:
+    """Seconds this replica may still hold boundaries for joiners: at most `hold` seconds in all over
+    any `window` seconds (`holds`: (start, end) of past holds, monotonic). However many ids ask,
+    a stage stalls for joiners at most hold / window of its time."""
+    spent = sum(max(0.0, end - max(start, now - window)) for start, end in holds if end > now - window)
+    return max(0.0, hold - spent)
 
 
 def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRecord], self_id: str,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -194,3 +195,87 @@ def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -
     checkpoint = dataclasses.replace(trained(4).snapshot, round=8, applied_rounds=7)
     s, ok = restore(checkpoint)
     assert ok and s.state.applied_rounds == 7 and s.state.digest == checkpoint.digest
+
+
+# --- 4: a join hold only for a plausible joiner, once per id, within a budget --------------------
+def test_a_stranger_cannot_stall_a_stage_with_join_holds(inprocess) -> None:
+    """A stranger announces itself JOINING under a stage and asks its replica for one small part of
+    the state. Before: the replica held its next boundary for it (timeouts.join_hold; with fresh
+    ids every round, the stage never trained). Now a part is no download: no hold. The whole state
+    earns one hold; the same id asking again earns none, and fresh ids share what is left of the
+    replica's hold budget (timeouts.join_hold in all per 10 x join_hold)."""
+    from swarmgrad.peer.net.dht_view import SwarmView
+    from swarmgrad.peer.records import JOINING, PeerRecord
+    from support.swarm import peer_ids
+
+    m = step_manifest(2, stages={"count": 1}, timeouts={"join_hold": 2.0})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            a = swarm.start(0)
+            await swarm.wait_for(a, lambda e: e["event"] == "round" and e["round"] >= 2, 30, "A's rounds")
+            replica = a.peer.replicas[0]
+            shapes = replica.state.shapes
+            clients: dict[str, FramedRPC] = {}
+
+            async def ask(seed: str, part: list[str]) -> None:
+                """As a joiner would: a JOINING record of stage 0, then a state request (retried
+                while A is between rounds)."""
+                peer = peer_ids(1, seed)[0]
+                view = SwarmView(swarm.dht.node(peer), m.run_id, m.hash, 1, 5.0, m.timeouts.announce_ttl)
+                await view.announce(PeerRecord(peer_id=peer, stage=0, state=JOINING, throughput=1.0, round=0,
+                                               applied_rounds=0, digest="", manifest_hash=m.hash, driver=False))
+                if seed not in clients:
+                    clients[seed] = FramedRPC(swarm.client(seed), stage_namespace(m.run_id, 0), Traffic(),
+                                              max_message_bytes=1 << 26)
+                rpc = clients[seed]
+                request = pb.StateRequest(envelope=pb.Envelope(run_id=m.run_id, manifest_hash=m.hash, stage=0),
+                                          names=part)
+                for _ in range(100):
+                    answer = await rpc.call(a.peer_id, "state", request, pb.StateResponse, timeout=10)
+                    if answer.status == pb.OK:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"A never served {seed}: {answer.status} {answer.reason}")
+
+            def holds() -> list[dict]:
+                return a.events("join_hold")
+
+            async def rounds_after(n: int) -> None:
+                start = replica.clock.current
+                await swarm.until(lambda: replica.clock.current >= start + n, 30, f"{n} more rounds of A")
+
+            await ask("stranger", [min(shapes, key=lambda n: math.prod(shapes[n]))])
+            await rounds_after(3)
+            assert not holds(), f"A held its boundary for one small part: {holds()}"
+            stranger = peer_ids(1, "stranger")[0]
+            await ask("stranger", [])  # the whole state: a joiner's download earns one hold
+            await rounds_after(3)
+            assert [h["joiners"] for h in holds()] == [[stranger]], holds()
+            await ask("stranger", [])  # not twice for one id
+            for i in range(3):  # fresh ids share what is left of the budget: 2 s in all per 20 s
+                await ask(f"fresh{i}", [])
+                await rounds_after(2)
+            assert sum(stranger in h["joiners"] for h in holds()) == 1, holds()
+            assert sum(h["held_s"] for h in holds()) <= 2.0 + 0.5, holds()
+
+    inprocess(scenario)
+
+
+def test_who_a_boundary_is_held_for_and_for_how_long() -> None:
+    """decisions.join_hold's gates and decisions.join_hold_left's budget, without a network."""
+    from swarmgrad.peer import decisions
+    from swarmgrad.peer.records import JOINING
+    from support.records import rec
+
+    served = {"whole": 100.0, "part": 100.0, "again": 100.0}
+    records = [rec(p, state=JOINING, digest="seed") for p in served]
+    shares = {"whole": 1.0, "part": 0.01, "again": 1.0}
+    waiting, settled = decisions.join_hold(served, records, "ours", 105.0, 30.0, shares=shares, min_share=0.25,
+                                           held_before={"again"})
+    assert waiting == ["whole"] and settled == []  # the others are neither waited for nor forgotten
+    # the budget: 30 s of holding in any 300 s, however the holds fall
+    assert decisions.join_hold_left([], 1000.0, 30.0, 300.0) == 30.0
+    assert decisions.join_hold_left([(900.0, 920.0)], 1000.0, 30.0, 300.0) == 10.0
+    assert decisions.join_hold_left([(690.0, 730.0)], 1000.0, 30.0, 300.0) == 0.0  # 30 s of it fall inside
+    assert decisions.join_hold_left([(600.0, 690.0)], 1000.0, 30.0, 300.0) == 30.0  # all before the window

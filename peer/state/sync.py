@@ -167,6 +167,8 @@ class StateSync:
         self.served: dict[str, float] = {}
         """Peers that downloaded this replica's state -> when (monotonic) their first request
         arrived: the round runner holds its boundary for them (decisions.join_hold)."""
+        self._asked: dict[str, set[str]] = {}
+        """Peers in `served` -> the tensors they asked for (`shares`)."""
         self._rereading = BestEffort(f"stage {stage}: re-reading the stage's records after a download", logger)
         self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
         self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
@@ -199,13 +201,22 @@ class StateSync:
         if snap is None:
             raise ProtocolError(pb.NOT_READY, REFUSED[Phase.JOINING])
         self.served.setdefault(str(caller), time.monotonic())
+        self._asked.setdefault(str(caller), set()).update(names or self.state.shapes)
         return state_response(snap, names)
+
+    def shares(self) -> dict[str, float]:
+        """Peers in `served` -> the fraction of the state (by elements) they asked us for: a joiner
+        asks its donors for the whole state at once; one small part is no download to hold for."""
+        sizes = {n: math.prod(shape) for n, shape in self.state.shapes.items()}
+        total = sum(sizes.values()) or 1
+        return {peer: sum(sizes.get(n, 0) for n in names) / total for peer, names in self._asked.items()}
 
     def forget_served(self, peers: Sequence[str]) -> None:
         """Drop peers the runner will not hold for again until they ask anew (they serve our state,
         left, or lost their connection: decisions.join_hold)."""
         for peer in peers:
             self.served.pop(peer, None)
+            self._asked.pop(peer, None)
 
     # fetching -----------------------------------------------------------------------------------
     async def download(self, peers: Sequence[str]) -> bool:
