@@ -279,3 +279,30 @@ def test_who_a_boundary_is_held_for_and_for_how_long() -> None:
     assert decisions.join_hold_left([(900.0, 920.0)], 1000.0, 30.0, 300.0) == 10.0
     assert decisions.join_hold_left([(690.0, 730.0)], 1000.0, 30.0, 300.0) == 0.0  # 30 s of it fall inside
     assert decisions.join_hold_left([(600.0, 690.0)], 1000.0, 30.0, 300.0) == 30.0  # all before the window
+
+
+def test_an_honest_drivers_requests_carry_its_tickets(inprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The honest path: a driver's requests of each new round carry its ticket, relayed across
+    stages, and every later stage verifies it once per round (none refused)."""
+    from swarmgrad.peer.net import round_tickets
+
+    checks: list[tuple[str, int, str | None]] = []
+    original = round_tickets.VerifiedTickets.refusal
+
+    def recording(self, driver: str, round_no: int, ticket: bytes) -> str | None:  # type: ignore[no-untyped-def]
+        why = original(self, driver, round_no, ticket)
+        checks.append((driver, round_no, why))
+        return why
+
+    monkeypatch.setattr(round_tickets.VerifiedTickets, "refusal", recording)
+    m = step_manifest(2, stages={"count": 3}, model={"n_layers": 3})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            driver, _, last = swarm.start(0), swarm.start(1), swarm.start(2)
+            await swarm.wait_for(last, lambda e: e["event"] == "round" and e["round"] >= 2 and e["samples"] > 0, 60,
+                                 "two trained rounds on the last stage")
+            assert checks and all(d == driver.peer_id and why is None for d, _, why in checks), checks
+            assert {r for _, r, _ in checks} >= {1, 2}
+
+    inprocess(scenario)
