@@ -68,6 +68,14 @@ def test_store_keeps_the_newest_valid_copy_and_serves_it() -> None:
         assert ack.status == pb.STALE_STATE and store.copies[1].digest == state.digest
         back = await store.handle_get(pb.BackupGet(envelope=envelope(ID, 1)), None)
         assert back.state_digest == state.digest and back.trained_samples == 10
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)),
+                                     "stranger")  # no record under stage 1
+        assert ack.status == pb.UNAUTHORIZED and "not an online replica" in ack.reason
+        # a held copy far ahead of the stage (planted before, or the stage fell back) blocks nothing
+        store.copies[1] = dataclasses.replace(store.copies[1], round=2**40, applied_rounds=2**40)
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)),
+                                     "pusher")
+        assert ack.status == pb.OK and store.copies[1].applied_rounds == 1
         with pytest.raises(ProtocolError):  # nothing held for stage 0
             await store.handle_get(pb.BackupGet(envelope=envelope(ID, 0)), None)
         tampered = state_response(state.snapshot)

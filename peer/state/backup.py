@@ -138,18 +138,20 @@ class BackupStore:
     async def handle_put(self, request: pb.BackupPut, caller: PeerID) -> pb.BackupAck:
         check_envelope(request.envelope, self.identity, range(self.n_stages))
         stage = request.envelope.stage
-        res = validate_state_response(request.state, self.shapes_of(stage), self.max_numel,
-                                      digest_fn=state_digest, allowed_codecs=FP32_ONLY)
-        if not res.ok:
-            raise ProtocolError(pb.BAD_REQUEST, "a backup must carry a state (status OK)")
+        # who may push, before the state is decoded and hashed: a refused caller costs a DHT read
         try:
             view = await within(self.swarm(), self.timeout)
         except NETWORK_FAILURES:
             return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the swarm to check the pusher; try later")
-        why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, res.round, res.applied_rounds)
+        why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
+                          request.state.applied_rounds)
         if why is not None:
             logger.info("refused a backup of stage %d from %s: %s", stage, str(caller)[-8:], why)
             return pb.BackupAck(status=pb.UNAUTHORIZED, reason=why)
+        res = validate_state_response(request.state, self.shapes_of(stage), self.max_numel,
+                                      digest_fn=state_digest, allowed_codecs=FP32_ONLY)
+        if not res.ok:
+            raise ProtocolError(pb.BAD_REQUEST, "a backup must carry a state (status OK)")
         self._forget_unheld(view)
         held = self.copies.get(stage)
         position = stage_position(view.get(stage, ()))
