@@ -80,7 +80,8 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
 
 def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
               hold: float, connected: set[str] | None = None, *, shares: Mapping[str, float] | None = None,
-              min_share: float = 0.0, held_before: Collection[str] = ()) -> tuple[list[str], list[str]]:
+              min_share: float = 0.0, held_before: Collection[str] = (), active: Mapping[str, float] | None = None,
+              stall: float = float("inf")) -> tuple[list[str], list[str]]:
     """(the peers a replica waits for at its round boundary, the peers it may forget).
 
     At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
@@ -104,8 +105,11 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
     for at least `min_share` of the state (`shares`: peer -> the fraction of the state's tensors,
     by size, it asked for; a joiner asks every donor for its part of the whole state at once, so
     one small part does not qualify), and it must not be in `held_before` (the peers a boundary was
-    already held for: one hold per peer id). A peer that does not qualify is neither waited for nor
-    forgotten. How long all holds together may last is `join_hold_left`'s."""
+    already held for: one hold per peer id). A peer whose download from us has not moved for `stall`
+    seconds (`active`: peer -> when it last asked or had a stream open to us) is no longer waited
+    for: its download stalled, or ended long enough ago for a real joiner to have landed it. A peer
+    that does not qualify is neither waited for nor forgotten. How long all holds together may last
+    is `join_hold_left`'s."""
     by_id = {r.peer_id: r for r in records}
     waiting, settled = [], []
     for peer, since in served.items():
@@ -115,7 +119,8 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
                 connected is not None and peer not in connected):
             settled.append(peer)
         elif now - since < hold and peer not in held_before and (
-                shares is None or shares.get(peer, 0.0) >= min_share):
+                shares is None or shares.get(peer, 0.0) >= min_share) and (
+                active is None or now - active.get(peer, since) < stall):
             waiting.append(peer)
     return sorted(waiting), sorted(settled)
 

@@ -198,12 +198,16 @@ def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -
 
 
 # --- 4: a join hold only for a plausible joiner, once per id, within a budget --------------------
-def test_a_stranger_cannot_stall_a_stage_with_join_holds(inprocess) -> None:
+def test_a_stranger_cannot_stall_a_stage_with_join_holds(inprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stranger announces itself JOINING under a stage and asks its replica for one small part of
     the state. Before: the replica held its next boundary for it (timeouts.join_hold; with fresh
     ids every round, the stage never trained). Now a part is no download: no hold. The whole state
-    earns one hold; the same id asking again earns none, and fresh ids share what is left of the
-    replica's hold budget (timeouts.join_hold in all per 10 x join_hold)."""
+    earns one hold, which ends once its download has not moved for JOIN_HOLD_STALL_SECONDS (here 1 s
+    of the 2 s join_hold: the stranger never lands it); the same id asking again earns none, and
+    fresh ids share what is left of the replica's hold budget (join_hold in all per 10 x join_hold)."""
+    from swarmgrad.peer.rounds import runner
+
+    monkeypatch.setattr(runner, "JOIN_HOLD_STALL_SECONDS", 1.0)
     from swarmgrad.peer.net.dht_view import SwarmView
     from swarmgrad.peer.records import JOINING, PeerRecord
     from support.swarm import peer_ids
@@ -252,6 +256,7 @@ def test_a_stranger_cannot_stall_a_stage_with_join_holds(inprocess) -> None:
             await ask("stranger", [])  # the whole state: a joiner's download earns one hold
             await rounds_after(3)
             assert [h["joiners"] for h in holds()] == [[stranger]], holds()
+            assert holds()[0]["held_s"] < 1.8, holds()  # ended by the stalled download, not join_hold
             await ask("stranger", [])  # not twice for one id
             for i in range(3):  # fresh ids share what is left of the budget: 2 s in all per 20 s
                 await ask(f"fresh{i}", [])
@@ -274,6 +279,12 @@ def test_who_a_boundary_is_held_for_and_for_how_long() -> None:
     waiting, settled = decisions.join_hold(served, records, "ours", 105.0, 30.0, shares=shares, min_share=0.25,
                                            held_before={"again"})
     assert waiting == ["whole"] and settled == []  # the others are neither waited for nor forgotten
+    # a download that has not moved for `stall` seconds: no longer waited for
+    active = {"whole": 100.0}
+    assert decisions.join_hold(served, records, "ours", 105.0, 30.0, shares=shares, min_share=0.25,
+                               held_before={"again"}, active=active, stall=10.0)[0] == ["whole"]
+    assert decisions.join_hold(served, records, "ours", 111.0, 30.0, shares=shares, min_share=0.25,
+                               held_before={"again"}, active=active, stall=10.0)[0] == []
     # the budget: 30 s of holding in any 300 s, however the holds fall
     assert decisions.join_hold_left([], 1000.0, 30.0, 300.0) == 30.0
     assert decisions.join_hold_left([(900.0, 920.0)], 1000.0, 30.0, 300.0) == 10.0

@@ -52,6 +52,10 @@ donor's share of a state in several parts is a third or more unless one tensor d
 JOIN_HOLD_WINDOW_FACTOR = 10
 """Holds for joiners last at most timeouts.join_hold in all over any window this many times as
 long (decisions.join_hold_left): whatever ids ask, a stage stalls for them at most a tenth of its time."""
+JOIN_HOLD_STALL_SECONDS = 10.0
+"""A hold for a joiner ends once its download from us has not moved (no request, no stream of its
+open to us) for this long: its download stalled, or ended long enough ago for a real joiner to
+have loaded the state and come ONLINE (decisions.join_hold)."""
 HELD_FOR_KEPT = 4096
 """Peer ids a boundary was held for, remembered so that none is held for twice."""
 """How often a boundary held for joiners re-reads the stage's records."""
@@ -249,7 +253,8 @@ class RoundRunner:
                 waiting, settled = decisions.join_hold(dict(sync.served), records, self.state.digest,
                                                     time.monotonic(), hold, await self._connected(),
                                                     shares=sync.shares(), min_share=JOIN_HOLD_MIN_SHARE,
-                                                    held_before=self._held_for)
+                                                    held_before=self._held_for, active=sync.activity(),
+                                                    stall=JOIN_HOLD_STALL_SECONDS)
                 sync.forget_served(settled)
                 if not waiting:
                     break

@@ -169,6 +169,9 @@ class StateSync:
         arrived: the round runner holds its boundary for them (decisions.join_hold)."""
         self._asked: dict[str, set[str]] = {}
         """Peers in `served` -> the tensors they asked for (`shares`)."""
+        self._active: dict[str, float] = {}
+        """Peers in `served` -> when (monotonic) they last asked, or were last seen with a stream
+        open to our handlers (`activity`)."""
         self._rereading = BestEffort(f"stage {stage}: re-reading the stage's records after a download", logger)
         self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
         self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
@@ -202,7 +205,18 @@ class StateSync:
             raise ProtocolError(pb.NOT_READY, REFUSED[Phase.JOINING])
         self.served.setdefault(str(caller), time.monotonic())
         self._asked.setdefault(str(caller), set()).update(names or self.state.shapes)
+        self._active[str(caller)] = time.monotonic()
         return state_response(snap, names)
+
+    def activity(self) -> dict[str, float]:
+        """Peers in `served` -> when (monotonic) their download from us last moved: a request, or a
+        stream of theirs still open (an answer on its way to them). A download that has not moved
+        for a while has stalled or ended (decisions.join_hold)."""
+        now = time.monotonic()
+        for peer in self._active:
+            if self.rpc is not None and self.rpc.open_streams_of(peer):
+                self._active[peer] = now
+        return dict(self._active)
 
     def shares(self) -> dict[str, float]:
         """Peers in `served` -> the fraction of the state (by elements) they asked us for: a joiner
@@ -217,6 +231,7 @@ class StateSync:
         for peer in peers:
             self.served.pop(peer, None)
             self._asked.pop(peer, None)
+            self._active.pop(peer, None)
 
     # fetching -----------------------------------------------------------------------------------
     async def download(self, peers: Sequence[str]) -> bool:
