@@ -207,7 +207,7 @@ def test_a_stranger_cannot_stall_a_stage_with_join_holds(inprocess, monkeypatch:
     fresh ids share what is left of the replica's hold budget (join_hold in all per 10 x join_hold)."""
     from swarmgrad.peer.rounds import runner
 
-    monkeypatch.setattr(runner, "JOIN_HOLD_STALL_SECONDS", 1.0)
+    monkeypatch.setattr(runner, "JOIN_HOLD_STALL_SECONDS", 1.0, raising=False)  # absent before this change
     from swarmgrad.peer.net.dht_view import SwarmView
     from swarmgrad.peer.records import JOINING, PeerRecord
     from support.swarm import peer_ids
