@@ -156,7 +156,7 @@ class StateSync:
         """Client of the peer-level backup handlers: an empty stage is restored from a backup."""
         self.checkpoints = checkpoints
         """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
-        stage restores from (the newer of the two wins)."""
+        stage restores from (it wins over any backup: restore_backup)."""
         self.local_copy = local_copy
         """BackupStore.local_copy: this peer's backup of a stage, if it has the given digest."""
         self._checkpoint_unknown = False
