@@ -45,7 +45,8 @@ def make_state(seed: int = 0) -> StageState:
 
 def holder_view(run_id: str = "run") -> tuple[str, dict[int, list[PeerRecord]]]:
     """(a peer that holds stage 1's backups, a swarm where "pusher" is stage 1's replica at round 5)."""
-    view = {0: [rec("a", 0), rec("b", 0)], 1: [dataclasses.replace(rec("pusher", 1), round=5, applied_rounds=4)]}
+    view = {0: [dataclasses.replace(rec(p, 0), round=5) for p in ("a", "b")],
+            1: [dataclasses.replace(rec("pusher", 1), round=5, applied_rounds=4)]}
     return backup_holders(run_id, 1, view)[0], view
 
 

@@ -133,7 +133,7 @@ def test_whose_backup_a_holder_takes() -> None:
     from swarmgrad.peer.state.backup import RESTORE_HOLDERS, backup_holders, put_refusal
     from support.records import rec
 
-    view = {0: [rec(f"d{i}", stage=0) for i in range(6)],
+    view = {0: [rec(f"d{i}", stage=0, round_no=9) for i in range(6)],
             1: [rec("r1", round_no=9, applied=8), rec("r2", round_no=9, applied=8),
                 rec("liar", round_no=2**40, applied=2**40), rec("gone", state=LEAVING, round_no=9, applied=8)]}
     holders = backup_holders("run", 1, view)
@@ -146,6 +146,12 @@ def test_whose_backup_a_holder_takes() -> None:
     assert "does not hold" in put_refusal(view, "run", 1, "r1", not_me, 10, 9)
     assert "ahead" in put_refusal(view, "run", 1, "liar", me, 2**40, 2**40)
     assert "ahead" in put_refusal(view, "run", 1, "r1", me, 11, 10)  # two rounds ahead
+    # an emptied stage whose one record is a forger's: its claims are bounded by the swarm's round
+    emptied = {0: [rec(f"d{i}", stage=0, round_no=9) for i in range(6)],
+               1: [rec("forger", round_no=2**40, applied=2**40)]}
+    holder = backup_holders("run", 1, emptied)[0]
+    assert "the swarm" in put_refusal(emptied, "run", 1, "forger", holder, 2**40, 2**40)
+    assert put_refusal(emptied, "run", 1, "forger", holder, 10, 9) is None
 
 
 def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,8 @@ so a holder takes it only from a peer whose signed record is ONLINE under that s
 replica), only for a stage it is itself a rendezvous holder of (one of the RESTORE_HOLDERS a refill
 asks), and only if the copy is at most one round ahead of what the stage's replicas announce
 (`stage_position`: the lower medians of their rounds and applied rounds, so one record claiming
-more moves nothing). A copy it holds that the stage has fallen behind (more than one round ahead of
+more moves nothing) and of the swarm's round (`swarm_round`, which bounds a stage whose only
+records are one writer's). A copy it holds that the stage has fallen behind (more than one round ahead of
 the stage) no longer blocks a newer push. So a stranger plants nothing, nobody makes a peer hold a
 copy of a stage it does not hold for, and storage is one copy per stage it holds for.
 """
@@ -81,6 +82,14 @@ def stage_position(records: Sequence[PeerRecord]) -> tuple[int, int] | None:
     return lower_median([r.round for r in online]), lower_median([r.applied_rounds for r in online])
 
 
+def swarm_round(view: Mapping[int, Sequence[PeerRecord]]) -> int | None:
+    """The round the whole swarm corroborates (lower median over every stage's ONLINE records; all
+    stages share the drivers' rounds), or None when nobody is online. A stage whose only records are
+    one writer's cannot lift it. Pure."""
+    rounds = [r.round for recs in view.values() for r in recs if r.state == ONLINE]
+    return lower_median(rounds) if rounds else None
+
+
 def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: int, caller: str, self_id: str,
                 claim_round: int, claim_applied: int) -> str | None:
     """Why this peer (`self_id`) must not take `caller`'s copy of `stage` (None: it may). Pure."""
@@ -94,6 +103,12 @@ def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: in
     if claim_round > position[0] + 1 or claim_applied > position[1] + 1:
         return (f"the copy claims round {claim_round} ({claim_applied} applied), more than one round ahead of "
                 f"stage {stage}'s replicas (round {position[0]}, {position[1]} applied)")
+    swarm = swarm_round(view)
+    if claim_applied > claim_round or (swarm is not None and claim_round > swarm + 1):
+        # a stage whose records are all one writer's (an emptied stage, a forger's) is bounded by
+        # the swarm: rounds are the drivers', shared by every stage
+        return (f"the copy claims round {claim_round} ({claim_applied} applied), more than one round ahead of "
+                f"the swarm (round {swarm})")
     return None
 
 
@@ -154,9 +169,10 @@ class BackupStore:
             raise ProtocolError(pb.BAD_REQUEST, "a backup must carry a state (status OK)")
         self._forget_unheld(view)
         held = self.copies.get(stage)
-        position = stage_position(view.get(stage, ()))
+        position, swarm = stage_position(view.get(stage, ())), swarm_round(view)
         # a held copy the stage has fallen behind (restored from an older state) blocks nothing
-        current = held is not None and position is not None and held.applied_rounds <= position[1] + 1
+        current = held is not None and position is not None and held.applied_rounds <= position[1] + 1 and (
+            swarm is None or held.round <= swarm + 1)
         if held is not None and current and held.applied_rounds > res.applied_rounds:
             return pb.BackupAck(status=pb.STALE_STATE, reason=f"we hold a newer copy ({held.applied_rounds} rounds)")
         self.copies[stage] = StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest,
