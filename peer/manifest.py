@@ -295,6 +295,9 @@ class TimeoutsConfig:
     (at most half of the microbatch's deadline), serving it once the round is over, instead of
     refusing it NOT_READY and having the driver send the activations again. 0: refuse at once. A
     late microbatch of the round being ended is refused at once."""
+    tokenizer: float = 30.0
+    """A chunk of a public run's tokenizer file (peer/public/tokenizer_share.py): how long a serving
+    peer waits for the request, and a joiner for each chunk's answer."""
 
 
 @dataclass(frozen=True, kw_only=True)

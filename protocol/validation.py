@@ -315,3 +315,21 @@ def validate_commit(req: pb.CommitRequest, identity: RunIdentity, stage: int, ca
     if len(req.microbatch_ids) > MAX_COMMITS:
         raise ProtocolError(pb.BAD_REQUEST, f"commit names more than {MAX_COMMITS} microbatches")
     return [(caller, int(mb), int(a)) for mb, a in zip(req.microbatch_ids, req.attempts)]
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def validate_tokenizer_request(req: pb.TokenizerRequest, identity: RunIdentity, sha256: str, size: int) -> int:
+    """The offset a request for this run's tokenizer file asks from (peer/public/tokenizer_share.py).
+    The caller must name the run, its manifest and the file's digest, `sha256` (a caller that expects
+    other bytes is told so rather than sent these)."""
+    check_envelope(req.envelope, identity, [0])
+    if len(req.sha256) != 64 or not set(req.sha256) <= _HEX:
+        raise ProtocolError(pb.BAD_REQUEST, "tokenizer request: sha256 must be 64 lowercase hex digits")
+    if req.sha256 != sha256:
+        raise ProtocolError(pb.WRONG_RUN, f"tokenizer request for sha256 {req.sha256[:12]}..., this peer's "
+                                          f"tokenizer is {sha256[:12]}...")
+    if req.offset > size:
+        raise ProtocolError(pb.BAD_REQUEST, f"tokenizer request: offset {req.offset} is past the file's {size} bytes")
+    return int(req.offset)

@@ -103,7 +103,7 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.cli.public import PublicRunError, check_local_tokenizer, fetch_run, sign_own_run
+    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, sign_own_run
     from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
@@ -158,7 +158,6 @@ def cmd_peer(args: argparse.Namespace) -> int:
     elif args.run:  # a public run by name: its owner-signed manifest from the swarm
         try:
             published = fetch_run(args.run, args.initial_peers, args.cache_dir, args.bootstrap_wait)
-            check_local_tokenizer(published, Path.cwd())
         except SwarmUnreachable as e:
             print(f"could not join the swarm: {e}", file=sys.stderr)
             return 1
@@ -168,6 +167,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
         manifest = published.manifest
         print(f"run {published.run_id}: manifest {manifest.hash[:12]} signed by its owner {published.owner_id} "
               "(verified)", flush=True)
+        if manifest.data.tokenizer:
+            print(f"run {published.run_id}: tokenizer {manifest.data.tokenizer} (sha256 "
+                  f"{(published.tokenizer_sha256 or '')[:12]}..., the owner's: verified)", flush=True)
     else:
         if not args.manifest:
             print("--manifest is required (or --run NAME for a public run, --join INVITATION for a private one)",

@@ -126,6 +126,10 @@ class RunDirectory:
                 best = published
         return Found(run_id, best, tuple(dict.fromkeys(refusals)))
 
+    async def publishers(self, run_id: str) -> list[str]:
+        """The peer ids that store an entry under the run's manifest key (whatever it holds)."""
+        return [peer_id for peer_id, _ in await self._entries(manifest_key(run_id))]
+
     async def find(self, name: RunName) -> list[Found]:
         """The runs `name` may mean: NAME@FINGERPRINT itself, or every listed run called NAME."""
         if name.fingerprint is not None:

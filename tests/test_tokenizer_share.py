@@ -1,0 +1,189 @@
+"""A public run's tokenizer file, served by its peers and fetched by a joiner that lacks it
+(peer/public/tokenizer_share.py): over the in-memory DHT (tests/support/dht.py) and the loopback
+transport under the real FramedRPC (tests/support/transport.py), in chunks, checked against the
+owner-signed sha256 (a forged file is refused in one line and the next peer asked), cached beside
+the run's manifest; and the wire's checks of both messages."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from support.dht import MemoryDHT, announce, swarm_view
+from support.transport import LoopbackNet
+from swarmgrad.peer.cli.launcher import small_manifest
+from swarmgrad.peer.manifest import dumps
+from swarmgrad.peer.net.errors import RPCFailed
+from swarmgrad.peer.net.identity import peer_id_of
+from swarmgrad.peer.net.rpc import FramedRPC, Traffic
+from swarmgrad.peer.public.directory import RunDirectory
+from swarmgrad.peer.public.resolve import tokenizer_cache_file
+from swarmgrad.peer.public.run_name import RunName, fingerprint
+from swarmgrad.peer.public.signed_manifest import PublishedManifest, sign, verify
+from swarmgrad.peer.public.tokenizer_share import (CHUNK_BYTES, MAX_TOKENIZER_BYTES, MESSAGE_BYTES, METHOD,
+                                                   TokenizerFile, TokenizerServer, TokenizerUnavailable,
+                                                   fetch_from, namespace, provide_tokenizer, serve_tokenizer)
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
+from swarmgrad.protocol.responses import validate_tokenizer_chunk
+from swarmgrad.protocol.validation import RunIdentity, envelope, validate_tokenizer_request
+
+pytestmark = pytest.mark.timeout(60)
+
+OWNER = Ed25519PrivateKey.generate()
+FILE = os.urandom(2 * CHUNK_BYTES + 12345)  # three chunks; the share never parses the file
+SHA = hashlib.sha256(FILE).hexdigest()
+
+
+def _published() -> PublishedManifest:
+    """A signed run whose manifest names `tok.json` (relative: a joiner has no such file) and pins it."""
+    m = small_manifest(run_id="tok-public", model={"vocab_size": 300},
+                       data={"source": "jsonl", "paths": ["corpus.jsonl"], "tokenizer": "tok.json",
+                             "tokenizer_sha256": SHA, "max_bytes": 0})
+    toml = re.sub(r'(?m)^(tokenizer|base_dir) = ".*"\n', "", dumps(m)).replace("[data]\n", '[data]\ntokenizer = "tok.json"\n')
+    return verify(sign(OWNER, toml, tokenizer_sha256=SHA), RunName("tok-public", fingerprint(OWNER)))
+
+
+def _id() -> str:
+    return peer_id_of(Ed25519PrivateKey.generate())
+
+
+async def _serve(net: LoopbackNet, memory: MemoryDHT, m, stage: int, file: TokenizerFile | None) -> str:
+    """A peer of the run on stage `stage`, serving `file` (None: announced, but gone from the net)."""
+    peer = _id()
+    await announce(swarm_view(memory, peer, m), stage)
+    if file is not None:
+        rpc = FramedRPC(net.node(peer), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
+        await rpc.add_handler(METHOD, pb.TokenizerRequest, TokenizerServer(RunIdentity(m.run_id, m.hash), file).handle,
+                              lambda s, r: pb.TokenizerResponse(status=s, reason=r))
+    return peer
+
+
+def test_a_joiner_fetches_verifies_and_caches_the_tokenizer_and_refuses_a_forged_one(tmp_path: Path) -> None:
+    published = _published()
+    m = published.manifest
+    assert published.tokenizer_sha256 == SHA and not Path(m.data.tokenizer).exists()
+
+    async def main() -> None:
+        memory, net = MemoryDHT(), LoopbackNet()
+        try:
+            # asked in the order of the stage records: a forger, a peer that is gone, then an honest one
+            forged = TokenizerFile(FILE[:-1] + bytes([FILE[-1] ^ 1]), SHA)  # claims the signed digest
+            await _serve(net, memory, m, 0, forged)
+            await _serve(net, memory, m, 0, None)
+            # the honest peer serves what Peer serves: the manifest's file, read when it starts
+            owner_file = tmp_path / "owner" / "tok.json"
+            owner_file.parent.mkdir()
+            owner_file.write_bytes(FILE)
+            honest = _id()
+            await announce(swarm_view(memory, honest, m), 1)
+            served = await serve_tokenizer(net.node(honest), dataclasses.replace(
+                m, data=dataclasses.replace(m.data, tokenizer=str(owner_file))), Traffic())
+            assert served is not None
+            joiner = _id()
+            directory = RunDirectory(memory.node(joiner), 5.0)
+            calls = []
+            client = FramedRPC(net.node(joiner), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
+
+            async def rpc() -> FramedRPC:
+                calls.append(1)
+                return client
+
+            lines: list[str] = []
+            cache = tmp_path / "cache"
+            joined = await provide_tokenizer(directory, rpc, published, cache, say=lines.append)
+            path = tokenizer_cache_file(cache, published.run_id)
+            assert joined.manifest.data.tokenizer == str(path) and path.read_bytes() == FILE
+            assert joined.manifest.hash == m.hash and joined.blob == published.blob  # the same run
+            refused = [line for line in lines if "refused the tokenizer" in line]
+            assert len(refused) == 1 and "forged or corrupted" in refused[0] and "\n" not in refused[0], lines
+            assert len(lines) == 2, lines  # the forger's refusal, the gone peer's failure
+            # a cache hit asks nobody; a cache file altered on disk is fetched again
+            again = await provide_tokenizer(directory, rpc, published, cache, say=lines.append)
+            assert again.manifest.data.tokenizer == str(path) and len(calls) == 1
+            path.write_bytes(b"{}")
+            await provide_tokenizer(directory, rpc, published, cache, say=lines.append)
+            assert path.read_bytes() == FILE and len(calls) == 2
+            # with only forgers left, the joiner gives up in one line
+            net.kill(honest)
+            path.unlink()
+            with pytest.raises(TokenizerUnavailable, match=r"no peer of the run served its signed tokenizer file "
+                                                           r"\(asked ") as gave_up:
+                await provide_tokenizer(directory, rpc, published, cache, say=lines.append)
+            assert str(gave_up.value).count(": forged") == 1 and str(gave_up.value).count(": failed") == 2
+            assert not path.exists()
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_a_run_without_a_tokenizer_asks_nobody(tmp_path: Path) -> None:
+    published = verify(sign(OWNER, dumps(small_manifest(run_id="bytes-public"))),
+                       RunName("bytes-public", fingerprint(OWNER)))
+
+    async def never() -> FramedRPC:
+        raise AssertionError("a byte-level run fetches nothing")
+
+    assert asyncio.run(provide_tokenizer(None, never, published, tmp_path)) is published  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_server_refuses_another_digest_and_a_caller_refuses_a_malformed_chunk() -> None:
+    m = _published().manifest
+    identity = RunIdentity(m.run_id, m.hash)
+
+    def request(**kw: object) -> pb.TokenizerRequest:
+        fields = {"envelope": envelope(identity, 0), "sha256": SHA, "offset": 0, **kw}
+        return pb.TokenizerRequest(**fields)  # type: ignore[arg-type]
+
+    assert validate_tokenizer_request(request(offset=5), identity, SHA, len(FILE)) == 5
+    for req, status, why in ((request(sha256="0" * 64), pb.WRONG_RUN, "this peer's tokenizer"),
+                             (request(sha256="xyz"), pb.BAD_REQUEST, "64 lowercase hex"),
+                             (request(offset=len(FILE) + 1), pb.BAD_REQUEST, "past the file"),
+                             (request(envelope=envelope(RunIdentity(m.run_id, "other"), 0)), pb.WRONG_RUN, "hash")):
+        with pytest.raises(ProtocolError, match=why) as e:
+            validate_tokenizer_request(req, identity, SHA, len(FILE))
+        assert e.value.status == status
+
+    def chunk(**kw: object) -> pb.TokenizerResponse:
+        return pb.TokenizerResponse(**{"status": pb.OK, "total_bytes": 10, "offset": 0, "data": b"x" * 4, **kw})
+
+    assert validate_tokenizer_chunk(chunk(), 0, 100, 4).data == b"xxxx"
+    assert validate_tokenizer_chunk(chunk(status=pb.WRONG_RUN, reason="no"), 0, 100, 4).status == pb.WRONG_RUN
+    assert validate_tokenizer_chunk(chunk(offset=10, data=b""), 10, 100, 4).data == b""  # the end
+    for resp, off, why in ((chunk(offset=4), 0, "starts at byte 4"), (chunk(total_bytes=101), 0, "at most 100"),
+                           (chunk(data=b"x" * 5), 0, "chunks of"), (chunk(data=b""), 0, "chunks of"),
+                           (chunk(offset=8, data=b"xxx"), 8, "chunks of"), (chunk(status=99), 0, "unknown status")):
+        with pytest.raises(ProtocolError, match=why):
+            validate_tokenizer_chunk(resp, off, 100, 4)
+
+    async def main() -> None:  # over the wire: a refusal is a failed call, with its reason
+        net = LoopbackNet()
+        try:
+            server, caller = _id(), _id()
+            rpc = FramedRPC(net.node(server), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
+            await rpc.add_handler(METHOD, pb.TokenizerRequest, TokenizerServer(identity, TokenizerFile(FILE, SHA)).handle,
+                                  lambda s, r: pb.TokenizerResponse(status=s, reason=r))
+            client = FramedRPC(net.node(caller), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
+            assert await fetch_from(client, server, identity, SHA, 5.0) == FILE
+            with pytest.raises(RPCFailed, match="refused: WRONG_RUN"):
+                await fetch_from(client, server, identity, "0" * 64, 5.0)
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_a_file_over_the_limit_is_not_served(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TOKENIZER_BYTES + 1)
+    with pytest.raises(ValueError, match="at most"):
+        TokenizerFile.read(big)
+    m = small_manifest()
+    assert asyncio.run(serve_tokenizer(None, m, Traffic())) is None  # byte-level: nothing to serve
