@@ -38,8 +38,8 @@ PINNED = {
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
-# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle
-PINNED_HASH = "c04c90c5eec171062f6b223ca49c1489"
+# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer
+PINNED_HASH = "7b804cb8c18b3a856b5666ed41ef5b81"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

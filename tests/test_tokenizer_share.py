@@ -46,7 +46,8 @@ def _published() -> PublishedManifest:
     m = small_manifest(run_id="tok-public", model={"vocab_size": 300},
                        data={"source": "jsonl", "paths": ["corpus.jsonl"], "tokenizer": "tok.json",
                              "tokenizer_sha256": SHA, "max_bytes": 0})
-    toml = re.sub(r'(?m)^(tokenizer|base_dir) = ".*"\n', "", dumps(m)).replace("[data]\n", '[data]\ntokenizer = "tok.json"\n')
+    toml = re.sub(r'(?m)^(tokenizer|base_dir) = ".*"\n', "", dumps(m))
+    toml = toml.replace("[data]\n", '[data]\ntokenizer = "tok.json"\n')
     return verify(sign(OWNER, toml, tokenizer_sha256=SHA), RunName("tok-public", fingerprint(OWNER)))
 
 
@@ -168,7 +169,8 @@ def test_a_server_refuses_another_digest_and_a_caller_refuses_a_malformed_chunk(
         try:
             server, caller = _id(), _id()
             rpc = FramedRPC(net.node(server), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
-            await rpc.add_handler(METHOD, pb.TokenizerRequest, TokenizerServer(identity, TokenizerFile(FILE, SHA)).handle,
+            server_of = TokenizerServer(identity, TokenizerFile(FILE, SHA))
+            await rpc.add_handler(METHOD, pb.TokenizerRequest, server_of.handle,
                                   lambda s, r: pb.TokenizerResponse(status=s, reason=r))
             client = FramedRPC(net.node(caller), namespace(m.run_id), Traffic(), MESSAGE_BYTES)
             assert await fetch_from(client, server, identity, SHA, 5.0) == FILE
