@@ -189,3 +189,45 @@ def test_a_file_over_the_limit_is_not_served(tmp_path: Path) -> None:
         TokenizerFile.read(big)
     m = small_manifest()
     assert asyncio.run(serve_tokenizer(None, m, Traffic())) is None  # byte-level: nothing to serve
+
+
+def test_a_peer_of_a_tokenized_run_serves_its_file_while_it_runs(tmp_path: Path, inprocess,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real Peer (tests/support/swarm.py): it serves the manifest's file from its start and
+    stops serving when it stops."""
+    pytest.importorskip("tokenizers", reason="the BPE tokenizer needs the tokenizers library")
+    import swarmgrad.peer.node.peer as node_peer
+    monkeypatch.setattr(node_peer, "stage_rate", lambda *a: 100.0)  # a pinned peer's benchmark: not the point here
+    from types import SimpleNamespace
+
+    from support.swarm import InProcessSwarm, step_manifest
+    from swarmgrad.peer.public.tokenizer_share import fetch_tokenizer, run_peers
+    from swarmgrad.peer.text.tokenizer import train_bpe
+
+    docs = [f"document {i} of a small corpus for a tokenizer." for i in range(50)]
+    (tmp_path / "corpus.jsonl").write_text("".join(f'{{"text": "{d}"}}\n' for d in docs))
+    tok = train_bpe(docs, 280, tmp_path / "tok.json")
+    manifest = step_manifest(2, model={"vocab_size": tok.vocab_size},
+                             data={"source": "jsonl", "paths": [str(tmp_path / "corpus.jsonl")], "max_bytes": 0,
+                                   "tokenizer": str(tok.path), "tokenizer_sha256": tok.sha256})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(manifest) as swarm:
+            peer = swarm.start(1)
+            await swarm.wait_for(peer, lambda e: e["event"] == "started", 30, "the peer's start")
+            client = FramedRPC(swarm.client(), namespace(manifest.run_id), Traffic(), MESSAGE_BYTES)
+            directory = RunDirectory(swarm.dht.node(str(client.p2p.peer_id)), 5.0)
+            peers: list[str] = []
+            for _ in range(50):  # its record lands once it joined
+                peers = await run_peers(directory, SimpleNamespace(manifest=manifest), 5.0)  # type: ignore[arg-type]
+                if peers:
+                    break
+                await asyncio.sleep(0.1)
+            assert peers == [peer.peer_id]
+            identity = RunIdentity(manifest.run_id, manifest.hash)
+            assert await fetch_tokenizer(client, peers, identity, tok.sha256, 5.0) == tok.path.read_bytes()
+            await swarm.stop(peer)
+            with pytest.raises(TokenizerUnavailable):
+                await fetch_tokenizer(client, peers, identity, tok.sha256, 5.0, say=lambda line: None)
+
+    inprocess(scenario)
