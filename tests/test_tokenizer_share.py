@@ -231,3 +231,35 @@ def test_a_peer_of_a_tokenized_run_serves_its_file_while_it_runs(tmp_path: Path,
                 await fetch_tokenizer(client, peers, identity, tok.sha256, 5.0, say=lambda line: None)
 
     inprocess(scenario)
+
+
+def test_a_peer_that_drips_its_chunks_is_given_up_on_after_a_few_chunk_deadlines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import swarmgrad.peer.public.tokenizer_share as share
+    from swarmgrad.peer.public.tokenizer_share import fetch_tokenizer
+    monkeypatch.setattr(share, "CHUNK_BYTES", 1000)
+    data = os.urandom(6000)
+    sha = hashlib.sha256(data).hexdigest()
+    identity = RunIdentity("drip", "hash")
+
+    async def main() -> None:
+        net = LoopbackNet()
+        try:
+            dripper, honest, caller = _id(), _id(), _id()
+            for peer, delay in ((dripper, 0.4), (honest, 0.0)):
+                server = TokenizerServer(identity, TokenizerFile(data, sha))
+
+                async def handle(req: pb.TokenizerRequest, who: object, server: TokenizerServer = server,
+                                 delay: float = delay) -> pb.TokenizerResponse:
+                    await asyncio.sleep(delay)  # each chunk inside its deadline (0.5 s), the whole not
+                    return await server.handle(req, who)
+                rpc = FramedRPC(net.node(peer), namespace("drip"), Traffic(), MESSAGE_BYTES)
+                await rpc.add_handler(METHOD, pb.TokenizerRequest, handle,
+                                      lambda s, r: pb.TokenizerResponse(status=s, reason=r))
+            client = FramedRPC(net.node(caller), namespace("drip"), Traffic(), MESSAGE_BYTES)
+            lines: list[str] = []
+            assert await fetch_tokenizer(client, [dripper, honest], identity, sha, 0.5, say=lines.append) == data
+            assert len(lines) == 1 and "did not arrive within 2s" in lines[0], lines
+        finally:
+            await net.close()
+    asyncio.run(main())

@@ -6,10 +6,10 @@ the bytes: a joiner asks the run's peers one after another (those its stage reco
 that publish its manifest), takes the file a chunk of CHUNK_BYTES at a time under the deadline
 `timeouts.tokenizer` per chunk, and keeps it only if the whole hashes to the signed digest; a file
 that does not is refused in one line and the next peer is asked. At most MAX_SOURCES peers are
-asked and at most MAX_TOKENIZER_BYTES taken from any, so a swarm of forgers costs a joiner a bounded
-amount of time and memory. The verified file is cached beside the run's cached manifest (resolve.py)
-and the joiner's `data.tokenizer` points at it; the run's hash does not change (the path is not
-hashed, the digest is).
+asked, each for at most MAX_TOKENIZER_BYTES within WHOLE_FILE_CHUNKS chunk deadlines, so a swarm of
+forgers costs a joiner a bounded amount of time and memory. The verified file is cached beside the
+run's cached manifest (resolve.py) and the joiner's `data.tokenizer` points at it; the run's hash
+does not change (the path is not hashed, the digest is).
 
 A peer serves the file it started with: its bytes are read once, when it starts (after the
 manifest's own check of them, text/run_data.run_tokenizer), and a request for another digest is
@@ -49,6 +49,10 @@ MAX_TOKENIZER_BYTES = 64 << 20
 is about 10 MB)."""
 MAX_SOURCES = 8
 """Peers a joiner asks before it gives up."""
+WHOLE_FILE_CHUNKS = 4
+"""A peer's whole file must arrive within this many chunk deadlines (4 x timeouts.tokenizer: 120 s
+by default, 64 MiB over a 5 Mbit/s link), so a peer that drips its chunks just inside their deadline
+holds a joiner for that long at most, not once per chunk."""
 MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 """A message's limit on this namespace: a chunk and its framing; requests are tiny."""
 METHOD = "chunk"
@@ -149,9 +153,10 @@ async def fetch_tokenizer(rpc: FramedRPC, peers: Sequence[str], identity: RunIde
     for peer in list(dict.fromkeys(peers))[:MAX_SOURCES]:
         who = peer[-8:]
         try:
-            data = await fetch_from(rpc, peer, identity, sha256, timeout)
+            data = await within(fetch_from(rpc, peer, identity, sha256, timeout), WHOLE_FILE_CHUNKS * timeout)
         except NETWORK_FAILURES as e:
-            say(f"tokenizer from peer ...{who}: {e}; asking the next peer")
+            why = str(e) or f"the file did not arrive within {WHOLE_FILE_CHUNKS * timeout:g}s"
+            say(f"tokenizer from peer ...{who}: {why}; asking the next peer")
             tried.append(f"...{who}: failed")
             continue
         digest = hashlib.sha256(data).hexdigest()
