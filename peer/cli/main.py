@@ -84,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
     p.add_argument("--manifest", default=None, help="run manifest (TOML); a private run's comes from its coordinator")
     p.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
-                   help="join a public run by name: its owner-signed manifest is fetched from the swarm, verified "
-                        "and cached (docs/public-runs.md)")
+                   help="join a public run by name: its owner-signed manifest (and tokenizer file) is fetched from "
+                        "the swarm, verified and cached (docs/public-runs.md)")
     p.add_argument("--owner-key", default=None, metavar="KEY",
                    help="start (or rejoin) the public run of --manifest as its owner: the manifest is signed with "
                         "this key from `swarmgrad keygen`, and the run is NAME@FINGERPRINT")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where --run caches verified manifests (default $SWARMGRAD_CACHE/runs, "
+                   help="where --run caches verified manifests and tokenizer files (default $SWARMGRAD_CACHE/runs, "
                         "~/.cache/swarmgrad/runs)")
     p.add_argument("--join", default=None, metavar="INVITATION",
                    help="join a private run with an invitation from `swarmgrad invite`")
