@@ -263,3 +263,21 @@ def test_a_peer_that_drips_its_chunks_is_given_up_on_after_a_few_chunk_deadlines
         finally:
             await net.close()
     asyncio.run(main())
+
+
+def test_the_owner_trains_with_paths_resolved_against_its_manifests_folder(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--manifest run/run.toml --owner-key KEY` from another folder: the signed TOML alone would
+    resolve tok.json against the working folder; the owner's peer uses the manifest's folder."""
+    from swarmgrad.peer.cli.public import sign_own_run
+    from swarmgrad.peer.net.identity import load_or_create
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tok.json").write_bytes(FILE)
+    (run / "run.toml").write_text(_published().toml)
+    load_or_create(tmp_path / "owner.key")
+    monkeypatch.chdir(tmp_path)
+    published = sign_own_run(str(run / "run.toml"), str(tmp_path / "owner.key"))
+    assert published.manifest.data.tokenizer == str(run / "tok.json") and published.tokenizer_sha256 == SHA
+    assert published.manifest.data.base_dir == str(run)
+    assert published.manifest.hash == verify(published.blob, RunName("tok-public", published.fingerprint)).manifest.hash
