@@ -281,3 +281,20 @@ def test_the_owner_trains_with_paths_resolved_against_its_manifests_folder(tmp_p
     assert published.manifest.data.tokenizer == str(run / "tok.json") and published.tokenizer_sha256 == SHA
     assert published.manifest.data.base_dir == str(run)
     assert published.manifest.hash == verify(published.blob, RunName("tok-public", published.fingerprint)).manifest.hash
+
+
+def test_a_joiner_without_the_runs_data_is_told_before_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """The tokenizer comes from the swarm, the data does not: a joiner that would drive (stage 0)
+    and lacks the files its data.paths name is refused in one line saying what to do."""
+    import swarmgrad.peer.cli.public as public
+    from swarmgrad.peer.cli import main
+    from swarmgrad.peer.cli.public import missing_data
+    published = _published()  # data.paths = ["corpus.jsonl"], relative to the joiner's working folder
+    monkeypatch.chdir(tmp_path)
+    assert "'corpus.jsonl' matches no file" in (missing_data(published.manifest) or "")
+    assert missing_data(small_manifest()) is None  # stdlib: everywhere
+    monkeypatch.setattr(public, "fetch_run", lambda *a: published)
+    assert main.main(["peer", "--run", published.run_id, "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks the run's training data" in err[0] and "--stage 1..1" in err[0], err

@@ -103,7 +103,7 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, sign_own_run
+    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, missing_data, sign_own_run
     from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
@@ -170,6 +170,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if manifest.data.tokenizer:
             print(f"run {published.run_id}: tokenizer {manifest.data.tokenizer} (sha256 "
                   f"{(published.tokenizer_sha256 or '')[:12]}..., the owner's: verified)", flush=True)
+        no_data = missing_data(manifest)
+        if no_data is not None:  # a driver would fail on it; a later stage reads no data
+            later = args.stage not in ("auto", 0) and args.rebalance != "on"
+            if not later:
+                stages = f"serve a later stage with --stage 1..{manifest.stages.count - 1}, or " \
+                    if manifest.stages.count > 1 else ""
+                print(f"--run {args.run}: this machine lacks the run's training data, which a stage-0 peer reads "
+                      f"({no_data}): {stages}get the run's data (docs/public-runs.md)", file=sys.stderr)
+                return 1
+            print(f"run {published.run_id}: no training data here ({no_data}); serving stage {args.stage} only",
+                  flush=True)
     else:
         if not args.manifest:
             print("--manifest is required (or --run NAME for a public run, --join INVITATION for a private one)",

@@ -119,6 +119,21 @@ async def published_over(dht, run: str, timeout: float):
         raise PublicRunError(str(e)) from None
 
 
+def missing_data(manifest) -> str | None:  # type: ignore[no-untyped-def]
+    """Why this machine cannot read the run's training data, which a stage-0 peer (a driver) reads,
+    or None. A public run's data is each joiner's own (docs/public-runs.md): only the standard
+    library's sources (`data.source = "stdlib"`) are everywhere."""
+    from swarmgrad.peer.text.sources import expand_paths
+    d = manifest.data
+    if d.source == "stdlib":
+        return None
+    try:
+        expand_paths(d.paths, d.base_dir, want_dirs=d.source == "hf-disk")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     import sys
 
