@@ -2,7 +2,8 @@
 (peer/public/tokenizer_share.py): over the in-memory DHT (tests/support/dht.py) and the loopback
 transport under the real FramedRPC (tests/support/transport.py), in chunks, checked against the
 owner-signed sha256 (a forged file is refused in one line and the next peer asked), cached beside
-the run's manifest; and the wire's checks of both messages."""
+the run's manifest; the wire's checks of both messages; a real in-process Peer serving it; and the
+command line's side: the owner's paths, a joiner without the run's data."""
 from __future__ import annotations
 
 import asyncio
