@@ -9,15 +9,18 @@ each piece on this machine, so the choice can be read off:
   request it would be every microbatch at every stage);
 - cached verify / cached ticket: what every other request of the round costs.
 
-    python -m benchmarks.round_tickets
+    python -m benchmarks.round_tickets            # 2000 operations per figure
+    python -m benchmarks.round_tickets --quick
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from benchmarks.harness.report import Report, add_common_args
 from swarmgrad.peer.net.identity import peer_id_of
 from swarmgrad.peer.net.round_tickets import RoundSigner, VerifiedTickets, ticket_refusal
 
@@ -43,12 +46,20 @@ def measure(n: int) -> dict[str, float]:
             "cached_ticket_us": timed(lambda _: signer.ticket(7))}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-n", type=int, default=2000, help="operations per figure")
-    for name, us in measure(parser.parse_args().n).items():
-        print(f"{name:18s} {us:9.2f}")
+    add_common_args(parser, quick="200 operations per figure instead of 2000",
+                    seed="unused: the keys are fresh each run (the flag is common to every benchmark)")
+    parser.add_argument("-n", type=int, default=None, help="operations per figure (default 2000; 200 with --quick)")
+    args = parser.parse_args()
+    n = args.n or (200 if args.quick else 2000)
+    report = Report("What a driver's round ticket costs", args.out)
+    figures = measure(n)
+    report.table(["operation", "µs"], [[name, f"{us:.2f}"] for name, us in figures.items()])
+    report.results = {"n": n, **figures}
+    report.finish()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
