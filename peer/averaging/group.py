@@ -4,9 +4,10 @@ view (peer/averaging/averager.py runs the round; tests/test_decisions.py checks 
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
 
 
 def partition(shapes: dict[str, tuple[int, ...]], n_parts: int) -> dict[str, int]:
@@ -46,15 +47,40 @@ def group_hash(members: tuple[str, ...]) -> str:
     return hashlib.sha256(",".join(members).encode()).hexdigest()[:16]
 
 
-def choose_group(registrations: dict[str, dict[str, Any]]) -> Group | None:
-    """The registrants that hold the reference state: the most applied rounds, then the most common
-    digest, then the smallest digest. Every member computes the same answer from the same view."""
-    if not registrations:
+PROBATION = 1
+"""Members without a voice (peer/evidence.py) a group admits next to members with one: a
+newcomer earns its voice by completing rounds, but a flood of fresh ids cannot fill a group."""
+
+
+def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE,
+                 round_no: int = 0) -> Group | None:
+    """The registrants that hold the reference state, by evidence before claims
+    (peer/evidence.py): registrations claiming more applied rounds than this replica can
+    corroborate (+ MAX_LEAD) are ignored; then the (applied rounds, digest) held by the most
+    voices wins, then the most applied rounds, then the most registrants, then the smallest
+    digest. Before anyone has a voice (a new stage) this is the claims' order, bounded.
+
+    Of the winners, members with a voice all join; those without (newcomers, or forged ids) join
+    only PROBATION at a time once anyone has a voice, chosen by hashing (round, id), so fresh ids
+    cannot outnumber the replicas that did the work. Every member computes the same answer from
+    the same view and the same evidence (members of the last rounds hold alike ledgers)."""
+    regs = {p: v for p, v in registrations.items() if evidence.credible(int(v["applied_rounds"]))}
+    if not regs:
         return None
-    newest = max(v["applied_rounds"] for v in registrations.values())
-    digests = Counter(v["digest"] for v in registrations.values() if v["applied_rounds"] == newest)
-    best = max(digests.values())
-    digest = min(d for d, n in digests.items() if n == best)
-    members = tuple(sorted(p for p, v in registrations.items()
-                           if v["digest"] == digest and v["applied_rounds"] == newest))
-    return Group(members, digest, newest)
+    candidates: dict[tuple[int, str], list[str]] = {}
+    for p, v in regs.items():
+        candidates.setdefault((int(v["applied_rounds"]), v["digest"]), []).append(p)
+
+    def score(key: tuple[int, str]) -> tuple:
+        applied, digest = key
+        members = candidates[key]
+        return (sum(evidence.voice(p) for p in members), applied, len(members), tuple(-ord(c) for c in digest))
+
+    applied, digest = max(candidates, key=score)
+    members = candidates[(applied, digest)]
+    voiced = [p for p in members if evidence.voice(p)]
+    if voiced:
+        unvoiced = sorted((p for p in members if not evidence.voice(p)),
+                          key=lambda p: hashlib.sha256(f"{round_no}/{p}".encode()).digest())
+        members = voiced + unvoiced[:PROBATION]
+    return Group(tuple(sorted(members)), digest, applied)
