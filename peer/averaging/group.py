@@ -47,23 +47,18 @@ def group_hash(members: tuple[str, ...]) -> str:
     return hashlib.sha256(",".join(members).encode()).hexdigest()[:16]
 
 
-PROBATION = 1
-"""Members without a voice (peer/evidence.py) a group admits next to members with one: a
-newcomer earns its voice by completing rounds, but a flood of fresh ids cannot fill a group."""
-
-
-def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE,
-                 round_no: int = 0) -> Group | None:
+def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE) -> Group | None:
     """The registrants that hold the reference state, by evidence before claims
     (peer/evidence.py): registrations claiming more applied rounds than this replica can
     corroborate (+ MAX_LEAD) are ignored; then the (applied rounds, digest) held by the most
     voices wins, then the most applied rounds, then the most registrants, then the smallest
     digest. Before anyone has a voice (a new stage) this is the claims' order, bounded.
 
-    Of the winners, members with a voice all join; those without (newcomers, or forged ids) join
-    only PROBATION at a time once anyone has a voice, chosen by hashing (round, id), so fresh ids
-    cannot outnumber the replicas that did the work. Every member computes the same answer from
-    the same view and the same evidence (members of the last rounds hold alike ledgers)."""
+    Every registrant of the winning candidate joins, with a voice or without: a newcomer earns its
+    voice by completing rounds, and which ids have a voice may differ between members until they
+    have completed a round together (a joiner credits its donors, they do not know it yet), so
+    membership must not depend on it. Members compute the same group from the same view; voices
+    only order candidates, where honest members' ledgers agree."""
     regs = {p: v for p, v in registrations.items() if evidence.credible(int(v["applied_rounds"]))}
     if not regs:
         return None
@@ -77,10 +72,4 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
         return (sum(evidence.voice(p) for p in members), applied, len(members), tuple(-ord(c) for c in digest))
 
     applied, digest = max(candidates, key=score)
-    members = candidates[(applied, digest)]
-    voiced = [p for p in members if evidence.voice(p)]
-    if voiced:
-        unvoiced = sorted((p for p in members if not evidence.voice(p)),
-                          key=lambda p: hashlib.sha256(f"{round_no}/{p}".encode()).digest())
-        members = voiced + unvoiced[:PROBATION]
-    return Group(tuple(sorted(members)), digest, applied)
+    return Group(tuple(sorted(candidates[(applied, digest)])), digest, applied)

@@ -45,8 +45,8 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     wait for every online replica to register still counts them, so an excluded member does not
     make the others wait out their patience. `evidence`: this replica's (peer/evidence.py): the
     group is chosen by it, and once anyone has a voice matchmaking waits for the voiced replicas,
-    and for the others only while they are no more than those (a flood of forged ONLINE records
-    must not make every round wait out its patience)."""
+    and for the others unless they are a flood (`waited_for`: forged ONLINE records must not make
+    every round wait out its patience)."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
@@ -80,7 +80,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             await asyncio.gather(registering, return_exceptions=True)
     regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
-    group = choose_group(regs, evidence, round_no)
+    group = choose_group(regs, evidence)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
         believed = [r for r in records if evidence.credible(r.applied_rounds)
@@ -92,11 +92,17 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     return group, weights, ""
 
 
+FLOOD_SLACK = 4
+"""ONLINE records without a voice that matchmaking still waits for beyond twice the voiced ones:
+a stage that starts with one replica and several joiners at once is no flood."""
+
+
 def waited_for(records: list[PeerRecord], evidence: Evidence = NO_EVIDENCE) -> set[str]:
     """The ONLINE replicas whose registration matchmaking waits for: all of them, unless those
-    without a voice outnumber those with one (then only the voiced: see `matchmake`). Pure."""
+    without a voice are a flood (more than twice the voiced + FLOOD_SLACK): then only the voiced
+    (see `matchmake`). Pure."""
     online = [r.peer_id for r in records if r.state == ONLINE]
     voiced = {p for p in online if evidence.voice(p)}
-    if not evidence.voiced or len(online) - len(voiced) <= len(voiced):
+    if not evidence.voiced or len(online) - len(voiced) <= 2 * len(voiced) + FLOOD_SLACK:
         return set(online)
     return voiced

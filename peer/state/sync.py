@@ -299,7 +299,8 @@ class StateSync:
                     continue
                 else:
                     self.clock.adopt(0, get_dht_time())
-                    self.ledger.adopted(self.state.applied_rounds)
+                    # the seed's first replica vouches for itself, as its joiners vouch for it
+                    self.ledger.adopted(self.state.applied_rounds, (self.peer_id,))
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
                 return
