@@ -21,8 +21,9 @@ The API, kept small for the other subsystems that count evidence:
 - `Evidence` (frozen, what pure decisions read): `earned(peer_id)` (completed voted rounds it took
   part in, within the last `window` rounds this replica applied), `voice(peer_id)` (1 if it earned
   any, else 0), `corroborated_round` (the applied-round count of the newest state this replica
-  applied or verified; -1 for none), `anchored` (it has any), `credible(applied_rounds)` (a claim
-  is believed only up to `corroborated_round + MAX_LEAD`).
+  applied or verified; -1 for none), `anchored` (it has any), `credible(applied_rounds, peer_id)`
+  (a claim is believed up to `corroborated_round`, one round more (MAX_LEAD) only from a peer
+  with a voice, never further; a newcomer believes anything and relies on majorities).
 - `quorum(records, evidence, ...)`: the digest a strict majority of voices announces (a tie, or
   no majority, decides nothing: None), with the records that back it and the round they are in.
 - `voiced_majority(values, evidence)`: the same rule over any per-peer claim (the run's epoch).
@@ -77,9 +78,13 @@ class Evidence:
         """1 for a peer that earned its voice, 0 for one that did no work we saw."""
         return 1 if self.earned(peer_id) > 0 else 0
 
-    def credible(self, applied_rounds: int) -> bool:
-        """A claimed applied-round count is believed only up to our position + MAX_LEAD."""
-        return not self.anchored or applied_rounds <= self.corroborated_round + MAX_LEAD
+    def credible(self, applied_rounds: int, peer_id: str | None = None) -> bool:
+        """Is a claimed applied-round count believed? Anything, by a replica with no position of
+        its own (a newcomer); up to our position by anyone; one round more (MAX_LEAD) only from a
+        peer with a voice (`peer_id`; None: from anyone); never further."""
+        if not self.anchored or applied_rounds <= self.corroborated_round:
+            return True
+        return applied_rounds <= self.corroborated_round + MAX_LEAD and (peer_id is None or self.voice(peer_id) > 0)
 
     def weight(self, peer_id: str) -> int:
         """A peer's weight in a majority: its voice, or 1 per id when nobody has one yet."""
@@ -100,9 +105,12 @@ class EvidenceLedger:
         self._position = -1
 
     def applied(self, round_no: int, members: Iterable[str], applied_rounds: int) -> None:
-        """This replica applied round `round_no` with `members` (all of whom voted its own vote;
-        a group of one: just itself); its state now has `applied_rounds`."""
-        self._rounds.append((round_no, frozenset(members)))
+        """This replica applied round `round_no` with `members` (all of whom voted its own vote);
+        its state now has `applied_rounds`. A group of one earns nobody a voice: nobody else saw
+        the round, and a replica that went ahead alone must not count itself against the others."""
+        members = frozenset(members)
+        if len(members) > 1:
+            self._rounds.append((round_no, members))
         self._position = max(self._position, applied_rounds)
 
     def adopted(self, applied_rounds: int, backers: Iterable[str] = ()) -> None:
@@ -142,7 +150,7 @@ def quorum(records: Sequence[PeerRecord], evidence: Evidence = NO_EVIDENCE, excl
     decide nothing (None); so does a stage whose records carry no weight at all."""
     skip = set(exclude)
     online = [r for r in records if r.state == ONLINE and r.digest and r.peer_id not in skip
-              and evidence.credible(r.applied_rounds)]
+              and evidence.credible(r.applied_rounds, r.peer_id)]
     weights: Counter[str] = Counter()
     for r in online:
         weights[r.digest] += evidence.weight(r.peer_id)

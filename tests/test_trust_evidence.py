@@ -47,8 +47,12 @@ def test_the_ledger_credits_members_of_applied_rounds_and_anchors_the_position()
     assert (ev.earned("a"), ev.earned("me"), ev.earned("stranger")) == (2, 1, 0)
     assert ev.voice("a") == 1 and ev.voice("stranger") == 0
     assert ev.corroborated_round == 5 and ev.credible(5 + MAX_LEAD) and not ev.credible(6 + MAX_LEAD)
-    ledger.applied(8, ("me",), 6)
-    ledger.applied(9, ("me",), 7)  # the window (2 rounds) forgets a and b: they stopped taking part
+    # one round ahead is believed only from a peer with a voice
+    assert ev.credible(6, "a") and not ev.credible(6, "stranger") and ev.credible(5, "stranger")
+    ledger.applied(8, ("me",), 6)  # alone: a position, but nobody's voice
+    assert ledger.snapshot().earned("me") == 1 and ledger.snapshot().corroborated_round == 6
+    ledger.applied(9, ("me", "c"), 7)
+    ledger.applied(10, ("me", "c"), 8)  # the window (2 rounds) forgets a and b: they stopped taking part
     assert ledger.snapshot().voice("a") == 0 and ledger.snapshot().earned("me") == 2
 
 
@@ -239,3 +243,26 @@ def test_sybil_ids_forging_records_registrations_and_votes_change_nothing(inproc
             assert_replicas_agree([a, b], 0)
 
     inprocess(scenario, timeout=110)
+
+
+def test_a_download_is_the_quorums_state_or_the_next_round_of_its_voices() -> None:
+    from types import SimpleNamespace
+
+    from swarmgrad.peer.evidence import Quorum
+    from swarmgrad.peer.state.sync import acceptable
+
+    q = Quorum("d", applied_rounds=5, backers=("a", "b"), holders=("a", "b", "forged"), round=9)
+    assert acceptable(SimpleNamespace(digest="d", applied_rounds=5), q, ["forged"])
+    assert acceptable(SimpleNamespace(digest="next", applied_rounds=6), q, ["a", "b"])  # they moved on
+    assert not acceptable(SimpleNamespace(digest="next", applied_rounds=6), q, ["forged"])
+    assert not acceptable(SimpleNamespace(digest="far", applied_rounds=7), q, ["a"])
+
+
+def test_matchmaking_stops_waiting_only_for_a_flood_of_voiceless_records() -> None:
+    from swarmgrad.peer.averaging.matchmaking import waited_for
+
+    stage = [rec(p) for p in ("a", "b", "me", "newcomer")]
+    assert waited_for(stage, veterans("a", "b", "me")) == {"a", "b", "me", "newcomer"}
+    flood = stage + [rec(f"sybil{i}") for i in range(20)]
+    assert waited_for(flood, veterans("a", "b", "me")) == {"a", "b", "me"}
+    assert len(waited_for(flood, NO_EVIDENCE)) == 24  # nobody has a voice yet: everyone is waited for

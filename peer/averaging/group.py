@@ -50,7 +50,7 @@ def group_hash(members: tuple[str, ...]) -> str:
 def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE) -> Group | None:
     """The registrants that hold the reference state, by evidence before claims
     (peer/evidence.py): registrations claiming more applied rounds than this replica can
-    corroborate (+ MAX_LEAD) are ignored; then the (applied rounds, digest) held by the most
+    corroborate (`Evidence.credible`: one round more only from a peer with a voice) are ignored; then the (applied rounds, digest) held by the most
     voices wins, then the most applied rounds, then the most registrants, then the smallest
     digest. Before anyone has a voice (a new stage) this is the claims' order, bounded.
 
@@ -59,7 +59,7 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
     have completed a round together (a joiner credits its donors, they do not know it yet), so
     membership must not depend on it. Members compute the same group from the same view; voices
     only order candidates, where honest members' ledgers agree."""
-    regs = {p: v for p, v in registrations.items() if evidence.credible(int(v["applied_rounds"]))}
+    regs = {p: v for p, v in registrations.items() if evidence.credible(int(v["applied_rounds"]), p)}
     if not regs:
         return None
     candidates: dict[tuple[int, str], list[str]] = {}

@@ -83,7 +83,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     group = choose_group(regs, evidence)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
-        believed = [r for r in records if evidence.credible(r.applied_rounds)
+        believed = [r for r in records if evidence.credible(r.applied_rounds, r.peer_id)
                     and (evidence.voice(r.peer_id) or not evidence.voiced)]
         ahead = decisions.finished_without_us(regs, believed, me, group.members)
         if ahead:

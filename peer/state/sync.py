@@ -22,7 +22,7 @@ from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.evidence import Evidence, EvidenceLedger, Quorum, bounded_round, quorum
+from swarmgrad.peer.evidence import MAX_LEAD, Evidence, EvidenceLedger, Quorum, bounded_round, quorum
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
 from swarmgrad.peer.net.retry import Backoff
@@ -128,6 +128,17 @@ async def fetch_state(rpc: FramedRPC, donors: Sequence[str], identity: RunIdenti
     if digest != first.digest:
         raise ProtocolError(pb.BAD_REQUEST, "the assembled state does not match its declared digest")
     return StateSnapshot(params, momentum, first.round, first.applied_rounds, digest, first.trained_samples)
+
+
+def acceptable(snap: StateSnapshot, expected: Quorum, donors: Sequence[str]) -> bool:
+    """Is a downloaded state one to adopt? The quorum's own state (its digest); or, from donors
+    that all back the quorum with their voices, the state of the round after it (they moved on
+    between our read of their records and the download: in a stage whose rounds are short,
+    waiting for a record that matches would race them for ever). Never further ahead. Pure."""
+    if snap.digest == expected.digest:
+        return True
+    return snap.applied_rounds == expected.applied_rounds + MAX_LEAD and bool(donors) \
+        and all(d in expected.backers for d in donors)
 
 
 class StateSync:
@@ -254,9 +265,10 @@ class StateSync:
             logger.info("stage %d: state download from %s failed: %s", self.stage,
                         ", ".join(p[-8:] for p in peers[:2]), e)
             return False
-        if snap.digest != expected.digest:
-            logger.warning("stage %d: %s served a state of digest %s, not the quorum's %s: refused", self.stage,
-                           ", ".join(p[-8:] for p in peers[:2]), snap.digest, expected.digest)
+        if not acceptable(snap, expected, peers[:2]):
+            logger.warning("stage %d: %s served a state of digest %s (%d applied rounds), not the quorum's %s (%d): "
+                           "refused", self.stage, ", ".join(p[-8:] for p in peers[:2]), snap.digest,
+                           snap.applied_rounds, expected.digest, expected.applied_rounds)
             return False
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.adopt(snap.trained_samples)
@@ -299,8 +311,7 @@ class StateSync:
                     continue
                 else:
                     self.clock.adopt(0, get_dht_time())
-                    # the seed's first replica vouches for itself, as its joiners vouch for it
-                    self.ledger.adopted(self.state.applied_rounds, (self.peer_id,))
+                    self.ledger.adopted(self.state.applied_rounds)
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
                 return
