@@ -50,9 +50,11 @@ def group_hash(members: tuple[str, ...]) -> str:
 def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE) -> Group | None:
     """The registrants that hold the reference state, by evidence before claims
     (peer/evidence.py): registrations claiming more applied rounds than this replica can
-    corroborate (`Evidence.credible`: one round more only from a peer with a voice) are ignored; then the (applied rounds, digest) held by the most
-    voices wins, then the most applied rounds, then the most registrants, then the smallest
-    digest. Before anyone has a voice (a new stage) this is the claims' order, bounded.
+    corroborate (`Evidence.credible`: one round more only from a peer with a voice) are ignored;
+    then the (applied rounds, digest) held by the most voices wins, then the one held by the most
+    registrants, then the most applied rounds, then the smallest digest. (Registrants before
+    rounds: a replica that applied rounds alone, with no voice to show for them, follows the
+    stage instead of leading it.)
 
     Every registrant of the winning candidate joins, with a voice or without: a newcomer earns its
     voice by completing rounds, and which ids have a voice may differ between members until they
@@ -69,7 +71,7 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
     def score(key: tuple[int, str]) -> tuple:
         applied, digest = key
         members = candidates[key]
-        return (sum(evidence.voice(p) for p in members), applied, len(members), tuple(-ord(c) for c in digest))
+        return (sum(evidence.voice(p) for p in members), len(members), applied, tuple(-ord(c) for c in digest))
 
     applied, digest = max(candidates, key=score)
     return Group(tuple(sorted(candidates[(applied, digest)])), digest, applied)
