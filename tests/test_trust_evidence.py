@@ -201,8 +201,8 @@ def test_point1_takeover_by_a_claimed_round_does_not_replace_the_stage(inprocess
 @pytest.mark.timeout(120)
 def test_sybil_ids_forging_records_registrations_and_votes_change_nothing(inprocess) -> None:
     """Twenty fresh ids announce ONLINE records of the stage (one round ahead, round 2^30, top
-    throughput), half of them register every coming round (one round ahead, 10^9 samples) and all
-    vote among themselves for a digest of their own: the honest pair keeps averaging as a pair,
+    throughput), register every coming round (half one round ahead, half at the honest position,
+    10^9 samples) and vote among themselves for digests of their own: the honest pair keeps averaging as a pair,
     its digests agree, its schedule counts what it trained, and nobody re-syncs."""
     from support.hostile import Forgers
     from support.swarm import InProcessSwarm, assert_replicas_agree, step_manifest
@@ -223,6 +223,9 @@ def test_sybil_ids_forging_records_registrations_and_votes_change_nothing(inproc
                     await sybils.announce(0, applied_rounds=claim, digest="5" * 24, round_no=2 ** 30)
                     await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim,
                                           digest="5" * 24, weight=1e9, ids=sybils.ids[:10])
+                    # and at the honest position: ten registrants of a digest of their own against two
+                    await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim - 1,
+                                          digest="6" * 24, weight=1e9, ids=sybils.ids[10:])
                     await asyncio.sleep(0.1)
 
             flooding = asyncio.create_task(flood())
