@@ -77,6 +77,14 @@ def test_point1_a_claim_of_one_round_more_does_not_make_a_stranger_the_group() -
     assert lone is not None and lone.members == ("a", "b")
 
 
+def test_a_replica_that_knows_voices_never_follows_ids_without_one() -> None:
+    # a round none of our voiced peers registered for (we lag them): ten forged ids at our position
+    regs = {"me": reg("mine", 5), **{f"s{i}": reg("forged", 5) for i in range(10)}}
+    g = choose_group(regs, veterans("a", "b", "me"), me="me")
+    assert g is not None and g.members == ("me",)
+    assert choose_group({f"s{i}": reg("forged", 5) for i in range(10)}, veterans("a", "b")) is None
+
+
 def test_point1_a_stranger_claiming_more_rounds_is_no_donor() -> None:
     recs = [rec("a", applied=5, digest="d"), rec("b", applied=5, digest="d"),
             rec("stranger", applied=6, digest="evil", round_no=2 ** 30)]

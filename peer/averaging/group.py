@@ -47,14 +47,17 @@ def group_hash(members: tuple[str, ...]) -> str:
     return hashlib.sha256(",".join(members).encode()).hexdigest()[:16]
 
 
-def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE) -> Group | None:
+def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = NO_EVIDENCE,
+                 me: str | None = None) -> Group | None:
     """The registrants that hold the reference state, by evidence before claims
     (peer/evidence.py): registrations claiming more applied rounds than this replica can
     corroborate (`Evidence.credible`: one round more only from a peer with a voice) are ignored;
     then the (applied rounds, digest) held by the most voices wins, then the one held by the most
     registrants, then the most applied rounds, then the smallest digest. (Registrants before
     rounds: a replica that applied rounds alone, with no voice to show for them, follows the
-    stage instead of leading it.)
+    stage instead of leading it.) A replica that knows voices never follows a candidate that has
+    none unless it is its own (`me`'s): ids that did no work, however many, cannot be its group,
+    even in a round none of its voiced peers registered for.
 
     Every registrant of the winning candidate joins, with a voice or without: a newcomer earns its
     voice by completing rounds, and which ids have a voice may differ between members until they
@@ -73,5 +76,10 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
         members = candidates[key]
         return (sum(evidence.voice(p) for p in members), len(members), applied, tuple(-ord(c) for c in digest))
 
+    if evidence.voiced:
+        candidates = {k: m for k, m in candidates.items()
+                      if any(evidence.voice(p) for p in m) or (me is not None and me in m)}
+        if not candidates:
+            return None
     applied, digest = max(candidates, key=score)
     return Group(tuple(sorted(candidates[(applied, digest)])), digest, applied)

@@ -80,7 +80,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             await asyncio.gather(registering, return_exceptions=True)
     regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
-    group = choose_group(regs, evidence)
+    group = choose_group(regs, evidence, me)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
         believed = [r for r in records if evidence.credible(r.applied_rounds, r.peer_id)
