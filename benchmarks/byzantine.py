@@ -152,9 +152,15 @@ def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bo
         stranger = Stranger(bootstrap, m, [peer_id_of(k) for k in keys], registering, round_claim, averaged) \
             if keys else None
         with stranger or contextlib.nullcontext():
+            exited = 0
             for peer in honest:
-                final = swarm.wait_for(peer, lambda e: e["event"] == "eval" and e.get("final"), 60 * rounds + 300,
-                                       "final eval")
+                try:
+                    final = swarm.wait_for(peer, lambda e: e["event"] == "eval" and e.get("final"),
+                                           60 * rounds + 300, "final eval")
+                except RuntimeError as e:  # an attack that works can make an honest peer give up
+                    print(f"{name}: {e}".splitlines()[0], file=sys.stderr)
+                    exited += 1
+                    continue
                 finals.append(final["val_loss"])
         digests = {}
         for peer in honest + [bad]:
@@ -168,7 +174,8 @@ def run(name: str, workdir: Path, rounds: int, byzantine: str | None, robust: bo
         complete = [e["complete"] for p in honest for e in p.events("round")]
         swarm_samples = max((e["swarm_samples"] for p in honest for e in p.events("round")), default=0)
     bootstrap.shutdown()
-    return {"run": name, "val": sum(finals) / len(finals), "vals": finals, "samples": samples,
+    return {"run": name, "val": sum(finals) / len(finals) if finals else float("nan"), "vals": finals,
+            "exited": exited, "samples": samples,
             "agree": all(len(d) == 1 for d in digests.values()), "rounds": len(digests),
             "mean_group": sum(groups) / max(1, len(groups)), "resyncs": resyncs, "max_round": max_round,
             "complete": sum(complete) / max(1, len(complete)), "swarm_samples": swarm_samples,
@@ -209,10 +216,10 @@ def main() -> int:
     report = Report("A hostile replica against robust averaging", args.out)
     print()
     report.table(["run", "honest val bits/byte", "vs clean", "samples/replica", "group", "complete", "re-syncs",
-                  "max round", "swarm samples", "digests agree"],
-                 [[r["run"], f"{r['val']:.3f}", f"{r['val'] / clean - 1:+.2%}", min(r["samples"]),
+                  "max round", "swarm samples", "digests agree", "honest peers exited"],
+                 [[r["run"], f"{r['val']:.3f}", f"{r['val'] / clean - 1:+.2%}", min(r["samples"] or [0]),
                    f"{r['mean_group']:.2f}", f"{r['complete']:.0%}", r["resyncs"], r["max_round"],
-                   r["swarm_samples"], r["agree"]] for r in results])
+                   r["swarm_samples"], r["agree"], r["exited"]] for r in results])
     report.results = {"rounds": rounds, "inner_steps": inner_steps, "runs": results}
     report.finish()
     return 0
