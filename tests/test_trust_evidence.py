@@ -5,7 +5,8 @@ decide nothing, and self-declared weights are bounded for the mean and the sched
 
 The pure decisions first, then real peers in one event loop (tests/support/swarm.py) against
 hostile ids writing over the wire what any stranger can write (tests/support/hostile.py).
-Every test below except the ledger's own failed on the code before this change."""
+The tests of points 1, 3 and 5 and the Sybil test failed on the code before this change (run
+against its peer/ with this file's imports of the new API left out)."""
 from __future__ import annotations
 
 import asyncio
