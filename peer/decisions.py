@@ -6,10 +6,10 @@ calls these; they decide, it acts. Each is tested without a network (tests/test_
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from typing import Collection, Iterable, Mapping, Sequence
 
 from swarmgrad.peer.records import FAILED
+from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence, quorum
 from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
 
 
@@ -41,31 +41,24 @@ def drivers_gone(stage0: Sequence[PeerRecord]) -> bool:
     return not any(r.state == ONLINE for r in stage0)
 
 
-def majority_digest(records: Sequence[PeerRecord]) -> str | None:
-    """The θ_global digest most online replicas announce (ties: more applied rounds, then the
-    smaller digest). A peer believes a fact about the swarm only if a majority announces it:
-    nobody wins by claiming a bigger applied_rounds."""
-    online = [r for r in records if r.state == ONLINE and r.digest]
-    if not online:
-        return None
-    votes = Counter(r.digest for r in online)
-    applied = {r.digest: r.applied_rounds for r in online}
-    return max(votes, key=lambda d: (votes[d], applied[d], _neg(d)))
+def majority_digest(records: Sequence[PeerRecord], evidence: Evidence = NO_EVIDENCE,
+                    exclude: Iterable[str] = ()) -> str | None:
+    """The θ_global digest a strict majority of the stage's voices announces (peer/evidence.py:
+    earned voices, or one per id for a peer with no evidence), or None: a tie decides nothing,
+    and nobody wins by claiming a bigger applied_rounds."""
+    q = quorum(records, evidence, exclude)
+    return q.digest if q is not None else None
 
 
-def _neg(digest: str) -> tuple[int, ...]:
-    return tuple(-ord(c) for c in digest)
+def join_donors(records: Sequence[PeerRecord], self_id: str, evidence: Evidence = NO_EVIDENCE) -> list[str]:
+    """Replicas a joiner may take θ_global from: online, not itself, announcing the digest of the
+    stage's quorum (`evidence.quorum`; sorted for a deterministic order). None on a tie."""
+    q = quorum(records, evidence, exclude=(self_id,))
+    return list(q.holders) if q is not None else []
 
 
-def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
-    """Replicas a joiner may take θ_global from: online, not itself, announcing the majority
-    digest (sorted for a deterministic order)."""
-    others = [r for r in records if r.peer_id != self_id]
-    digest = majority_digest(others)
-    return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
-
-
-def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> list[str]:
+def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int,
+                    evidence: Evidence = NO_EVIDENCE) -> list[str]:
     """The donors to download again from when a joiner's download is already old: a replica it
     would take θ_global from (`join_donors`) announces more applied rounds than the state that
     arrived (none when it is current). A download that spans the donor's
@@ -73,7 +66,7 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
     joiner would fail its first round with a group the donor no longer has, and its second as
     stale. Seen right after the donors' announce, a second download has the donors' whole next
     round to arrive in (enough when rounds are much longer than a download)."""
-    donors = join_donors(records, self_id)
+    donors = join_donors(records, self_id, evidence)
     moved = any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
     return donors if moved else []
 
@@ -148,14 +141,17 @@ def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRe
 
 
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
-                  stale: bool) -> list[str]:
-    """After a failed round: replicas whose state is newer than ours (or, if ours was not the
-    group's reference, any member of the group), restricted to the most announced digest among
-    them, so one replica claiming a large applied_rounds cannot hand us its state."""
+                  stale: bool, evidence: Evidence = NO_EVIDENCE) -> list[str]:
+    """After a failed round: the replicas whose state is newer than ours (or, if ours was not the
+    group's reference, any member of the group), restricted to the digest a strict majority of
+    *their* voices announces (peer/evidence.py: earned voices, credible claims only; ties decide
+    nothing). Our own voice is not among them: a replica that failed a round knows it is the one
+    behind, so in a stage of two the member that applied the round is followed. One replica
+    claiming a large applied_rounds, or any number of ids that did no work, hand us nothing."""
     newer = [r for r in records if r.peer_id != self_id and r.state == ONLINE and (
         r.applied_rounds > own_applied or (stale and r.peer_id in group))]
-    digest = majority_digest(newer)
-    return sorted(r.peer_id for r in newer if r.digest == digest)
+    q = quorum(newer, evidence)
+    return list(q.holders) if q is not None else []
 
 
 def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round_no: int,

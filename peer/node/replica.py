@@ -176,7 +176,7 @@ class Replica:
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
                          phase=self.phase, timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
-                         checkpoints=ctx.checkpoints,
+                         checkpoints=ctx.checkpoints, ledger=averager.ledger,
                          local_copy=ctx.backup_store.local_copy if ctx.backup_store else None)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,

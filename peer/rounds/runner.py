@@ -335,6 +335,7 @@ class RoundRunner:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(state.apply_outer, result.mean_delta, result.total_weight, outer_mult)
                 self.progress.completed_round(result.total_weight, float(samples))
+                self.averager.ledger.applied(round_no, result.group, state.applied_rounds)
             self._carried = 0
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
@@ -423,6 +424,7 @@ class RoundRunner:
             if result.total_weight > 0:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(self._apply_overlapped, result, outer_mult, flight)
+                self.averager.ledger.applied(round, result.group, state.applied_rounds)
                 moved = True
             else:
                 await worker.run(state.commit, self.clock.current)
