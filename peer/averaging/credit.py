@@ -40,9 +40,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from swarmgrad.peer.averaging.group import choose_group, group_hash
+from swarmgrad.peer.averaging.group import completed_groups
 from swarmgrad.peer.net.errors import NETWORK_FAILURES
-from swarmgrad.peer.records import FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -98,26 +97,11 @@ def completed_rounds(stage: int, round_no: int, registrations: Mapping[str, Mapp
     completed when the voters of one digest vote "H:d" are exactly the members whose sorted list
     hashes to H, there are two or more, and they are exactly the group `choose_group` forms from the
     registrations of the round's voters."""
-    # the group matchmaking formed: choose_group over the registrations of that round's voters (one
-    # that registered after the group formed votes nothing). The same rule as placement's evidence
-    # of work (peer/placement/evidence.py, completed_voters), so credit and placement agree.
-    chosen = choose_group({p: dict(v) for p, v in registrations.items() if p in votes})
-    by_vote: dict[str, list[str]] = defaultdict(list)
-    for peer_id, value in votes.items():
-        by_vote[value].append(peer_id)
     out = []
-    for value, voters in sorted(by_vote.items()):
-        hash_, _, digest = value.partition(":")
-        members = tuple(sorted(voters))
-        if not digest or digest == FAILED or len(members) < 2 or group_hash(members) != hash_:
-            continue
-        if chosen is None or members != chosen.members:
-            # another state than the stage's, or ids voting a group of their own beside the one
-            # matchmaking formed: which of the two is real cannot be told, so neither is credited
-            continue
-        claimed = {p: _weight(registrations.get(p, {}).get("weight")) for p in members}
-        credited = {p: _bounded(p, stage, claimed, bounds) for p in members}
-        out.append(CompletedRound(stage, round_no, hash_, digest, members, claimed, credited))
+    for group in completed_groups(votes, registrations):  # the rule placement's evidence counts by too
+        claimed = {p: _weight(registrations.get(p, {}).get("weight")) for p in group.members}
+        credited = {p: _bounded(p, stage, claimed, bounds) for p in group.members}
+        out.append(CompletedRound(stage, round_no, group.group_hash, group.digest, group.members, claimed, credited))
     return out
 
 

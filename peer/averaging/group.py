@@ -4,10 +4,12 @@ view (peer/averaging/averager.py runs the round; tests/test_decisions.py checks 
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
+from swarmgrad.peer.records import FAILED
 
 
 def partition(shapes: dict[str, tuple[int, ...]], n_parts: int) -> dict[str, int]:
@@ -83,3 +85,42 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
             return None
     applied, digest = max(candidates, key=score)
     return Group(tuple(sorted(candidates[(applied, digest)])), digest, applied)
+
+
+@dataclass(frozen=True)
+class CompletedGroup:
+    group_hash: str
+    digest: str
+    members: tuple[str, ...]
+    """Sorted: the ids whose sorted tuple hashes to group_hash."""
+
+
+def completed_groups(votes: Mapping[str, str], registrations: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> list[CompletedGroup]:
+    """The groups of one round of one stage that completed, read from its outcome votes (peer id ->
+    "<group hash>:<digest or failed>", peer/averaging/outcome.py): two or more ids voted one digest
+    under the hash of exactly their sorted ids, so every member voted it and applied the round (a
+    group of one posts no vote). With `registrations` (that round's), the group must also be the one
+    `choose_group` forms from the registrations of the round's voters (one that registered after
+    the group formed votes nothing): ids voting a group of their own beside the one matchmaking
+    formed prove nothing, and nor does that group, since which of the two is real cannot be told.
+
+    The one rule of what counts as work done: placement's evidence (peer/placement/evidence.py)
+    and contribution credit (peer/averaging/credit.py) both read it."""
+    chosen: tuple[str, ...] | None = None
+    if registrations is not None:
+        group = choose_group({p: dict(v) for p, v in registrations.items() if p in votes})
+        chosen = group.members if group is not None else ()
+    by_vote: dict[str, list[str]] = defaultdict(list)
+    for peer_id, value in votes.items():
+        by_vote[value].append(peer_id)
+    out = []
+    for value, voters in sorted(by_vote.items()):
+        hash_, _, digest = value.partition(":")
+        members = tuple(sorted(voters))
+        if not digest or digest == FAILED or len(members) < 2 or group_hash(members) != hash_:
+            continue
+        if chosen is not None and members != chosen:
+            continue
+        out.append(CompletedGroup(hash_, digest, members))
+    return out
