@@ -12,7 +12,7 @@ of one encode followed by one decode, one torch thread, for 16M and 64M values o
 time because the machine is shared: wall time counts the time other processes hold the core;
 page faults of fresh outputs are CPU time of the thread and count. Paths run interleaved (one
 repetition of each in turn, after one untimed warm-up) so machine load hits all alike. In the
-same run: the int8 codec as it was before issue 45 (benchmarks/int8_legacy.py, the same wire
+same run: the int8 codec as it was before issue 45 (benchmarks/harness/int8_legacy.py, the same wire
 bytes: checked), a memcpy of the same fp32 bytes into a reused buffer (the ceiling), and
 ``x.to(torch.float16)`` (fresh output).
 """
@@ -125,8 +125,8 @@ MEMCPY = "ceiling: memcpy fp32 into a reused buffer"
 
 def int8_speed(size: str, repeats: int, seed: int = 0) -> list[Speed]:
     """Best-of encode+decode GB/s per core of today's int8 paths, the same paths of the codec before
-    issue 45 (benchmarks/int8_legacy.py), and two references, interleaved in one run."""
-    from benchmarks.int8_legacy import LegacyInt8, legacy_decode
+    issue 45 (benchmarks/harness/int8_legacy.py), and two references, interleaved in one run."""
+    from benchmarks.harness.int8_legacy import LegacyInt8, legacy_decode
 
     numel = parse_size(size)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
