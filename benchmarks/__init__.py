@@ -14,6 +14,7 @@ In one process, no network:
   swarm_moment_step   what inner.swarm_second_moment costs per inner step
   codecs              swarmgrad's codecs against hivemind's on the same tensors
   simulate            the placement policy against its ablations in the simulator
+  round_tickets       what signing and checking a driver's round ticket costs
 
 Real peer processes on 127.0.0.1:
   pipeline_overhead   one process alone against the demo swarm on the same model
@@ -29,4 +30,6 @@ In network namespaces (root; each says why and exits 0 without):
   overlap             overlapped averaging against plain rounds over a slow link
   pipeline_link       whether the 2-stage pipeline fills its link
   nat_probe           who can call whom behind NAT (bare hivemind DHT nodes)
+  scale               state downloads, averaging, memory, codec and tokens/s at 20M-125M parameters
+                      (shaped links where it can; loopback with --loopback)
 """

@@ -27,7 +27,7 @@ import torch
 
 from .base import Codec, CodecError, Encoded, ParamValue, dtype_name, expect_buffers, param_int, prepare
 from .base import register, check_positive_int, tensor_bytes, tensor_from_bytes
-from .workspace import Workspace, scratch
+from .workspace import Workspace, fresh, scratch
 
 __all__ = ["BlockwiseCodec", "Int8Codec", "Int4Codec", "MAX_BLOCK_SIZE"]
 
@@ -104,8 +104,12 @@ class BlockwiseCodec(Codec):
         """Codes (int8, one per value) and fp32 scales for flat fp32 ``x``.
 
         Works through the tensor in cache-sized chunks of whole blocks, so that each value is
-        read from memory once and the fp32 temporaries stay in L2 (3x faster than whole-tensor
-        ops, which are bound by memory traffic and page faults of large temporaries)."""
+        read from memory once and the fp32 temporaries stay in cache (3x faster than whole-tensor
+        ops, which are bound by memory traffic and page faults of large temporaries). A chunk
+        costs five passes over cached data (amax, amin, multiply, round, narrow to int8) and a
+        few ops on its scales; the rare blocks whose ``L / absmax`` overflows are found once,
+        on all scales, and quantised again by division (round to nearest only: stochastic
+        rounding must add the same noise, so it fixes them per chunk)."""
         n, bs, L = x.numel(), self.block_size, self.levels
         nfull, tail = divmod(n, bs)
         scales = scratch(ws, "scales", torch.float32, nfull + (tail > 0))
@@ -124,27 +128,47 @@ class BlockwiseCodec(Codec):
                                 torch.empty(1, tail), torch.empty(1), torch.empty(1))
         if scales.numel() and not math.isfinite(float(scales.amax())):  # NaN/Inf propagate into absmax
             raise CodecError(f"{self.name}: input contains NaN or Inf; refusing to encode")
+        if not self.stochastic:
+            self._requantize_tiny(x, scales, codes)
         scales.div_(L)
         return codes, scales
 
     def _quantize_rows(self, xc: torch.Tensor, s: torch.Tensor, qc: torch.Tensor,
                        t: torch.Tensor, aux: torch.Tensor, inv: torch.Tensor) -> None:
-        """Quantise rows ``xc`` (one block each) into ``qc``; absmax into ``s``."""
+        """Quantise rows ``xc`` (one block each) into ``qc``; absmax into ``s``. Round to
+        nearest leaves blocks with ``0 < absmax < _TINY_ABSMAX`` to :meth:`_requantize_tiny`."""
         L = self.levels
         torch.amax(xc, 1, out=s)
         torch.amin(xc, 1, out=aux)
-        torch.maximum(s, aux.neg_(), out=s)  # absmax; NaN propagates, Inf stays Inf (checked by caller)
+        # absmax; NaN propagates, Inf stays Inf (checked by caller). Not abs().amax(): an
+        # all-(-0.0) block's scale keeps the sign torch.maximum gives it (the wire bytes)
+        torch.maximum(s, aux.neg_(), out=s)
         # inv = L / absmax; all-zero blocks get inv = 0, hence codes 0
         torch.reciprocal(s, out=inv).mul_(L).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         torch.mul(xc, inv[:, None], out=t)
-        tiny = (s > 0) & (s < _TINY_ABSMAX)
-        if bool(tiny.any()):  # L / absmax overflowed to inf (zeroed above): divide instead
-            t[tiny] = xc[tiny] / s[tiny, None] * L
         if self.stochastic:
+            tiny = (s > 0) & (s < _TINY_ABSMAX)
+            if bool(tiny.any()):  # L / absmax overflowed to inf (zeroed above): divide instead
+                t[tiny] = xc[tiny] / s[tiny, None] * L
             t.add_(torch.rand(t.shape, generator=self._generator)).floor_().clamp_(-L, L)
         else:
             t.round_()  # |x * L/absmax| <= L (1 + 1e-7), so round never exceeds L: no clamp
         qc.copy_(t)
+
+    def _requantize_tiny(self, x: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor) -> None:
+        """Codes of the blocks whose ``L / absmax`` overflows (or loses precision), by division:
+        ``round(x / absmax * L)``, elementwise the same as a per-chunk fix would give."""
+        tiny = (absmax > 0) & (absmax < _TINY_ABSMAX)
+        if not bool(tiny.any()):
+            return
+        n, bs, L = x.numel(), self.block_size, self.levels
+        nfull = n // bs
+        rows = tiny[:nfull].nonzero().view(-1)
+        if rows.numel():
+            xv, qv = x[: nfull * bs].view(nfull, bs), codes[: nfull * bs].view(nfull, bs)
+            qv[rows] = (xv[rows] / absmax[rows, None] * L).round_().to(torch.int8)
+        if n % bs and bool(tiny[nfull]):
+            codes[nfull * bs :] = (x[nfull * bs :] / absmax[nfull] * L).round_().to(torch.int8)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         """The codes buffer's contents as a contiguous 1-byte tensor (int8: the codes)."""
@@ -163,7 +187,7 @@ class BlockwiseCodec(Codec):
     @classmethod
     def decode_encoded(cls, enc: Encoded, max_numel: int) -> torch.Tensor:
         n, bs, scales = cls._check(enc)
-        out = torch.empty(n, dtype=torch.float32)
+        out = fresh(torch.float32, n)  # huge pages: first-touching a fresh output is most of a decode
         cls._dequantize(enc.buffers[0], scales, n, bs, out)
         return out
 

@@ -5,10 +5,12 @@ text that every peer already has, so a benchmark needs no download. The train/va
 is by file, decided by a SHA-256 hash of the path relative to a root, so every machine with the
 same Python gets the same split.
 
-Sharding: a driver's shard *is* its seed. Each driver samples its own random windows of the
-training corpus from a ``torch.Generator`` seeded with that seed; drivers whose seeds differ
-(derived from their peer ids, say) see different data, and a driver restarted with the same
-seed sees the same batches again. No coordination of shards is needed.
+Without shards (``data.shards = 0``), a driver's shard *is* its seed. Each driver samples its own
+random windows of the training corpus from a ``torch.Generator`` seeded with that seed; drivers
+whose seeds differ (derived from their peer ids, say) see different data, and a driver restarted
+with the same seed sees the same batches again. No coordination is needed, and nothing keeps two
+drivers from training the same window. With ``data.shards = N`` the corpus is cut into N shards
+that the drivers lease through the DHT instead (peer/shards/, docs/data.md).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ calls these; they decide, it acts. Each is tested without a network (tests/test_
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from swarmgrad.peer.records import FAILED
+from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence, quorum
 from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
 
 
@@ -41,31 +41,24 @@ def drivers_gone(stage0: Sequence[PeerRecord]) -> bool:
     return not any(r.state == ONLINE for r in stage0)
 
 
-def majority_digest(records: Sequence[PeerRecord]) -> str | None:
-    """The θ_global digest most online replicas announce (ties: more applied rounds, then the
-    smaller digest). A peer believes a fact about the swarm only if a majority announces it:
-    nobody wins by claiming a bigger applied_rounds."""
-    online = [r for r in records if r.state == ONLINE and r.digest]
-    if not online:
-        return None
-    votes = Counter(r.digest for r in online)
-    applied = {r.digest: r.applied_rounds for r in online}
-    return max(votes, key=lambda d: (votes[d], applied[d], _neg(d)))
+def majority_digest(records: Sequence[PeerRecord], evidence: Evidence = NO_EVIDENCE,
+                    exclude: Iterable[str] = ()) -> str | None:
+    """The θ_global digest a strict majority of the stage's voices announces (peer/evidence.py:
+    earned voices, or one per id for a peer with no evidence), or None: a tie decides nothing,
+    and nobody wins by claiming a bigger applied_rounds."""
+    q = quorum(records, evidence, exclude)
+    return q.digest if q is not None else None
 
 
-def _neg(digest: str) -> tuple[int, ...]:
-    return tuple(-ord(c) for c in digest)
+def join_donors(records: Sequence[PeerRecord], self_id: str, evidence: Evidence = NO_EVIDENCE) -> list[str]:
+    """Replicas a joiner may take θ_global from: online, not itself, announcing the digest of the
+    stage's quorum (`evidence.quorum`; sorted for a deterministic order). None on a tie."""
+    q = quorum(records, evidence, exclude=(self_id,))
+    return list(q.holders) if q is not None else []
 
 
-def join_donors(records: Sequence[PeerRecord], self_id: str) -> list[str]:
-    """Replicas a joiner may take θ_global from: online, not itself, announcing the majority
-    digest (sorted for a deterministic order)."""
-    others = [r for r in records if r.peer_id != self_id]
-    digest = majority_digest(others)
-    return sorted(r.peer_id for r in others if r.state == ONLINE and r.digest == digest)
-
-
-def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int) -> list[str]:
+def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: int,
+                    evidence: Evidence = NO_EVIDENCE) -> list[str]:
     """The donors to download again from when a joiner's download is already old: a replica it
     would take θ_global from (`join_donors`) announces more applied rounds than the state that
     arrived (none when it is current). A download that spans the donor's
@@ -73,13 +66,15 @@ def join_superseded(records: Sequence[PeerRecord], self_id: str, own_applied: in
     joiner would fail its first round with a group the donor no longer has, and its second as
     stale. Seen right after the donors' announce, a second download has the donors' whole next
     round to arrive in (enough when rounds are much longer than a download)."""
-    donors = join_donors(records, self_id)
+    donors = join_donors(records, self_id, evidence)
     moved = any(r.applied_rounds > own_applied for r in records if r.peer_id in donors)
     return donors if moved else []
 
 
 def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_digest: str, now: float,
-              hold: float, connected: set[str] | None = None) -> tuple[list[str], list[str]]:
+              hold: float, connected: set[str] | None = None, *, shares: Mapping[str, float] | None = None,
+              min_share: float = 0.0, held_before: Collection[str] = (), active: Mapping[str, float] | None = None,
+              stall: float = float("inf")) -> tuple[list[str], list[str]]:
     """(the peers a replica waits for at its round boundary, the peers it may forget).
 
     At a boundary the replica holds (worker paused, state served, nothing averaged) for the peers
@@ -95,7 +90,19 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
     stage's other replicas) applies the round meanwhile, the state arrives superseded, and the
     joiner downloads again or fails its first round as stale, round after round (measured:
     docs/measurements.md, "Notes moved from the code"). A round held until the download lands
-    costs the donors that wait once."""
+    costs the donors that wait once.
+
+    Who may be waited for at all (docs/trust.md, "Join hold"): a hold stalls the whole stage, so it
+    is granted only to a plausible joiner, never on a request alone. Besides a record of this stage
+    that is JOINING (or ONLINE and re-syncing) and a live connection, the peer must have asked us
+    for at least `min_share` of the state (`shares`: peer -> the fraction of the state's tensors,
+    by size, it asked for; a joiner asks every donor for its part of the whole state at once, so
+    one small part does not qualify), and it must not be in `held_before` (the peers a boundary was
+    already held for: one hold per peer id). A peer whose download from us has not moved for `stall`
+    seconds (`active`: peer -> when it last asked or had a stream open to us) is no longer waited
+    for: its download stalled, or ended long enough ago for a real joiner to have landed it. A peer
+    that does not qualify is neither waited for nor forgotten. How long all holds together may last
+    is `join_hold_left`'s."""
     by_id = {r.peer_id: r for r in records}
     waiting, settled = [], []
     for peer, since in served.items():
@@ -104,9 +111,19 @@ def join_hold(served: dict[str, float], records: Sequence[PeerRecord], own_diges
                 record.state == ONLINE and record.digest == own_digest) or (
                 connected is not None and peer not in connected):
             settled.append(peer)
-        elif now - since < hold:
+        elif now - since < hold and peer not in held_before and (
+                shares is None or shares.get(peer, 0.0) >= min_share) and (
+                active is None or now - active.get(peer, since) < stall):
             waiting.append(peer)
     return sorted(waiting), sorted(settled)
+
+
+def join_hold_left(holds: Sequence[tuple[float, float]], now: float, hold: float, window: float) -> float:
+    """Seconds this replica may still hold boundaries for joiners: at most `hold` seconds in all over
+    any `window` seconds (`holds`: (start, end) of past holds, monotonic). However many ids ask,
+    a stage stalls for joiners at most hold / window of its time."""
+    spent = sum(max(0.0, end - max(start, now - window)) for start, end in holds if end > now - window)
+    return max(0.0, hold - spent)
 
 
 def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRecord], self_id: str,
@@ -124,14 +141,17 @@ def finished_without_us(registrations: dict[str, dict], records: Sequence[PeerRe
 
 
 def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int, group: Sequence[str],
-                  stale: bool) -> list[str]:
-    """After a failed round: replicas whose state is newer than ours (or, if ours was not the
-    group's reference, any member of the group), restricted to the most announced digest among
-    them, so one replica claiming a large applied_rounds cannot hand us its state."""
+                  stale: bool, evidence: Evidence = NO_EVIDENCE) -> list[str]:
+    """After a failed round: the replicas whose state is newer than ours (or, if ours was not the
+    group's reference, any member of the group), restricted to the digest a strict majority of
+    *their* voices announces (peer/evidence.py: earned voices, credible claims only; ties decide
+    nothing). Our own voice is not among them: a replica that failed a round knows it is the one
+    behind, so in a stage of two the member that applied the round is followed. One replica
+    claiming a large applied_rounds, or any number of ids that did no work, hand us nothing."""
     newer = [r for r in records if r.peer_id != self_id and r.state == ONLINE and (
         r.applied_rounds > own_applied or (stale and r.peer_id in group))]
-    digest = majority_digest(newer)
-    return sorted(r.peer_id for r in newer if r.digest == digest)
+    q = quorum(newer, evidence)
+    return list(q.holders) if q is not None else []
 
 
 def resync_settled(records: Sequence[PeerRecord], others: Sequence[str], round_no: int,

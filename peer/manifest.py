@@ -246,6 +246,16 @@ class DataConfig:
     forwards on every stage; the evaluators are chosen from the round's averaging group by
     rendezvous hash of the round (decisions.evaluates), so the cost rotates among the drivers. Start
     and final evaluations run on every driver."""
+    shards: int = 0
+    """Cut the training corpus into this many shards that drivers lease through the DHT, so that in
+    an epoch no window is trained twice while drivers come and go (peer/shards/, docs/data.md). 0:
+    no leases, each driver samples random windows from its own seed (--data-seed)."""
+    lease_seconds: float = 30.0
+    """A driver's shard lease expires this long after its last renewal (renewed every third of it):
+    how long a crashed driver's shard waits before another takes it over."""
+    lease_settle: float = 1.0
+    """After taking a free shard, a driver waits this long before reading the leases back to see
+    whether another took the same shard at once (the DHT is not read-after-write across nodes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +295,9 @@ class TimeoutsConfig:
     (at most half of the microbatch's deadline), serving it once the round is over, instead of
     refusing it NOT_READY and having the driver send the activations again. 0: refuse at once. A
     late microbatch of the round being ended is refused at once."""
+    tokenizer: float = 30.0
+    """A chunk of a public run's tokenizer file (peer/public/tokenizer_share.py): how long a serving
+    peer waits for the request, and a joiner for each chunk's answer."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,10 @@ import re
 
 from swarmgrad.peer.manifest import Manifest, _fail
 
+MAX_SHARDS = 65536
+"""data.shards at most: a driver's DHT record carries the done shards as a bitmap, 8 KiB at this
+many, well inside hivemind's ~16 KiB values (peer/shards/leases.py)."""
+
 
 def _positive(name: str, value: float) -> None:
     if not value > 0:
@@ -133,6 +137,16 @@ def check(m: Manifest) -> None:
         raise _fail("data.max_bytes", f"({d.max_bytes}) must be 0 (no cap) or at least model.seq_len + 1 "
                                       f"({md.seq_len + 1}): one training window needs that many bytes")
     _positive("data.eval_batches", d.eval_batches)
+    if not 0 <= d.shards <= MAX_SHARDS:
+        raise _fail("data.shards", f"must be 0 (no leases) or 1 to {MAX_SHARDS} (got {d.shards}): a driver's DHT "
+                                   "record carries the done shards as a bitmap")
+    if not d.lease_seconds >= 2 * m.timeouts.dht:
+        raise _fail("data.lease_seconds", f"({d.lease_seconds}) must be at least 2 x timeouts.dht "
+                                          f"({2 * m.timeouts.dht}): a renewal reads and writes the DHT, each within "
+                                          "timeouts.dht, every third of a lease")
+    if not 0 <= d.lease_settle < d.lease_seconds / 3:
+        raise _fail("data.lease_settle", f"must be >= 0 and under a third of data.lease_seconds "
+                                         f"(got {d.lease_settle})")
     for f in dataclasses.fields(m.timeouts):
         if f.name not in ("between_rounds", "join_hold"):  # 0 turns these holds off
             _positive(f"timeouts.{f.name}", getattr(m.timeouts, f.name))
@@ -148,6 +162,29 @@ def check(m: Manifest) -> None:
                                              "are capped at 600 s and registrations live 4 x announce_ttl")
     if m.timeouts.heartbeat >= m.timeouts.announce_ttl:
         raise _fail("timeouts.heartbeat", "must be shorter than timeouts.announce_ttl, or records expire between refreshes")
+
+
+def _check_data_source(m: Manifest) -> None:
+    d = m.data
+    sources = ("stdlib", "files", "jsonl", "parquet", "hf-disk")
+    if d.source not in sources:
+        raise _fail("data.source", f"must be one of {', '.join(repr(s) for s in sources)} (got {d.source!r})")
+    if d.source != "stdlib" and not d.paths:
+        raise _fail("data.paths", f"must list files, folders or globs when data.source = \"{d.source}\"")
+    if d.source == "stdlib" and d.paths:
+        raise _fail("data.paths", "is only used with a source other than \"stdlib\"; remove it or set data.source")
+    if not d.text_field:
+        raise _fail("data.text_field", "must name the JSON key or column that holds the text (default \"text\")")
+    if not d.shard_mb > 0:
+        raise _fail("data.shard_mb", f"must be > 0 (got {d.shard_mb})")
+    if d.tokenizer and not re.fullmatch(r"[0-9a-f]{64}", d.tokenizer_sha256):
+        raise _fail("data.tokenizer_sha256", "must pin the tokenizer file: the 64 hex digits `swarmgrad tokenizer "
+                                             f"train` printed, or `sha256sum {d.tokenizer}` (got {d.tokenizer_sha256!r})")
+    if d.tokenizer_sha256 and not d.tokenizer:
+        raise _fail("data.tokenizer_sha256", "pins a tokenizer but data.tokenizer names none")
+    if d.max_bytes and (d.tokenizer or d.source in ("jsonl", "parquet", "hf-disk")):
+        raise _fail("data.max_bytes", "caps the byte-level corpus only; a tokenized or row source streams "
+                                      "its shards (choose the files with data.paths)")
 
 
 _LLAMA_ONLY = ("n_kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "init_from")
@@ -179,31 +216,8 @@ def _check_llama(m: Manifest) -> None:
                                             "on two peers that drift apart between averaging rounds; set "
                                             "stages.count = 1 or tie_embeddings = false")
     # byte-level data feeds ids 0..255; a tokenizer (data.tokenizer, when named) gives its own vocabulary
-    if not m.data.tokenizer and md.vocab_size < 256:
+    if not getattr(m.data, "tokenizer", "") and md.vocab_size < 256:
         raise _fail("model.vocab_size", f"must be >= 256 with byte-level data (got {md.vocab_size})")
-
-
-def _check_data_source(m: Manifest) -> None:
-    d = m.data
-    sources = ("stdlib", "files", "jsonl", "parquet", "hf-disk")
-    if d.source not in sources:
-        raise _fail("data.source", f"must be one of {', '.join(repr(s) for s in sources)} (got {d.source!r})")
-    if d.source != "stdlib" and not d.paths:
-        raise _fail("data.paths", f"must list files, folders or globs when data.source = \"{d.source}\"")
-    if d.source == "stdlib" and d.paths:
-        raise _fail("data.paths", "is only used with a source other than \"stdlib\"; remove it or set data.source")
-    if not d.text_field:
-        raise _fail("data.text_field", "must name the JSON key or column that holds the text (default \"text\")")
-    if not d.shard_mb > 0:
-        raise _fail("data.shard_mb", f"must be > 0 (got {d.shard_mb})")
-    if d.tokenizer and not re.fullmatch(r"[0-9a-f]{64}", d.tokenizer_sha256):
-        raise _fail("data.tokenizer_sha256", "must pin the tokenizer file: the 64 hex digits `swarmgrad tokenizer "
-                                             f"train` printed, or `sha256sum {d.tokenizer}` (got {d.tokenizer_sha256!r})")
-    if d.tokenizer_sha256 and not d.tokenizer:
-        raise _fail("data.tokenizer_sha256", "pins a tokenizer but data.tokenizer names none")
-    if d.max_bytes and (d.tokenizer or d.source in ("jsonl", "parquet", "hf-disk")):
-        raise _fail("data.max_bytes", "caps the byte-level corpus only; a tokenized or row source streams "
-                                      "its shards (choose the files with data.paths)")
 
 
 def _check_codec(name: str, spec: str) -> None:

@@ -275,3 +275,31 @@ def validate_state_response(resp: pb.StateResponse, shapes: Mapping[str, tuple[i
         raise ProtocolError(pb.BAD_REQUEST, "state does not match its declared digest")
     return StateResult(pb.OK, "", int(resp.round), int(resp.applied_rounds), digest, params, momentum,
                        int(resp.trained_samples))
+
+
+@dataclass(frozen=True)
+class TokenizerChunk:
+    status: int
+    reason: str
+    total_bytes: int = 0
+    data: bytes = b""
+
+
+def validate_tokenizer_chunk(resp: pb.TokenizerResponse, offset: int, max_total: int, max_chunk: int
+                             ) -> TokenizerChunk:
+    """A chunk of a run's tokenizer file asked from `offset`: it starts there, the file is at most
+    `max_total` bytes, the chunk at most `max_chunk` and not past the file's end, and it is empty only
+    at the end. Whether the bytes are the right ones is the caller's check (the signed sha256)."""
+    _check_status(resp.status, "tokenizer response")
+    if resp.status != pb.OK:
+        return TokenizerChunk(resp.status, _reason(resp.reason))
+    if resp.offset != offset:
+        raise ProtocolError(pb.BAD_REQUEST, f"tokenizer response starts at byte {resp.offset}, asked {offset}")
+    if resp.total_bytes > max_total:
+        raise ProtocolError(pb.BAD_REQUEST, f"tokenizer response: a file of {resp.total_bytes} bytes "
+                                            f"(at most {max_total} accepted)")
+    n = len(resp.data)
+    if n > max_chunk or offset + n > resp.total_bytes or (n == 0 and offset < resp.total_bytes):
+        raise ProtocolError(pb.BAD_REQUEST, f"tokenizer response: {n} bytes at {offset} of a file of "
+                                            f"{resp.total_bytes} (chunks of 1..{max_chunk} bytes)")
+    return TokenizerChunk(pb.OK, "", int(resp.total_bytes), bytes(resp.data))

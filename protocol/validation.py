@@ -30,6 +30,8 @@ MAX_ROUND = 2**40
 claims a larger number is refused rather than believed (thousands of years of rounds)."""
 MAX_ID_CHARS = 128
 """Peer ids, digests and hashes from the wire are at most this long (ours are 24-64 characters)."""
+ROUND_TICKET_BYTES = 64
+"""A forward request's round ticket is an Ed25519 signature, or absent."""
 
 RAW_DTYPES = {"int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "float32": torch.float32}
 DTYPE_NAMES = {"float32", "float16", "bfloat16"}
@@ -186,6 +188,9 @@ class ForwardInput:
     deadline: float
     eval_only: bool
     round: int
+    round_ticket: bytes = b""
+    """The driver's signature that it is in `round` (empty or ROUND_TICKET_BYTES long; whether it
+    verifies is the stage server's check, peer/net/round_tickets.py)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,9 @@ def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: St
         raise ProtocolError(pb.BAD_REQUEST, f"driver id longer than {MAX_ID_CHARS} characters")
     if req.round > MAX_ROUND:
         raise ProtocolError(pb.BAD_REQUEST, f"round {req.round} exceeds {MAX_ROUND}")
+    if len(req.round_ticket) not in (0, ROUND_TICKET_BYTES):
+        raise ProtocolError(pb.BAD_REQUEST, f"a round ticket is a {ROUND_TICKET_BYTES}-byte signature "
+                                            f"(got {len(req.round_ticket)} bytes)")
     shape = tuple(req.activations.shape)
     batch = shape[0] if shape else 0
     if not 1 <= batch <= contract.max_batch:
@@ -235,7 +243,7 @@ def validate_forward(req: pb.ForwardRequest, identity: RunIdentity, contract: St
         raise ProtocolError(pb.BAD_REQUEST, "deadline is not a finite time")
     return ForwardInput(microbatch_id=req.microbatch_id, attempt=req.attempt, driver=req.driver,
                         activations=activations, targets=targets, deadline=req.deadline, eval_only=req.eval_only,
-                        round=req.round)
+                        round=req.round, round_ticket=bytes(req.round_ticket))
 
 
 def _widens(sent: torch.dtype, expected: torch.dtype) -> bool:
@@ -307,3 +315,21 @@ def validate_commit(req: pb.CommitRequest, identity: RunIdentity, stage: int, ca
     if len(req.microbatch_ids) > MAX_COMMITS:
         raise ProtocolError(pb.BAD_REQUEST, f"commit names more than {MAX_COMMITS} microbatches")
     return [(caller, int(mb), int(a)) for mb, a in zip(req.microbatch_ids, req.attempts)]
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def validate_tokenizer_request(req: pb.TokenizerRequest, identity: RunIdentity, sha256: str, size: int) -> int:
+    """The offset a request for this run's tokenizer file asks from (peer/public/tokenizer_share.py).
+    The caller must name the run, its manifest and the file's digest, `sha256` (a caller that expects
+    other bytes is told so rather than sent these)."""
+    check_envelope(req.envelope, identity, [0])
+    if len(req.sha256) != 64 or not set(req.sha256) <= _HEX:
+        raise ProtocolError(pb.BAD_REQUEST, "tokenizer request: sha256 must be 64 lowercase hex digits")
+    if req.sha256 != sha256:
+        raise ProtocolError(pb.WRONG_RUN, f"tokenizer request for sha256 {req.sha256[:12]}..., this peer's "
+                                          f"tokenizer is {sha256[:12]}...")
+    if req.offset > size:
+        raise ProtocolError(pb.BAD_REQUEST, f"tokenizer request: offset {req.offset} is past the file's {size} bytes")
+    return int(req.offset)

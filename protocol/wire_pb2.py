@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nwire.proto\x12\x0cswarmgrad.v1\"b\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bparams_json\x18\x04 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x05 \x03(\x0c\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"H\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\"#\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\"@\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"\x82\x02\n\x0e\x46orwardRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x0e\n\x06\x64river\x18\x04 \x01(\t\x12\x30\n\x0b\x61\x63tivations\x18\x05 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\x12(\n\x07targets\x18\x06 \x01(\x0b\x32\x17.swarmgrad.v1.RawTensor\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x01\x12\x11\n\teval_only\x18\x08 \x01(\x08\x12\r\n\x05round\x18\t \x01(\x04\"\xe1\x01\n\x0f\x46orwardResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\ngrad_input\x18\x03 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tn_targets\x18\x05 \x01(\x04\x12\x13\n\x0b\x66\x61iled_peer\x18\x06 \x01(\t\x12\r\n\x05route\x18\x07 \x01(\t\x12\x11\n\trequest_s\x18\x08 \x01(\x01\x12\x0f\n\x07serve_s\x18\t \x01(\x01\"c\n\rCommitRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\x16\n\x0emicrobatch_ids\x18\x02 \x03(\x04\x12\x10\n\x08\x61ttempts\x18\x03 \x03(\r\"Y\n\x0e\x43ommitResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcommitted\x18\x03 \x01(\r\"\xbd\x01\n\x0e\x41verageRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\ngroup_hash\x18\x03 \x01(\t\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x0c\n\x04part\x18\x06 \x01(\r\x12*\n\x07tensors\x18\x07 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\"\xcb\x01\n\x0f\x41verageResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12\x14\n\x0c\x63ontributors\x18\x04 \x03(\t\x12\x14\n\x0ctotal_weight\x18\x05 \x01(\x01\x12*\n\x06others\x18\x06 \x03(\x0b\x32\x1a.swarmgrad.v1.Contribution\"Z\n\x0c\x43ontribution\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\"G\n\x0cStateRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\r\n\x05names\x18\x02 \x03(\t\"\xf3\x01\n\rStateResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\x12)\n\x06params\x18\x05 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12+\n\x08momentum\x18\x06 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12\x16\n\x0e\x61pplied_rounds\x18\x07 \x01(\x04\x12\x17\n\x0ftrained_samples\x18\x08 \x01(\x04\"a\n\tBackupPut\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12*\n\x05state\x18\x02 \x01(\x0b\x32\x1b.swarmgrad.v1.StateResponse\"5\n\tBackupGet\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\"A\n\tBackupAck\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t*\xed\x01\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x01\x12\r\n\tWRONG_RUN\x10\x02\x12\x0f\n\x0bWRONG_STAGE\x10\x03\x12\r\n\tTOO_LARGE\x10\x04\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x05\x12\x15\n\x11\x44OWNSTREAM_FAILED\x10\x06\x12\r\n\tNOT_READY\x10\x07\x12\x0f\n\x0bSTALE_STATE\x10\x08\x12\x12\n\x0eGROUP_MISMATCH\x10\t\x12\x0f\n\x0bWRONG_ROUND\x10\n\x12\x0c\n\x08INTERNAL\x10\x0b\x12\x10\n\x0cUNAUTHORIZED\x10\x0c\x12\x08\n\x04\x42USY\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nwire.proto\x12\x0cswarmgrad.v1\"b\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bparams_json\x18\x04 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x05 \x03(\x0c\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"H\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x06tensor\x18\x02 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\"#\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\"@\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"\x98\x02\n\x0e\x46orwardRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x0e\n\x06\x64river\x18\x04 \x01(\t\x12\x30\n\x0b\x61\x63tivations\x18\x05 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\x12(\n\x07targets\x18\x06 \x01(\x0b\x32\x17.swarmgrad.v1.RawTensor\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x01\x12\x11\n\teval_only\x18\x08 \x01(\x08\x12\r\n\x05round\x18\t \x01(\x04\x12\x14\n\x0cround_ticket\x18\n \x01(\x0c\"\xe1\x01\n\x0f\x46orwardResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\ngrad_input\x18\x03 \x01(\x0b\x32\x1b.swarmgrad.v1.EncodedTensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tn_targets\x18\x05 \x01(\x04\x12\x13\n\x0b\x66\x61iled_peer\x18\x06 \x01(\t\x12\r\n\x05route\x18\x07 \x01(\t\x12\x11\n\trequest_s\x18\x08 \x01(\x01\x12\x0f\n\x07serve_s\x18\t \x01(\x01\"c\n\rCommitRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\x16\n\x0emicrobatch_ids\x18\x02 \x03(\x04\x12\x10\n\x08\x61ttempts\x18\x03 \x03(\r\"Y\n\x0e\x43ommitResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcommitted\x18\x03 \x01(\r\"\xbd\x01\n\x0e\x41verageRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\ngroup_hash\x18\x03 \x01(\t\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x0c\n\x04part\x18\x06 \x01(\r\x12*\n\x07tensors\x18\x07 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\"\xcb\x01\n\x0f\x41verageResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12\x14\n\x0c\x63ontributors\x18\x04 \x03(\t\x12\x14\n\x0ctotal_weight\x18\x05 \x01(\x01\x12*\n\x06others\x18\x06 \x03(\x0b\x32\x1a.swarmgrad.v1.Contribution\"Z\n\x0c\x43ontribution\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\"G\n\x0cStateRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\r\n\x05names\x18\x02 \x03(\t\"\xf3\x01\n\rStateResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\x12)\n\x06params\x18\x05 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12+\n\x08momentum\x18\x06 \x03(\x0b\x32\x19.swarmgrad.v1.NamedTensor\x12\x16\n\x0e\x61pplied_rounds\x18\x07 \x01(\x04\x12\x17\n\x0ftrained_samples\x18\x08 \x01(\x04\"a\n\tBackupPut\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12*\n\x05state\x18\x02 \x01(\x0b\x32\x1b.swarmgrad.v1.StateResponse\"5\n\tBackupGet\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\"A\n\tBackupAck\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\\\n\x10TokenizerRequest\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.Envelope\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"|\n\x11TokenizerResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.swarmgrad.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c*\xed\x01\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x01\x12\r\n\tWRONG_RUN\x10\x02\x12\x0f\n\x0bWRONG_STAGE\x10\x03\x12\r\n\tTOO_LARGE\x10\x04\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x05\x12\x15\n\x11\x44OWNSTREAM_FAILED\x10\x06\x12\r\n\tNOT_READY\x10\x07\x12\x0f\n\x0bSTALE_STATE\x10\x08\x12\x12\n\x0eGROUP_MISMATCH\x10\t\x12\x0f\n\x0bWRONG_ROUND\x10\n\x12\x0c\n\x08INTERNAL\x10\x0b\x12\x10\n\x0cUNAUTHORIZED\x10\x0c\x12\x08\n\x04\x42USY\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=2074
-  _globals['_STATUS']._serialized_end=2311
+  _globals['_STATUS']._serialized_start=2316
+  _globals['_STATUS']._serialized_end=2553
   _globals['_ENCODEDTENSOR']._serialized_start=28
   _globals['_ENCODEDTENSOR']._serialized_end=126
   _globals['_RAWTENSOR']._serialized_start=128
@@ -44,27 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVELOPE']._serialized_start=296
   _globals['_ENVELOPE']._serialized_end=360
   _globals['_FORWARDREQUEST']._serialized_start=363
-  _globals['_FORWARDREQUEST']._serialized_end=621
-  _globals['_FORWARDRESPONSE']._serialized_start=624
-  _globals['_FORWARDRESPONSE']._serialized_end=849
-  _globals['_COMMITREQUEST']._serialized_start=851
-  _globals['_COMMITREQUEST']._serialized_end=950
-  _globals['_COMMITRESPONSE']._serialized_start=952
-  _globals['_COMMITRESPONSE']._serialized_end=1041
-  _globals['_AVERAGEREQUEST']._serialized_start=1044
-  _globals['_AVERAGEREQUEST']._serialized_end=1233
-  _globals['_AVERAGERESPONSE']._serialized_start=1236
-  _globals['_AVERAGERESPONSE']._serialized_end=1439
-  _globals['_CONTRIBUTION']._serialized_start=1441
-  _globals['_CONTRIBUTION']._serialized_end=1531
-  _globals['_STATEREQUEST']._serialized_start=1533
-  _globals['_STATEREQUEST']._serialized_end=1604
-  _globals['_STATERESPONSE']._serialized_start=1607
-  _globals['_STATERESPONSE']._serialized_end=1850
-  _globals['_BACKUPPUT']._serialized_start=1852
-  _globals['_BACKUPPUT']._serialized_end=1949
-  _globals['_BACKUPGET']._serialized_start=1951
-  _globals['_BACKUPGET']._serialized_end=2004
-  _globals['_BACKUPACK']._serialized_start=2006
-  _globals['_BACKUPACK']._serialized_end=2071
+  _globals['_FORWARDREQUEST']._serialized_end=643
+  _globals['_FORWARDRESPONSE']._serialized_start=646
+  _globals['_FORWARDRESPONSE']._serialized_end=871
+  _globals['_COMMITREQUEST']._serialized_start=873
+  _globals['_COMMITREQUEST']._serialized_end=972
+  _globals['_COMMITRESPONSE']._serialized_start=974
+  _globals['_COMMITRESPONSE']._serialized_end=1063
+  _globals['_AVERAGEREQUEST']._serialized_start=1066
+  _globals['_AVERAGEREQUEST']._serialized_end=1255
+  _globals['_AVERAGERESPONSE']._serialized_start=1258
+  _globals['_AVERAGERESPONSE']._serialized_end=1461
+  _globals['_CONTRIBUTION']._serialized_start=1463
+  _globals['_CONTRIBUTION']._serialized_end=1553
+  _globals['_STATEREQUEST']._serialized_start=1555
+  _globals['_STATEREQUEST']._serialized_end=1626
+  _globals['_STATERESPONSE']._serialized_start=1629
+  _globals['_STATERESPONSE']._serialized_end=1872
+  _globals['_BACKUPPUT']._serialized_start=1874
+  _globals['_BACKUPPUT']._serialized_end=1971
+  _globals['_BACKUPGET']._serialized_start=1973
+  _globals['_BACKUPGET']._serialized_end=2026
+  _globals['_BACKUPACK']._serialized_start=2028
+  _globals['_BACKUPACK']._serialized_end=2093
+  _globals['_TOKENIZERREQUEST']._serialized_start=2095
+  _globals['_TOKENIZERREQUEST']._serialized_end=2187
+  _globals['_TOKENIZERRESPONSE']._serialized_start=2189
+  _globals['_TOKENIZERRESPONSE']._serialized_end=2313
 # @@protoc_insertion_point(module_scope)

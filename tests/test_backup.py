@@ -3,6 +3,7 @@ holder's checks on what it is given."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -42,28 +43,49 @@ def make_state(seed: int = 0) -> StageState:
     return StageState(nn.Linear(4, 3), OuterOptConfig())
 
 
+def holder_view(run_id: str = "run") -> tuple[str, dict[int, list[PeerRecord]]]:
+    """(a peer that holds stage 1's backups, a swarm where "pusher" is stage 1's replica at round 5)."""
+    view = {0: [dataclasses.replace(rec(p, 0), round=5) for p in ("a", "b")],
+            1: [dataclasses.replace(rec("pusher", 1), round=5, applied_rounds=4)]}
+    return backup_holders(run_id, 1, view)[0], view
+
+
 def test_store_keeps_the_newest_valid_copy_and_serves_it() -> None:
     async def main() -> None:
         state = make_state()
-        store = BackupStore(ID, 2, lambda s: dict(state.shapes), max_numel=1 << 20)
+        me, view = holder_view()
+
+        async def swarm() -> dict[int, list[PeerRecord]]:
+            return view
+
+        store = BackupStore(ID, 2, lambda s: dict(state.shapes), max_numel=1 << 20, peer_id=me, swarm=swarm,
+                            timeout=1.0)
         state.apply_outer({n: torch.ones(s) for n, s in state.shapes.items()}, total_weight=10)
         state.commit(3)
-        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)), None)
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)), "pusher")
         assert ack.status == pb.OK and store.copies[1].applied_rounds == 1
         older = make_state(1)
-        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(older.snapshot)), None)
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(older.snapshot)), "pusher")
         assert ack.status == pb.STALE_STATE and store.copies[1].digest == state.digest
         back = await store.handle_get(pb.BackupGet(envelope=envelope(ID, 1)), None)
         assert back.state_digest == state.digest and back.trained_samples == 10
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)),
+                                     "stranger")  # no record under stage 1
+        assert ack.status == pb.UNAUTHORIZED and "not an online replica" in ack.reason
+        # a held copy far ahead of the stage (planted before, or the stage fell back) blocks nothing
+        store.copies[1] = dataclasses.replace(store.copies[1], round=2**40, applied_rounds=2**40)
+        ack = await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=state_response(state.snapshot)),
+                                     "pusher")
+        assert ack.status == pb.OK and store.copies[1].applied_rounds == 1
         with pytest.raises(ProtocolError):  # nothing held for stage 0
             await store.handle_get(pb.BackupGet(envelope=envelope(ID, 0)), None)
         tampered = state_response(state.snapshot)
         tampered.params[0].tensor.buffers[0] = b"\0" * len(tampered.params[0].tensor.buffers[0])
         with pytest.raises(ProtocolError, match="digest"):
-            await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=tampered), None)
+            await store.handle_put(pb.BackupPut(envelope=envelope(ID, 1), state=tampered), "pusher")
         with pytest.raises(ProtocolError):  # another run's backup
             await store.handle_put(pb.BackupPut(envelope=envelope(RunIdentity("x", "h" * 32), 1),
-                                                state=state_response(state.snapshot)), None)
+                                                state=state_response(state.snapshot)), "pusher")
     asyncio.run(main())
 
 

@@ -92,6 +92,39 @@ def test_fast_path_matches_whole_tensor_reference(n: int, block: int) -> None:
     assert joined(codec.encode_borrowed(x)) == ref  # warm workspace
 
 
+@pytest.mark.parametrize("n,block", [(2 * CHUNK + 77, 128), (CHUNK + 300, 100), (5000, 1), (3 * 128, 128)])
+def test_tiny_blocks_anywhere_match_the_reference(n: int, block: int) -> None:
+    """Round to nearest finds the blocks whose 127 / absmax overflows once, on all scales, and
+    quantises them again by division: in any chunk, in the partial tail block, and when every
+    block is tiny, the bytes are the whole-tensor reference's."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    tiny_blocks = [1, n // block - 1, n // block] if n % block else [1, n // block - 1]
+    for b in tiny_blocks:  # includes one in the last full chunk and the tail block
+        x[b * block : (b + 1) * block] *= 1e-38
+    codec = get_codec("int8", block_size=block)
+    assert joined(codec.encode(x)) == reference_int8(x, block)
+    # (not x * 1e-36: the blocks above would underflow to signed zeros, whose scale's sign the
+    # whole-tensor reference's reduction order may give otherwise than the chunks')
+    everything_tiny = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-32
+    assert joined(codec.encode(everything_tiny)) == reference_int8(everything_tiny, block)
+    assert joined(codec.encode_borrowed(everything_tiny)) == reference_int8(everything_tiny, block)
+
+
+def test_fresh_decode_output_is_an_ordinary_tensor() -> None:
+    """decode's fresh output comes from numpy's allocator (huge pages): it must still behave as
+    a tensor the caller owns, writable, independent of later decodes and of the codec."""
+    codec = get_codec("int8")
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(12))
+    first = decode(codec.encode(x))
+    kept = first.clone()
+    second = decode(codec.encode(x * 2))
+    assert first.data_ptr() != second.data_ptr() and torch.equal(first, kept)
+    first.add_(1.0)  # writable in place
+    assert torch.equal(first, kept + 1.0) and first.dtype == torch.float32 and first.is_contiguous()
+    del codec
+    assert torch.equal(second, decode(get_codec("int8").encode(x * 2)))
+
+
 def test_borrowed_buffers_are_read_only_views_and_decode_identically() -> None:
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
     codec = get_codec("int8")

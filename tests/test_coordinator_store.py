@@ -28,3 +28,21 @@ def test_checkpoints_kept_and_indexed(tmp_path: Path) -> None:
     # the returned index is a copy: a caller cannot edit the store's
     again.checkpoint(9).clear()
     assert set(again.checkpoint(9)) == {0, 1}
+
+
+def test_a_checkpoint_keeps_the_data_position(tmp_path: Path) -> None:
+    from swarmgrad.peer.shards.leases import DataPosition, DriverRecord, Lease, swarm_position
+    from support.swarm import peer_ids
+    a, b = peer_ids(2, "store")
+    # what the coordinator reads from the drivers' records at a checkpoint
+    raw = [(a, DriverRecord(a, DataPosition(6, 0, frozenset({1})), Lease(a, 2, 1.0, 9.0, 7)).to_value()),
+           (b, DriverRecord(b, DataPosition(6, 0, frozenset({4}), {0: 3}), None).to_value())]
+    position = swarm_position(raw, 6)
+    assert position == DataPosition(6, 0, frozenset({1, 4}), {0: 3, 2: 7})
+    store = StateDir(tmp_path, "run")
+    info = {"round": 3, "applied_rounds": 3, "trained_samples": 9, "digest": "d"}
+    assert store.data_position() is None
+    store.write_checkpoint(3, {0: (b"s0", info)}, "run_id = 'run'", 1, data_position=position.to_json())
+    store.write_checkpoint(5, {0: (b"s0", info)}, "run_id = 'run'", 1)
+    round_no, saved = StateDir(tmp_path, "run").data_position()
+    assert round_no == 3 and DataPosition.from_json(saved, 6) == position

@@ -83,8 +83,8 @@ def test_join_donors_follow_the_majority_not_the_biggest_claim() -> None:
             rec("me", applied=0, digest="z"), rec("j", state=JOINING, digest="y")]
     assert decisions.join_donors(recs, "me") == ["a", "b"]
     assert decisions.join_donors([rec("me")], "me") == []
-    # a tie between digests goes to more applied rounds, deterministically
-    assert decisions.join_donors([rec("a", applied=3, digest="x"), rec("b", applied=4, digest="y")], "me") == ["b"]
+    # a tie between digests decides nothing (issue 43, point 3: it went to the higher claim)
+    assert decisions.join_donors([rec("a", applied=3, digest="x"), rec("b", applied=4, digest="y")], "me") == []
 
 
 def test_resync_donors_are_newer_and_agree() -> None:

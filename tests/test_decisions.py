@@ -269,9 +269,12 @@ def test_choose_group_empty() -> None:
     assert choose_group({}) is None
 
 
-def test_newest_state_wins_over_majority() -> None:
+def test_a_claim_of_more_rounds_does_not_beat_the_majority() -> None:
+    # issue 43, point 1: the newest claim won before, so one id claiming a round more was the group
     g = choose_group({"p1": reg("d1", 5), "p2": reg("d2", 4), "p3": reg("d2", 4)})
-    assert g == Group(("p1",), "d1", 5)
+    assert g == Group(("p2", "p3"), "d2", 4)
+    # between as many registrants, the newer state still leads (a member that applied a round we failed)
+    assert choose_group({"p1": reg("d1", 5), "p2": reg("d2", 4)}) == Group(("p1",), "d1", 5)
 
 
 def test_majority_digest_among_newest() -> None:

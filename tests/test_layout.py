@@ -11,8 +11,9 @@ from pathlib import Path
 PEER = Path(__file__).resolve().parent.parent / "peer"
 
 LAYERS: list[set[str]] = [
-    {"records", "events", "manifest", "manifest_checks", "model", "data", "text", "decisions"},
+    {"records", "events", "manifest", "manifest_checks", "model", "data", "text", "decisions", "evidence"},
     {"net"},
+    {"shards"},  # the data leases: read and write the DHT through net's SwarmView; the driver uses them
     {"clock"},
     {"compute"},
     {"averaging"},

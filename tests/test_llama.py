@@ -177,3 +177,26 @@ def test_generate_without_transformers_names_the_extra(monkeypatch, capsys, tmp_
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "pip install 'swarmgrad[hf]'" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_finds_the_llama_layers_and_keeps_gradients():
+    from swarmgrad.peer.compute.precision import enable_activation_checkpointing
+    plain, ckpt = (build_llama_stage(CFG, [3, 1], 0, seed=2) for _ in range(2))
+    assert enable_activation_checkpointing(ckpt) == 3
+    assert list(plain.state_dict()) == list(ckpt.state_dict())
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(3))
+    for module in (plain, ckpt):
+        module(x).square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_bfloat16_autocast_runs_a_llama_stage():
+    stage = build_llama_stage(CFG, [4], 0, seed=0)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stage(x)
+    out.float().mean().backward()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in stage.parameters())
+    with torch.no_grad():
+        assert float((out.float() - stage(x)).abs().max()) < 0.1 * float(stage(x).abs().max()) + 0.1

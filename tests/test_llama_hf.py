@@ -154,6 +154,12 @@ def test_export_refusals(tmp_path, capsys):
     assert main([*args, "--manifest", str(tmp_path / "run.toml"), "--save-dir", str(dirs[0]),
                  str(tmp_path / "later" / "peer1")]) == 2
     assert "no round in common" in capsys.readouterr().err
+    wider = tmp_path / "wider.toml"
+    wider.write_text(dumps(m).replace("ffn_hidden = 40", "ffn_hidden = 48"))
+    good = [str(dirs[0]), str(tmp_path / "peer1")]
+    _save_dirs(tmp_path, m)
+    assert main([*args, "--manifest", str(wider), "--save-dir", *good]) == 2
+    assert "is it this run's manifest" in capsys.readouterr().err
     gpt = tmp_path / "gpt.toml"
     gpt.write_text('run_id = "g"\n')
     assert main([*args, "--manifest", str(gpt), "--save-dir", *map(str, dirs)]) == 2
@@ -192,6 +198,10 @@ def test_init_from_refuses_a_checkpoint_of_another_shape(tmp_path):
     with pytest.raises(HFCheckpointError, match="k_proj.weight has shape"):
         model.build_stage(0)
     assert config["model_type"] == "llama"
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="rope scaling"):
+        from_manifest(_manifest(count=2, extra='init_from = "ckpt"'), tmp_path)
 
 
 def test_init_from_is_only_for_llama():
@@ -253,3 +263,40 @@ def test_init_from_a_sharded_tied_checkpoint_into_an_untied_split(tmp_path):
                     dict(from_manifest(_manifest(count=1)).build_stage(0).named_parameters()))
     with pytest.raises(HFCheckpointError, match="tie_word_embeddings"):
         from_manifest(_manifest(count=1, extra='tie_embeddings = true\ninit_from = "untied"'), tmp_path)
+
+
+def test_a_peer_with_an_init_from_that_does_not_fit_stops_with_one_line(tmp_path, capsys):
+    source = _manifest(count=1)
+    write_hf_folder(tmp_path / "ckpt", LlamaConfig(**_llama_fields(source)),
+                    dict(from_manifest(source).build_stage(0).named_parameters()))
+    run = tmp_path / "run" / "run.toml"  # init_from is read from the manifest's folder
+    run.parent.mkdir()
+    run.write_text(dumps(_manifest(count=2, extra='init_from = "../ckpt"')).replace("ffn_hidden = 40", "ffn_hidden = 64"))
+    assert main(["peer", "--manifest", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "intermediate_size is 40 but model.ffn_hidden gives 64" in err and len(err.splitlines()) == 1
+
+
+def test_export_with_the_runs_bpe_tokenizer(tmp_path, capsys):
+    """A run with data.tokenizer: the export carries that tokenizer, AutoTokenizer encodes as the
+    run does, the end-of-document token is bos/eos, and generate runs on it."""
+    from swarmgrad.peer.text.tokenizer import load_tokenizer, train_bpe
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+    trained = train_bpe(texts, 300, tmp_path / "tok.json")
+    text = MANIFEST.format(count=2, extra="").replace("vocab_size = 300", f"vocab_size = {trained.vocab_size}")
+    text += f'[data]\ntokenizer = "tok.json"\ntokenizer_sha256 = "{trained.sha256}"\n'
+    (tmp_path / "run.toml").write_text(text)
+    from swarmgrad.peer.manifest import load
+    m = load(tmp_path / "run.toml")
+    dirs = _save_dirs(tmp_path, m)
+    out = tmp_path / "hf"
+    assert main(["export", "--format", "hf", "--manifest", str(tmp_path / "run.toml"), "--save-dir",
+                 *map(str, dirs), "--out", str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    sample = "def g(x):\n    return x * 7\n"
+    assert tok(sample, add_special_tokens=False).input_ids == load_tokenizer(m.data.tokenizer).encode(sample)
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token) == ("<|endoftext|>", 0, "<|pad|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")

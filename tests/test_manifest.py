@@ -36,10 +36,10 @@ PINNED = {
 # and rounds.overlap, averaging.reducer_feedback, averaging.gather_up_to, averaging.feedback_decay were added,
 # and timeouts.rebalance_check's default went from 30 s to 15 s, and pipeline.lookahead and
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
-# inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and model.dtype and
-# model.activation_checkpointing, and the llama kind's model fields, and data.text_field,
-# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed)
-PINNED_HASH = "d6f03464a63e39ae80695259efdfb4c3"
+# inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
+# data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
+# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer
+PINNED_HASH = "7b804cb8c18b3a856b5666ed41ef5b81"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from swarmgrad.peer.evidence import EvidenceLedger
 from swarmgrad.peer.rounds import overlap
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.clock import RoundClock
@@ -108,6 +109,8 @@ class Member:
     group: Group
     patience: float = 5.0
     resets: int = 0
+    ledger: EvidenceLedger = field(default_factory=lambda: EvidenceLedger(1))
+    """Where the runner records the rounds it applied (peer/evidence.py), as the real averager's."""
 
     async def run_round(self, round_no: int, delta: dict[str, torch.Tensor], weight: float, digest: str,
                         applied_rounds: int) -> RoundResult:

@@ -1,7 +1,9 @@
 """A public run joined by its name alone, across network namespaces (two hosts on a veth pair): the
 owner starts it with `--owner-key` on its default listen address (every interface) and prints the
 address others dial; from the other host `swarmgrad runs` lists it as NAME@FINGERPRINT, and `swarmgrad
-peer --run NAME` fetches, verifies and caches its manifest, joins and trains with the owner.
+peer --run NAME` fetches, verifies and caches its manifest, and (the run names a BPE tokenizer file the
+joiner does not have) fetches the tokenizer from the owner's peer, checks it against the signed
+sha256 and caches it, joins and trains with the owner.
 Skipped without root (namespaces need CAP_NET_ADMIN); out of `make test` (~30-40 s of peers):
 `make test-slow` runs it."""
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from benchmarks.harness import netns
 from swarmgrad.peer.cli.launcher import small_manifest
 from swarmgrad.peer.manifest import dumps
+from swarmgrad.peer.text.tokenizer import train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 WHY = netns.why_unavailable()
@@ -64,7 +67,18 @@ def test_a_public_run_is_joined_by_its_name_from_another_host(spawned_peers: Pat
     tmp = spawned_peers
     netns.remove_stale()
     manifest, key = tmp / "run.toml", tmp / "owner.key"
-    manifest.write_text(dumps(small_manifest(run_id="netns-public", rounds={"max_rounds": 3})))
+    # a tokenized run: the manifest names tok.json beside it, a file the joiner (started elsewhere) lacks;
+    # the corpus is the joiner's own data (here the same absolute path: one filesystem)
+    words = "the swarm trains one model over slow links and every stage averages its part".split()
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(8 + i % 30)) + "." for i in range(300)]
+    (tmp / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = train_bpe(docs, 300, tmp / "tok.json")
+    run_manifest = small_manifest(run_id="netns-public", rounds={"max_rounds": 3}, model={"vocab_size": tok.vocab_size},
+                                  data={"source": "jsonl", "paths": [str(tmp / "corpus.jsonl")], "max_bytes": 0,
+                                        "tokenizer": str(tok.path), "tokenizer_sha256": tok.sha256,
+                                        "val_fraction": 0.1, "shard_mb": 0.005})
+    toml = re.sub(r'(?m)^base_dir = ".*"\n', "", dumps(run_manifest))
+    manifest.write_text(re.sub(r'(?m)^tokenizer = ".*"$', 'tokenizer = "tok.json"', toml))
     subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "keygen", "--out", str(key)], check=True,
                    capture_output=True, cwd=ROOT)
     procs: list[subprocess.Popen] = []
@@ -96,6 +110,9 @@ def test_a_public_run_is_joined_by_its_name_from_another_host(spawned_peers: Pat
     joined = (tmp / "joiner.log").read_text()
     assert f"run {run}: manifest" in joined and "(verified)" in joined
     assert (tmp / "cache" / f"{run}.manifest").exists()
+    cached = tmp / "cache" / f"{run}.tokenizer.json"
+    assert f"run {run}: tokenizer {cached} (sha256 {tok.sha256[:12]}" in joined, joined[-2000:]
+    assert cached.read_bytes() == (tmp / "tok.json").read_bytes()
     rounds = [json.loads(line) for line in (tmp / "joiner.jsonl").read_text().splitlines()]
     trained = [e for e in rounds if e.get("event") == "round" and e.get("stage") == 1 and e.get("samples", 0) > 0]
     assert trained, f"the joiner trained nothing\n{joined[-2000:]}"

@@ -48,6 +48,23 @@ def weighted_mean(contributions: list[tuple[float, torch.Tensor]]) -> torch.Tens
     return out
 
 
+def bound_weights(weights: dict[str, float], max_ratio: float) -> dict[str, float]:
+    """Every member's weight for the round, bounded by what its group shows a member can train in
+    the round: at most `max_ratio` × the group's lower-median weight, and in a group of two at most
+    the other member's (neither can be told from the other, so neither chooses the mean by
+    claiming more). Non-finite or negative claims count as 0. These bounded weights are the ones
+    the mean uses *and* the ones the round's total (the swarm's schedule position,
+    `trained_samples`) adds up, so a member claiming 10^9 samples moves neither. Pure and
+    computed alike by every member from the same registrations."""
+    clean = {p: (w if w == w and 0.0 <= w < float("inf") else 0.0) for p, w in weights.items()}
+    if len(clean) < 2:
+        return clean
+    ordered = sorted(clean.values())
+    median = ordered[(len(ordered) - 1) // 2]
+    cap = median if len(clean) == 2 else max(0.0, max_ratio) * median
+    return {p: min(w, cap) for p, w in clean.items()}
+
+
 def cap_weights(weights: list[float], max_ratio: float) -> list[float]:
     """Cap each weight at `max_ratio` × the median weight (no cap for fewer than 3 members).
     Unequal peers legitimately train different sample counts, so the ratio is generous."""
@@ -90,11 +107,12 @@ def centered_clip(members: list[tuple[float, dict[str, torch.Tensor]]]) -> dict[
     return out
 
 
-def cap_norms(members: list[tuple[float, dict[str, torch.Tensor]]], names: list[str]
+def cap_norms(members: list[tuple[float, dict[str, torch.Tensor]]], names: list[str], lower: bool = False
               ) -> list[tuple[float, dict[str, torch.Tensor]]]:
-    """Each member's part scaled down to at most NORM_FACTOR × max(1, wᵢ / w_med) × the median norm."""
+    """Each member's part scaled down to at most NORM_FACTOR × max(1, wᵢ / w_med) × the median norm
+    (`lower`: the lower median, the smaller of a pair's norms)."""
     norms = [sum(float(m[n].double().pow(2).sum()) for n in names) ** 0.5 for _, m in members]
-    median_norm = sorted(norms)[len(norms) // 2]
+    median_norm = sorted(norms)[(len(norms) - 1) // 2 if lower else len(norms) // 2]
     weights = sorted(w for w, _ in members)
     median_w = weights[len(weights) // 2]
     out = []
@@ -114,4 +132,8 @@ def reduce_part(members: list[tuple[float, dict[str, torch.Tensor]]], robust_min
         weights = cap_weights([w for w, _ in members], max_weight_ratio)
         return centered_clip([(w, m) for w, (_, m) in zip(weights, members)])
     names = sorted(members[0][1])
+    if robust_min_members and len(members) == 2:
+        # a pair has no median to clip around, but neither member may choose the mean by sending
+        # a huge Δ: each part is capped at NORM_FACTOR × the smaller norm (honest pairs have alike norms)
+        members = cap_norms(members, names, lower=True)
     return {n: weighted_mean([(w, m[n]) for w, m in members]) for n in names}

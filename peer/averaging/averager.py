@@ -48,9 +48,11 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
+from swarmgrad.peer.averaging.aggregate import bound_weights
 from swarmgrad.peer.averaging.group import Group, partition
 from swarmgrad.peer.averaging import exclusion, outcome
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.evidence import EvidenceLedger
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.averaging.gather import aggregate_gathered, gather_answer, gathers
 from swarmgrad.peer.manifest import Manifest
@@ -117,6 +119,9 @@ class Averager:
         """The reducer's answers come in the reduce codec's names."""
         self.gather_up_to = avg.gather_up_to
         """Groups this small exchange the members' own parts instead of a mean (peer/averaging/gather.py)."""
+        self.ledger = EvidenceLedger(stage)
+        """Whose word counts in this stage (peer/evidence.py): fed by the round runner (rounds
+        applied) and state sync (states verified); read by matchmaking, donors and re-syncs."""
         self._last_members: tuple[str, ...] = ()
         """The members of our last round if it completed: this round's parts go to them early."""
         self.standings: dict[str, exclusion.Standing] = {}
@@ -147,7 +152,8 @@ class Averager:
         """peer/averaging/matchmaking.py for our stage; requests for the round knock on its slot."""
         return await matchmake(self.swarm, self.stage, round_no, self.peer_id, registration, self.patience,
                                self.reducer.slot(round_no).knock,
-                               exclude=exclusion.excluded(self.standings, round_no) - {self.peer_id})
+                               exclude=exclusion.excluded(self.standings, round_no) - {self.peer_id},
+                               evidence=self.ledger.snapshot())
 
     def _encode_delta(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, Encoded], dict[str, torch.Tensor]]:
         """Δ encoded, and the decodes error feedback computed on the way (none without it): our own
@@ -201,6 +207,12 @@ class Averager:
                                      group.members if group else (), None, stale=True)
                 return dataclasses.replace(result, phases=phases)
             exchange_started = time.monotonic()  # what is left of the encoding counts as exchange
+            # every member bounds every registered weight alike (aggregate.bound_weights): the mean
+            # and the round's total (the schedule's position) both use the bounded ones
+            registered = {p: weights.get(p, 0.0) for p in group.members}
+            weights = bound_weights(registered, self.m.averaging.max_weight_ratio)
+            weight = min(float(weight), weights[self.peer_id])
+            self.reducer.slot(round_no).registered = registered
             encoded, decoded = await encoding
             if sending is not None and expected is not None and group.hash == expected.hash:
                 early = await sending  # our parts are on their way already (or answered)

@@ -39,6 +39,8 @@ class RoundSlot:
     registration is stored, and ours re-reads the registrations now instead of at its next poll."""
     group: Group | None = None
     weights: dict[str, float] = field(default_factory=dict)
+    """Each member's bounded weight (aggregate.bound_weights): a contribution counts at most this."""
+    registered: dict[str, float] = field(default_factory=dict)
     """What each member registered as its weight: a contribution may not claim more."""
     part_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     my_part: int = -1
@@ -116,10 +118,12 @@ class Reducer:
             raise ProtocolError(pb.GROUP_MISMATCH, "the caller is not a member of this round's group")
         inp = validate_average(request, self.identity, self.stage,
                                lambda part: slot.part_names if part == slot.my_part else None, self.max_numel,
-                               allowed_codecs=self.allowed_codecs, max_weight=slot.weights.get(sender, 0.0))
+                               allowed_codecs=self.allowed_codecs,
+                               max_weight=slot.registered.get(sender, slot.weights.get(sender, 0.0)))
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
-        slot.contributions[sender] = (inp.weight, inp.tensors)
+        # counted at its bounded weight: what it claimed above that moves neither the mean nor the schedule
+        slot.contributions[sender] = (min(inp.weight, slot.weights.get(sender, 0.0)), inp.tensors)
         if gathers(len(group.members), self.gather_up_to):
             slot.encoded[sender] = list(request.tensors)
         self.maybe_reduce(slot)

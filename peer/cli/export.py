@@ -98,8 +98,12 @@ def export_hf(args: argparse.Namespace) -> str:
         raise ExportError(f"found stages {sorted(stages)}, the manifest has {manifest.stages.count}")
     tensors = {name: t for params in stages.values() for name, t in params.items()}
     out = Path(args.out)
-    write_hf_folder(out, llama_config(manifest.model), tensors, _tokenizer_of(manifest, args.tokenizer),
-                    metadata={"run_id": manifest.run_id, "round": str(round_no), "manifest_hash": manifest.hash})
+    tokenizer = _tokenizer_of(manifest, args.tokenizer)
+    try:
+        write_hf_folder(out, llama_config(manifest.model), tensors, tokenizer,
+                        metadata={"run_id": manifest.run_id, "round": str(round_no), "manifest_hash": manifest.hash})
+    except ValueError as e:  # tensors of another manifest's model
+        raise ExportError(f"{source}: {e}") from None
     return f"wrote {out}: a Hugging Face LlamaForCausalLM folder from {source}"
 
 

@@ -39,11 +39,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     from swarmgrad.peer.cli.public import PublicRunError
     try:
+        if args.contributors or args.out:
+            from swarmgrad.peer.cli.monitor import print_contributors
+            return run_swarm_command("status", lambda: print_contributors(
+                peers, args.run_id, args.manifest, args.json, args.timeout, args.out, run=args.run), peers)
         return run_swarm_command("status", lambda: print_status(peers, args.run_id, args.manifest, args.json,
                                                                  args.timeout, run=args.run), peers)
     except PublicRunError as e:
         print(f"swarmgrad status: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    if not args.run and not args.manifest:
+        print("swarmgrad monitor: give --run NAME (or --manifest PATH)", file=sys.stderr)
+        return 2
+    from swarmgrad.peer.cli.monitor import cmd_monitor as run_monitor
+    return run_monitor(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -72,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("peer", help="run a peer: join (or start) a swarm and serve one stage")
     p.add_argument("--manifest", default=None, help="run manifest (TOML); a private run's comes from its coordinator")
     p.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
-                   help="join a public run by name: its owner-signed manifest is fetched from the swarm, verified "
-                        "and cached (docs/public-runs.md)")
+                   help="join a public run by name: its owner-signed manifest (and tokenizer file) is fetched from "
+                        "the swarm, verified and cached (docs/public-runs.md)")
     p.add_argument("--owner-key", default=None, metavar="KEY",
                    help="start (or rejoin) the public run of --manifest as its owner: the manifest is signed with "
                         "this key from `swarmgrad keygen`, and the run is NAME@FINGERPRINT")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where --run caches verified manifests (default $SWARMGRAD_CACHE/runs, "
+                   help="where --run caches verified manifests and tokenizer files (default $SWARMGRAD_CACHE/runs, "
                         "~/.cache/swarmgrad/runs)")
     p.add_argument("--join", default=None, metavar="INVITATION",
                    help="join a private run with an invitation from `swarmgrad invite`")
@@ -108,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ed25519 key file for a stable peer id (created if missing; default: a fresh id each run)")
     p.add_argument("--events", default=None, metavar="PATH", help="append JSON-lines events here")
     p.add_argument("--save-dir", default=None, help="write the stage's θ_global (safetensors) after each round")
-    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's data shard")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of this driver's random windows (unused with data.shards: drivers lease shards)")
     p.add_argument("--max-rounds", type=nonneg_int, default=None,
                    help="stop after this many rounds (overrides manifest; 0: until stopped)")
     p.add_argument("--slowdown", type=slowdown_arg, default=1.0, metavar="F",
@@ -131,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, in the started event)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server listens on (default 127.0.0.1)")
+    p.add_argument("--no-status-line", action="store_true",
+                   help="plain log lines even on a terminal (default: a live status line under the log when "
+                        "stdout is a terminal)")
     p.set_defaults(fn=cmd_peer)
 
     rl = sub.add_parser("relay", help="run a public peer that trains nothing and relays for peers behind NAT")
@@ -152,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a public run: its owner-signed manifest, read from the swarm and verified")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--timeout", type=float, default=15.0)
+    s.add_argument("--contributors", action="store_true",
+                   help="print the contributors' credit (samples, tokens, rounds) for the completed rounds the DHT "
+                        "still holds, counted from the rounds' votes")
+    s.add_argument("--out", default=None, metavar="FILE", help="with --contributors: also write its JSON here")
     s.set_defaults(fn=cmd_status)
 
     ru = sub.add_parser("runs", help="list the public runs a swarm hosts, each as NAME@FINGERPRINT")
@@ -160,6 +179,26 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--timeout", type=positive_float, default=15.0, metavar="SECONDS",
                     help="deadline of each DHT read (and of joining the swarm)")
     ru.set_defaults(fn=cmd_runs)
+
+    mo = sub.add_parser("monitor", help="serve the dashboard of a run with no coordinator (a public run), read "
+                                        "from the DHT")
+    add_initial_peer_flags(mo, "multiaddrs of peers in the swarm")
+    mo.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]",
+                    help="the run: a public run's name (its verified manifest is read from the swarm), or any "
+                         "run's run_id")
+    mo.add_argument("--manifest", default=None,
+                    help="the run's manifest: its stage count, tokens per sample and the rounds' capacity")
+    mo.add_argument("--http", default="127.0.0.1:8080", type=address_arg, metavar="HOST:PORT",
+                    help="serve the dashboard here (default 127.0.0.1:8080)")
+    mo.add_argument("--http-allow-host", action="append", default=[], metavar="NAME",
+                    help="a host name the dashboard answers to, besides localhost and IP addresses (repeatable; "
+                         "other Host headers get 403: DNS rebinding)")
+    mo.add_argument("--ledger", default=None, metavar="FILE",
+                    help="keep the contributors' credit in this file, so a restarted monitor goes on counting")
+    mo.add_argument("--interval", type=positive_float, default=5.0, metavar="SECONDS",
+                    help="seconds between two reads of the swarm (default 5)")
+    mo.add_argument("--timeout", type=positive_float, default=15.0, help="seconds to join the DHT and per read")
+    mo.set_defaults(fn=cmd_monitor)
 
     d = sub.add_parser("demo", help="train the built-in tiny Llama (a BPE of the stdlib's sources) on a local swarm of 4 peers "
                                            "and summarise")

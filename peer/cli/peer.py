@@ -103,7 +103,7 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.cli.public import PublicRunError, check_local_tokenizer, fetch_run, sign_own_run
+    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, missing_data, sign_own_run
     from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
@@ -158,7 +158,6 @@ def cmd_peer(args: argparse.Namespace) -> int:
     elif args.run:  # a public run by name: its owner-signed manifest from the swarm
         try:
             published = fetch_run(args.run, args.initial_peers, args.cache_dir, args.bootstrap_wait)
-            check_local_tokenizer(published, Path.cwd())
         except SwarmUnreachable as e:
             print(f"could not join the swarm: {e}", file=sys.stderr)
             return 1
@@ -168,6 +167,20 @@ def cmd_peer(args: argparse.Namespace) -> int:
         manifest = published.manifest
         print(f"run {published.run_id}: manifest {manifest.hash[:12]} signed by its owner {published.owner_id} "
               "(verified)", flush=True)
+        if manifest.data.tokenizer:
+            print(f"run {published.run_id}: tokenizer {manifest.data.tokenizer} (sha256 "
+                  f"{(published.tokenizer_sha256 or '')[:12]}..., the owner's: verified)", flush=True)
+        no_data = missing_data(manifest)
+        if no_data is not None:  # a driver would fail on it; a later stage reads no data
+            later = args.stage not in ("auto", 0) and args.rebalance != "on"
+            if not later:
+                stages = f"serve a later stage with --stage 1..{manifest.stages.count - 1}, or " \
+                    if manifest.stages.count > 1 else ""
+                print(f"--run {args.run}: this machine lacks the run's training data, which a stage-0 peer reads "
+                      f"({no_data}): {stages}get the run's data (docs/public-runs.md)", file=sys.stderr)
+                return 1
+            print(f"run {published.run_id}: no training data here ({no_data}); serving stage {args.stage} only",
+                  flush=True)
     else:
         if not args.manifest:
             print("--manifest is required (or --run NAME for a public run, --join INVITATION for a private one)",
@@ -239,6 +252,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     options = dataclasses.replace(options, initial_peer_ids=tuple(
         m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m))
     try:
+        if key is None:  # the peer signs its round tickets with the key p2pd runs with: hold it here
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+            from swarmgrad.peer.net.identity import load_or_create
+            key = load_or_create(Path(args.identity)) if args.identity else Ed25519PrivateKey.generate()
         dht = start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,
                          authorizer=private.authorizer() if private else None, network=network.dht_kwargs,
@@ -274,9 +291,20 @@ def cmd_peer(args: argparse.Namespace) -> int:
             admission = private.admission(dht)
             checkpoints = private.checkpoint_source(model, admission)
             resume_round = private.resume_round()
-        peer = Peer(manifest, model, PeerNetwork.from_dht(dht), options, admission=admission,
-                    checkpoints=checkpoints, resume_round=resume_round)
-        asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
+        from swarmgrad.peer.cli import status_line
+        handler = None
+        if status_line.wants_status_line(sys.stdout, getattr(args, "no_status_line", False)):  # a terminal: the live line
+            from swarmgrad.peer.averaging.credit import tokens_per_sample
+            line = status_line.StatusLine(str(dht.peer_id), tokens_per_sample(manifest))
+            options = dataclasses.replace(options, event_sink=_both(options.event_sink, line.observe))
+            handler = status_line.install(sys.stdout, line)
+        try:
+            peer = Peer(manifest, model, PeerNetwork.from_dht(dht, key=key), options, admission=admission,
+                        checkpoints=checkpoints, resume_round=resume_round)
+            asyncio.run(_run_peer(peer, manifest.timeouts.shutdown, log, publisher))
+        finally:
+            if handler is not None:
+                status_line.uninstall(handler)
         if peer.revoked:
             print("this peer was revoked by the run's coordinator", file=sys.stderr)
             code = 3
@@ -305,6 +333,16 @@ def _public_flags_conflict(args: argparse.Namespace) -> str | None:
 def _is_loopback(maddr: str) -> bool:
     parts = maddr.strip("/").split("/")
     return len(parts) >= 2 and parts[0] in ("ip4", "ip6") and parts[1] in ("127.0.0.1", "::1")
+
+
+def _both(first: Callable[[dict], None] | None, second: Callable[[dict], None]) -> Callable[[dict], None]:
+    if first is None:
+        return second
+
+    def sink(record: dict) -> None:
+        first(record)
+        second(record)
+    return sink
 
 
 def _clock(t: float) -> str:

@@ -3,6 +3,7 @@ KEY` (sign), a joiner's `--run NAME[@FINGERPRINT]` (fetch, verify, cache), and `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 from pathlib import Path
 from typing import Sequence
@@ -35,33 +36,69 @@ def sign_own_run(manifest_path: str, key_path: str):
         blob = sign(key, text, tokenizer_sha256=tokenizer_digest(manifest, Path(manifest_path).resolve().parent))
     except (ManifestError, ManifestRefused) as e:
         raise PublicRunError(str(e)) from None
-    return verify(blob, RunName(manifest.run_id, fingerprint(key)))
+    published = verify(blob, RunName(manifest.run_id, fingerprint(key)))
+    # the TOML text alone resolves data's relative paths against the working folder: train with the
+    # ones resolved against the manifest's folder (not hashed, so the run is the same)
+    return dataclasses.replace(published, manifest=dataclasses.replace(published.manifest, data=manifest.data))
 
 
 def fetch_run(run: str, peers: Sequence[str], cache_dir: str | None, bootstrap_wait: float):
-    """The verified manifest `--run` names, fetched through a short-lived client node and cached.
-    Raises PublicRunError for a name that is malformed, unknown, ambiguous or refused, and
+    """The verified manifest `--run` names, fetched through a short-lived client node and cached;
+    for a run with a tokenizer, its `data.tokenizer` is the verified file in the cache, fetched from
+    the run's peers when the cache lacks it (peer/public/tokenizer_share.py). Raises PublicRunError
+    for a name that is malformed, unknown, ambiguous or refused, or a tokenizer no peer served, and
     swarm_access.SwarmUnreachable when no initial peer answers."""
     from swarmgrad.peer.cli.swarm_access import start_client_dht
     from swarmgrad.peer.public.directory import RunDirectory
     from swarmgrad.peer.public.resolve import RunNotFound, default_cache_dir, resolve
     from swarmgrad.peer.public.run_name import parse
     from swarmgrad.peer.public.signed_manifest import ManifestRefused
+    from swarmgrad.peer.public.tokenizer_share import TokenizerUnavailable
     try:
         name = parse(run)
     except ValueError as e:
         raise PublicRunError(f"--run {e}") from None
     folder = Path(cache_dir) if cache_dir else default_cache_dir()
     dht = start_client_dht(peers, RUN_FETCH_TIMEOUT_S, bootstrap_wait)
-    try:
+
+    async def fetch():  # type: ignore[no-untyped-def]
         directory = RunDirectory(dht, RUN_FETCH_TIMEOUT_S)
-        return asyncio.run(within(resolve(directory, name, folder), 3 * RUN_FETCH_TIMEOUT_S))
+        published = await within(resolve(directory, name, folder), 3 * RUN_FETCH_TIMEOUT_S)
+        return await _with_tokenizer(dht, directory, published, folder)
+
+    try:
+        return asyncio.run(fetch())
     except (RunNotFound, ManifestRefused) as e:
         raise PublicRunError(str(e)) from None
+    except TokenizerUnavailable as e:
+        raise PublicRunError(f"tokenizer: {e}") from None
     except OSError as e:  # the cache folder
         raise PublicRunError(f"--cache-dir {folder}: {e.strerror}") from None
     finally:
         dht.shutdown()
+
+
+async def _with_tokenizer(dht, directory, published, folder: Path):  # type: ignore[no-untyped-def]
+    """`published` with its tokenizer file provided (cached, or fetched over the client node's p2p)."""
+    import sys
+
+    from swarmgrad.peer.net.rpc import FramedRPC, Traffic
+    from swarmgrad.peer.public.tokenizer_share import MESSAGE_BYTES, namespace, provide_tokenizer
+    if not published.manifest.data.tokenizer or published.tokenizer_sha256 is None:
+        return published
+    p2p = None
+
+    async def rpc() -> FramedRPC:
+        nonlocal p2p
+        p2p = await dht.replicate_p2p()
+        return FramedRPC(p2p, namespace(published.run_id), Traffic(), MESSAGE_BYTES,
+                         read_timeout=published.manifest.timeouts.tokenizer)
+    try:
+        return await provide_tokenizer(directory, rpc, published, folder,
+                                       say=lambda line: print(line, file=sys.stderr, flush=True))
+    finally:
+        if p2p is not None:
+            await p2p.shutdown()
 
 
 async def published_over(dht, run: str, timeout: float):
@@ -82,20 +119,19 @@ async def published_over(dht, run: str, timeout: float):
         raise PublicRunError(str(e)) from None
 
 
-def check_local_tokenizer(published, base: Path) -> None:
-    """Where the run names a tokenizer file and it is here, its bytes must be the ones the owner
-    signed. Raises PublicRunError."""
-    from swarmgrad.peer.public.signed_manifest import ManifestRefused, tokenizer_digest
-    path = getattr(published.manifest.data, "tokenizer", "") or ""
-    if not path or published.tokenizer_sha256 is None or not (base / path).exists():
-        return
+def missing_data(manifest) -> str | None:  # type: ignore[no-untyped-def]
+    """Why this machine cannot read the run's training data, which a stage-0 peer (a driver) reads,
+    or None. A public run's data is each joiner's own (docs/public-runs.md): only the standard
+    library's sources (`data.source = "stdlib"`) are everywhere."""
+    from swarmgrad.peer.text.sources import expand_paths
+    d = manifest.data
+    if d.source == "stdlib":
+        return None
     try:
-        digest = tokenizer_digest(published.manifest, base)
-    except ManifestRefused as e:
-        raise PublicRunError(str(e)) from None
-    if digest != published.tokenizer_sha256:
-        raise PublicRunError(f"data.tokenizer {base / path} is not the tokenizer the owner of {published.run_id} "
-                             "signed")
+        expand_paths(d.paths, d.base_dir, want_dirs=d.source == "hf-disk")
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -36,18 +36,22 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         # ttl: the read cap on expiries (2 x announce_ttl); without a manifest, the protocol's cap
         view = SwarmView(dht, run_id, manifest_hash or "", n_stages, timeout, ttl=ttl)
 
-        async def gather() -> dict[int, list]:
+        async def gather() -> tuple[dict[int, list], list]:
             results = await asyncio.gather(*(view.stage_records(s) for s in range(n_stages)))
-            return {s: recs for s, recs in enumerate(results) if recs or manifest is not None}
+            stages = {s: recs for s, recs in enumerate(results) if recs or manifest is not None}
+            return stages, await view.data_records()
 
-        swarm = asyncio.run(asyncio.wait_for(gather(), timeout))
+        swarm, data_records = asyncio.run(asyncio.wait_for(gather(), timeout))
     finally:
         dht.shutdown()
+    from hivemind.utils import get_dht_time
+    from swarmgrad.peer.shards.leases import swarm_data
+    data = swarm_data(data_records, None, get_dht_time())  # the count the records name (a text corpus's own)
     placement = _placement(manifest, swarm) if manifest is not None else None
     if as_json:
         print(json.dumps({"run_id": run_id, "time": time.time(), "stages": {
             str(s): [r.__dict__ | {"maddrs": list(r.maddrs)} for r in recs] for s, recs in swarm.items()},
-            **(placement or {})}, indent=1))
+            "data": data, **(placement or {})}, indent=1))
         return 0
     hashes = sorted({r.manifest_hash for recs in swarm.values() for r in recs})
     print(f"run {run_id}  manifest {', '.join(h[:12] for h in hashes) or '-'}  "
@@ -65,6 +69,8 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
                   f"{r.memory / 2**30:6.1f} GiB  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
             if (evaluation := eval_line(r.stats)) is not None:
                 print(f"      {evaluation}")
+    if data is not None:
+        print(data_line(data))
     if placement:
         print(f"throughput {placement['throughput']:.1f} samples/s; placement can reach "
               f"{placement['reachable']:.1f} ({placement['reachable_method']})")
@@ -89,6 +95,14 @@ def eval_line(stats: dict | None) -> str | None:
     if stats.get("val_ppl") is not None:
         line += f", perplexity {stats['val_ppl']:.2f}"
     return line
+
+
+def data_line(data: dict) -> str:
+    """The data position line of `swarmgrad status` (peer/shards/leases.py `swarm_data`)."""
+    leases = ", ".join(f"{lease['peer_id'][-8:]} shard {lease['shard']} (to window {lease['claimed']})"
+                       for lease in data["leases"])
+    return (f"data: epoch {data['epoch']}, {data['done']} of {data['shards']} shards done, {data['begun']} begun; "
+            f"leased: {leases or 'none'}")
 
 
 def _placement(manifest, swarm: dict[int, list]) -> dict:

@@ -100,11 +100,15 @@ def fused_adamw_supported(device: torch.device) -> bool:
 
 def checkpointed_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a stage module that activation checkpointing wraps: the children of
-    its first ModuleList named `blocks` or `layers` (the built-in GPT and Llama stages; an
-    entry-point model that names its blocks so gets it too)."""
+    its first ModuleList (or ModuleDict: the Llama stage keys its layers by global index) named
+    `blocks` or `layers` (the built-in GPT and Llama stages; an entry-point model that names its
+    blocks so gets it too)."""
     for name, child in module.named_modules():
-        if name.rsplit(".", 1)[-1] in ("blocks", "layers") and isinstance(child, nn.ModuleList):
-            return list(child)
+        if name.rsplit(".", 1)[-1] in ("blocks", "layers"):
+            if isinstance(child, nn.ModuleList):
+                return list(child)
+            if isinstance(child, nn.ModuleDict):
+                return list(child.values())
     return []
 
 

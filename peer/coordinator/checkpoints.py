@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from swarmgrad.peer import decisions
 from swarmgrad.peer.coordinator.store import StateDir
@@ -50,7 +50,8 @@ def checkpoint_plan(view: dict[int, list[PeerRecord]], n_stages: int, last_round
 class CheckpointCollector:
     def __init__(self, *, store: StateDir, rpc_for_stage: Callable[[int], FramedRPC], identity: RunIdentity,
                  shapes: Callable[[int], dict[str, tuple[int, ...]]], n_stages: int, max_numel: int, timeout: float,
-                 every: int, manifest_toml: str, manifest_hash: str, events: EventLog):
+                 every: int, manifest_toml: str, manifest_hash: str, events: EventLog,
+                 data_position: Callable[[], Awaitable[dict[str, Any] | None]] | None = None):
         self.store = store
         self.rpc_for_stage = rpc_for_stage
         self.identity = identity
@@ -62,6 +63,8 @@ class CheckpointCollector:
         self.manifest_toml = manifest_toml
         self.manifest_hash = manifest_hash
         self.events = events
+        self.data_position = data_position
+        """The swarm's data position as the drivers publish it (None: the run leases no shards)."""
         self.failures = 0
 
     @property
@@ -97,7 +100,10 @@ class CheckpointCollector:
             info = {"round": snap.round, "applied_rounds": snap.applied_rounds,
                     "trained_samples": snap.trained_samples, "digest": snap.digest}
             files[stage] = (snapshot_bytes(snap, {"stage": str(stage), "manifest_hash": self.manifest_hash}), info)
-        folder = self.store.write_checkpoint(round, files, self.manifest_toml, self.n_stages)
+        # read after the states, so the position is at least theirs: a resume may skip windows trained
+        # after them (they are not in this θ), never train one twice
+        position = await self.data_position() if self.data_position is not None else None
+        folder = self.store.write_checkpoint(round, files, self.manifest_toml, self.n_stages, data_position=position)
         self.events.emit("checkpoint", round=round, stages=sorted(files), path=str(folder),
                          bytes=sum(len(d) for d, _ in files.values()))
         logger.info("checkpoint of round %d written to %s", round, folder)

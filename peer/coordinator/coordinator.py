@@ -30,6 +30,8 @@ from swarmgrad.peer.private.coordinator_client import channel_options
 from swarmgrad.peer.private.credentials import Issuer
 from swarmgrad.peer.coordinator.service import CoordinatorService
 from swarmgrad.peer.coordinator.store import StateDir
+from swarmgrad.peer.averaging.credit import manifest_bounds, tokens_per_sample
+from swarmgrad.peer.coordinator.contributors import Contributors
 from swarmgrad.peer.coordinator.watch import History, checkpoint_rows, swarm_snapshot
 from swarmgrad.peer.private.dht_auth import AuthFiles, CertificateAuthorizer
 from swarmgrad.peer.net.dht_process import start_dht_process
@@ -37,7 +39,7 @@ from swarmgrad.peer.events import EventLog
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.net.record_signing import MAX_RECORD_TTL, SignedRecordValidator
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
-from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.dht_view import DATA_TTL, SwarmView
 from swarmgrad.peer.net.errors import LoopSteps, dht_call
 from swarmgrad.protocol import coordinator_pb2_grpc as cgrpc
 from swarmgrad.protocol.validation import RunIdentity
@@ -94,8 +96,12 @@ class Coordinator:
         self.metrics = None
         self.started = time.time()
         self.history = History()
+        self.contributors = Contributors(manifest.run_id, manifest_bounds(manifest), tokens_per_sample(manifest),
+                                         path=Path(state_dir) / "contributors.json")
         self._view: dict[int, list] = {}
         self._published: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._data_published = float("-inf")
+        """When the newest checkpoint's data position was last published (monotonic; _resume_data)."""
         """The dashboard's two documents, rebuilt by the event loop at each look and only read by
         the HTTP server's threads (a reference swap: they never see a half-built one)."""
         self._tasks: list[asyncio.Task] = []
@@ -174,13 +180,15 @@ class Coordinator:
         self.collector = CheckpointCollector(
             store=self.store, rpc_for_stage=rpcs.__getitem__, identity=RunIdentity(m.run_id, m.hash), shapes=shapes,
             n_stages=m.stages.count, max_numel=max_message, timeout=t.state_download, every=self.checkpoint_every,
-            manifest_toml=self.manifest_toml, manifest_hash=m.hash, events=self.events)
+            manifest_toml=self.manifest_toml, manifest_hash=m.hash, events=self.events,
+            data_position=self._data_position if m.data.shards else None)
         web = None
         if self.http:
             from swarmgrad.peer.coordinator.web import DashboardServer
             http_host, http_port = self.http.rsplit(":", 1)
             web = DashboardServer(http_host, int(http_port), lambda: self._documents()[0],
-                                  lambda: self._documents()[1], allowed_hosts=self.http_allowed_hosts)
+                                  lambda: self._documents()[1], contributors=self.contributors.document,
+                                  allowed_hosts=self.http_allowed_hosts)
             self.http_port = web.start()
         self.serve_metrics()
         self.events.emit("coordinator_started", run_id=m.run_id, grpc=self.address, grpc_port=self.grpc_port,
@@ -233,13 +241,43 @@ class Coordinator:
             if self.certificate.remaining() < self.certificate_ttl / 2:
                 self.certificate = self._self_certificate()
                 self.admission.certificate = self.certificate
-            for step in (self._publish_revocations, self.admission.step, self._look):
+            for step in (self._publish_revocations, self.admission.step, self._look, self._resume_data):
                 await self._step(step)
             await asyncio.sleep(self.m.timeouts.heartbeat)
+
+    async def _data_position(self) -> dict[str, Any] | None:
+        """The drivers' data position now (for a checkpoint); None when none publishes one."""
+        from swarmgrad.peer.shards.leases import swarm_position
+        position = swarm_position(await self.swarm.data_records())
+        return position.to_json() if position is not None else None
+
+    async def _resume_data(self) -> None:
+        """Publish the newest checkpoint's data position as our own data record (no lease), about
+        every third of its lifetime: drivers of a swarm restarted from that checkpoint merge it and
+        go on from there (peer/shards/leases.py merges positions by epoch, union and highest claim,
+        so a swarm that is further along is not set back)."""
+        if not self.m.data.shards or time.monotonic() - self._data_published < DATA_TTL / 3:
+            return
+        from swarmgrad.peer.shards.leases import DataPosition, DriverRecord
+        try:
+            saved = self.store.data_position()
+            if saved is None:
+                return
+            shards = saved[1].get("shards") if isinstance(saved[1], dict) else None
+            if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+                raise ValueError(f"no shard count in it ({shards!r})")
+            position = DataPosition.from_json(saved[1], shards)
+        except ValueError as e:  # a corrupt file, or one of another data.shards: nothing to resume from
+            logger.warning("the newest checkpoint's data position is not usable: %s", e)
+            self._data_published = time.monotonic()
+            return
+        if await self.swarm.publish_data(DriverRecord(self.peer_id, position, None).to_value()):
+            self._data_published = time.monotonic()
 
     async def _look(self) -> None:
         self._view = await self.swarm.swarm()
         self.history.observe(self._view)
+        await self.contributors.look(self.swarm, self._view)
         await self.collector.maybe_collect(self._view)
         self._published = (self.snapshot(), self.history_json())
         if self.metrics is not None:

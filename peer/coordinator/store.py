@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "state.json"
+DATA_POSITION = "data_position.json"
+"""In a checkpoint's folder: the swarm's data position at the checkpoint (peer/shards/leases.py)."""
 CHECKPOINTS = "checkpoints"
 
 
@@ -120,11 +122,14 @@ class StateDir:
         return self.root / CHECKPOINTS / f"round-{round_no:08d}"
 
     def write_checkpoint(self, round_no: int, stages: dict[int, tuple[bytes, dict[str, Any]]], manifest_toml: str,
-                         n_stages: int) -> Path:
+                         n_stages: int, data_position: dict[str, Any] | None = None) -> Path:
         """Write the safetensors files of every stage of `round` (bytes and their info: stage round,
-        applied_rounds, trained_samples, digest), then the index; keep the newest `keep` rounds."""
+        applied_rounds, trained_samples, digest), the swarm's data position (`data_position.json`,
+        when the drivers lease shards: peer/shards/), then the index; keep the newest `keep` rounds."""
         folder = self._round_dir(round_no)
         folder.mkdir(parents=True, exist_ok=True)
+        if data_position is not None:
+            atomic_write(folder / DATA_POSITION, json.dumps(data_position, sort_keys=True).encode())
         index: dict[str, Any] = {"round": round_no, "time": time.time(), "n_stages": n_stages, "stages": {}}
         for stage, (data, info) in sorted(stages.items()):
             atomic_write(folder / f"stage-{stage}.safetensors", data)
@@ -165,6 +170,14 @@ class StateDir:
                                         file_sha256=str(v["file_sha256"]), time=float(index["time"]),
                                         path=folder / f"stage-{s}.safetensors")
                 for s, v in index["stages"].items()}
+
+    def data_position(self) -> tuple[int, dict[str, Any]] | None:
+        """(round, data position) of the newest checkpoint that holds one, or None."""
+        for round_no in reversed(self.checkpoint_rounds()):
+            path = self._round_dir(round_no) / DATA_POSITION
+            if path.exists():
+                return round_no, json.loads(path.read_text())
+        return None
 
     def newest(self, stage: int) -> CheckpointEntry | None:
         """The newest checkpoint that holds `stage`."""

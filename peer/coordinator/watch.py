@@ -23,9 +23,12 @@ def _stat(record: PeerRecord, name: str) -> Any:
     return (record.stats or {}).get(name)
 
 
-def swarm_snapshot(run_id: str, view: dict[int, list[PeerRecord]], state: CoordinatorState,
-                   checkpoints: list[dict[str, Any]], coordinator: dict[str, Any], now: float | None = None
-                   ) -> dict[str, Any]:
+def swarm_snapshot(run_id: str, view: dict[int, list[PeerRecord]], state: CoordinatorState | None,
+                   checkpoints: list[dict[str, Any]] | None, coordinator: dict[str, Any] | None,
+                   now: float | None = None, monitor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The /api/swarm document. A monitor (no coordinator) passes `state`, `checkpoints` and
+    `coordinator` as None (null in the JSON: it admits nobody and collects no checkpoint) and
+    `monitor` (its own peer id and uptime)."""
     stages = []
     for stage in sorted(view):
         records = view[stage]
@@ -43,14 +46,18 @@ def swarm_snapshot(run_id: str, view: dict[int, list[PeerRecord]], state: Coordi
         "run_id": run_id, "time": time.time() if now is None else now, "latest_round": latest,
         "n_stages": len(view), "swarm_rate": min(rates) if rates else 0.0, "bottleneck": bottleneck,
         "stages": stages,
-        "peers": {"admitted": [{"peer_id": p.peer_id, "role": p.role, "stage": p.stage, "admitted_at": p.admitted_at,
-                                "expires": p.expires} for p in sorted(state.admitted.values(),
-                                                                      key=lambda p: -p.admitted_at)],
-                  "revoked": [{"peer_id": k, "revoked_at": v} for k, v in sorted(state.revoked.items(),
-                                                                                 key=lambda kv: -kv[1])]},
+        "peers": None if state is None else _peers(state),
         "checkpoints": checkpoints,
         "coordinator": coordinator,
+        **({"monitor": monitor} if monitor is not None else {}),
     }
+
+
+def _peers(state: CoordinatorState) -> dict[str, Any]:
+    return {"admitted": [{"peer_id": p.peer_id, "role": p.role, "stage": p.stage, "admitted_at": p.admitted_at,
+                          "expires": p.expires} for p in sorted(state.admitted.values(), key=lambda p: -p.admitted_at)],
+            "revoked": [{"peer_id": k, "revoked_at": v}
+                        for k, v in sorted(state.revoked.items(), key=lambda kv: -kv[1])]}
 
 
 class History:

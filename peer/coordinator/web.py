@@ -7,6 +7,7 @@ Routes (GET only; anything else is 404, other methods 501):
     /static/<file>    a file of the package folder dashboard/ (only names that exist there)
     /api/swarm        json of snapshot()   (Cache-Control: no-store)
     /api/history      json of history()    (Cache-Control: no-store)
+    /api/contributors json of contributors() (Cache-Control: no-store)
     /healthz          "ok"
 
 The page is self-contained: no CDN, no font, no external URL, and the server says so to the
@@ -42,6 +43,18 @@ marked |null may be null; NaN and infinities are sent as null):
                  "group_size": int|null, "train_loss": float|null, "samples_per_s": float|null}],
      "bytes_per_sample": {"activations": float, "gradients": float, "averaging": float,
                           "state": float}}
+
+/api/contributors (peer/coordinator/contributors.py; credit counted from completed rounds only)
+    {"run_id": str, "time": float, "since": float (unix s the ledger started counting),
+     "tokens_per_sample": int|null, "totals": {"samples": float, "tokens": int|null,
+                                              "contributors": int, "rounds": int},
+     "contributors": [{"rank": int, "peer_id": str, "samples": float, "tokens": int|null,
+                       "rounds": int, "stages": [int], "uptime_s": float,
+                       "first_seen": float|null, "last_seen": float|null, "last_round": int|null}]}
+
+A monitor (`swarmgrad monitor`, no coordinator) serves the same documents with "peers",
+"checkpoints" and "coordinator" null in /api/swarm, and "monitor": {"peer_id": str,
+"uptime_s": float} instead.
 
 docs/dashboard.md describes what the page shows.
 """
@@ -133,8 +146,8 @@ class DashboardServer:
     """
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], dict],
-                 history: Callable[[], dict], *, allowed_hosts: tuple[str, ...] = (),
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 history: Callable[[], dict], contributors: Callable[[], dict] | None = None, *,
+                 allowed_hosts: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1 (got {max_connections})")
         self.host = host
@@ -145,6 +158,7 @@ class DashboardServer:
         """Requests refused 503 because every slot was taken (for tests and logs)."""
         self.snapshot = snapshot
         self.history = history
+        self.contributors = contributors or _no_contributors
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         # the last failure of each callback: logged once as a warning, its repeats (every
@@ -208,6 +222,10 @@ class DashboardServer:
         self.close()
 
 
+def _no_contributors() -> dict:
+    return {"totals": {}, "contributors": []}
+
+
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     dashboard: DashboardServer
@@ -252,6 +270,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_api("snapshot", self.server.dashboard.snapshot)
         elif path == "/api/history":
             self._send_api("history", self.server.dashboard.history)
+        elif path == "/api/contributors":
+            self._send_api("contributors", self.server.dashboard.contributors)
         elif path == "/healthz":
             self._send(200, b"ok", "text/plain; charset=utf-8")
         else:

@@ -20,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from .llama import LlamaConfig, hf_name
+from .llama import LlamaConfig, LlamaStage, hf_name
 
 __all__ = ["HFCheckpointError", "hf_config", "check_hf_config", "load_stage_tensors", "write_hf_folder",
            "byte_tokenizer_json"]
@@ -85,8 +85,10 @@ def check_hf_config(folder: Path, cfg: LlamaConfig) -> None:
     if c.get("model_type") != "llama":
         raise HFCheckpointError(f"model.init_from {folder}: model_type is {c.get('model_type')!r}; only Llama-"
                                 "architecture checkpoints (model_type \"llama\") can start a llama run")
-    if c.get("rope_scaling"):
-        raise HFCheckpointError(f"model.init_from {folder}: rope_scaling {c['rope_scaling']!r} is not supported")
+    rope_type = (c.get("rope_parameters") or {}).get("rope_type", "default")  # transformers >= 5 writes this
+    if c.get("rope_scaling") or rope_type != "default":
+        raise HFCheckpointError(f"model.init_from {folder}: rope scaling ({c.get('rope_scaling') or rope_type!r}) "
+                                "is not supported: the llama kind uses plain rotary embeddings")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise HFCheckpointError(f"model.init_from {folder}: biases in attention or MLP are not supported")
     want = hf_config(cfg)
@@ -181,12 +183,19 @@ def byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _special_token(tokenizer_json: str) -> tuple[str, int] | None:
-    """The tokenizer's first special token (its end-of-document token, by the data's convention)."""
-    for t in json.loads(tokenizer_json).get("added_tokens", []):
-        if t.get("special"):
-            return t["content"], int(t["id"])
-    return None
+def _special_tokens(tokenizer_json: str) -> dict[str, tuple[str, int]]:
+    """bos/eos and pad of a tokenizer file: the end-of-document token (``<|endoftext|>``, the
+    run's tokenizers' id 0, peer/text/tokenizer.py; else the first special token) is both bos and
+    eos, ``<|pad|>`` pads. Empty for the byte tokenizer."""
+    special = {t["content"]: int(t["id"]) for t in json.loads(tokenizer_json).get("added_tokens", [])
+               if t.get("special")}
+    out: dict[str, tuple[str, int]] = {}
+    eod = "<|endoftext|>" if "<|endoftext|>" in special else next(iter(special), None)
+    if eod is not None:
+        out["bos_token"] = out["eos_token"] = (eod, special[eod])
+    if "<|pad|>" in special:
+        out["pad_token"] = ("<|pad|>", special["<|pad|>"])
+    return out
 
 
 def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Tensor],
@@ -197,26 +206,31 @@ def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Ten
     ``tokenizer_file``: the run's ``tokenizer.json``, copied; None writes the byte tokenizer.
 
     Raises:
-        ValueError: tensors missing or left over for the model ``cfg`` describes.
+        ValueError: tensors missing, left over or of another shape than the model ``cfg`` describes.
     """
     from safetensors.torch import save_file
-    expected = _expected_names(cfg)
+    expected = _expected_shapes(cfg)
     names = {hf_name(n) for n in tensors}
-    if names != expected:
-        missing, extra = sorted(expected - names), sorted(names - expected)
+    if names != set(expected):
+        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
         raise ValueError(f"the stages' tensors are not the model's: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[hf_name(name)]:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, the manifest's model has "
+                             f"{expected[hf_name(name)]}: is it this run's manifest?")
     out.mkdir(parents=True, exist_ok=True)
     text = tokenizer_file.read_text() if tokenizer_file is not None else byte_tokenizer_json()
-    special = _special_token(text)
-    eos_id = special[1] if special else None
+    special = _special_tokens(text)
+    ids = {name: token_id for name, (_, token_id) in special.items()}
     (out / "tokenizer.json").write_text(text)
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
-                  "clean_up_tokenization_spaces": False}
-    if special:
-        tok_config["eos_token"] = special[0]
+                  "clean_up_tokenization_spaces": False, **{name: tok for name, (tok, _) in special.items()}}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, eos_token_id=eos_id), indent=2) + "\n")
-    generation = {"_from_model_config": True, "eos_token_id": eos_id, "max_length": cfg.seq_len}
+    config = hf_config(cfg, bos_token_id=ids.get("bos_token"), eos_token_id=ids.get("eos_token"))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"_from_model_config": True, "bos_token_id": ids.get("bos_token"),
+                  "eos_token_id": ids.get("eos_token"), "pad_token_id": ids.get("pad_token"),
+                  "max_length": cfg.seq_len}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     weights = {hf_name(n): t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items()}
     save_file(weights, str(out / WEIGHTS), metadata={"format": "pt", **(metadata or {})})
@@ -224,13 +238,8 @@ def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Ten
     (out / INDEX).unlink(missing_ok=True)
 
 
-def _expected_names(cfg: LlamaConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names.add("lm_head.weight")
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-    return names
+def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor of the whole model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        whole = LlamaStage(cfg, 0, 1, first_layer=0, n_layers=cfg.n_layers)
+    return {hf_name(n): tuple(p.shape) for n, p in whole.named_parameters()}

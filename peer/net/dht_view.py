@@ -8,6 +8,8 @@ Keys (all under the run id, so runs never see each other's records):
   {run}/round/{s}/{r}/check  subkey peer id -> digest of the mean that peer decoded
   {run}/round/{s}/{r}/abandoned  subkey peer id -> its group's hash: it failed round r, did not
                            apply it and never will (it re-syncs; peer/state/sync.py)
+  {run}/data               subkey peer id -> a driver's data position and shard lease
+                           (peer/shards/leases.py parses it; expires: DATA_TTL)
 Every subkey is its writer's peer id and every value is signed by it: the DHT is built with
 `record_signing.SignedRecordValidator`, which refuses (on store and on get) a record whose
 signature is not the subkey's peer's, and any expiry beyond MAX_RECORD_TTL. Writes here clamp
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 EPOCH_TTL = MAX_RECORD_TTL
 """Each peer's epoch entry; the heartbeat refreshes it, so the epoch lives while anyone runs."""
+DATA_TTL = MAX_RECORD_TTL
+"""A driver's data record: it carries the data position, which should outlive its writer (its
+lease expires by the time written inside it, not by the record's expiry)."""
 READ_TTL_FACTOR = 2.0
 """Entries expiring later than now + this x their kind's TTL are ignored (a pinned ghost)."""
 
@@ -192,6 +197,29 @@ class SwarmView:
 
     async def round_abandoned(self, stage: int, round_no: int) -> dict[str, str]:
         return await self._short_strings(f"{round_key(self.run_id, stage, round_no)}/abandoned")
+
+    @property
+    def data_key(self) -> str:
+        return f"{self.run_id}/data"
+
+    async def publish_data(self, value: dict[str, Any]) -> bool:
+        """Store our data record (a driver's position and lease, peer/shards/leases.py), tagged
+        with our manifest's hash."""
+        return await self._store(self.data_key, self.peer_id, {"manifest": self.manifest_hash, "record": value},
+                                 DATA_TTL)
+
+    async def data_records(self) -> list[tuple[str, Any]]:
+        """(peer id, value) of the drivers' data records of our manifest (any manifest, for a view
+        built without one) from admitted peers; the values are parsed by peer/shards/leases.py."""
+        out = []
+        for peer_id, value in await self._entries(self.data_key, DATA_TTL):
+            if not isinstance(value, dict) or "record" not in value:
+                continue
+            if self.admitted is not None and not self.admitted(peer_id):
+                continue
+            if not self.manifest_hash or value.get("manifest") == self.manifest_hash:
+                out.append((peer_id, value["record"]))
+        return out
 
     async def _short_strings(self, key: str) -> dict[str, str]:
         out = {}

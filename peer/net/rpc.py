@@ -292,6 +292,11 @@ class FramedRPC:
             logger.exception("%s handler failed", method)
             return refusal(pb.INTERNAL, f"{type(e).__name__}: {e}")
 
+    def open_streams_of(self, peer: str) -> int:
+        """Streams `peer` has open to our handlers now: being read, answered, or waiting for the
+        caller to close after our answer (so while an answer is still on its way to it)."""
+        return sum(n for p, n in self._open.items() if str(p) == peer)
+
     async def connected(self) -> set[str]:
         """Peers the p2p daemon holds a connection to now (base58 ids): a peer killed since our last
         exchange with it is gone from it at once (its sockets reset). Raises RPCFailed if the daemon

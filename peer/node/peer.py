@@ -35,6 +35,7 @@ from swarmgrad.peer.placement.evidence import WorkSeen, likely_round
 from swarmgrad.peer.placement.rebalancer import DEFAULT_BANDWIDTH, Rebalancer, read_work, snapshot_from_view
 from swarmgrad.peer.node.replica import PeerContext, Replica
 from swarmgrad.peer.state.backup import BackupStore
+from swarmgrad.peer.public.tokenizer_share import serve_tokenizer
 from swarmgrad.peer.pipeline.stage_server import refusal
 from swarmgrad.peer.net.rpc import FramedRPC, Traffic
 from swarmgrad.peer.compute.precision import precision_name, resolve_compute_dtype
@@ -60,10 +61,14 @@ class PeerNetwork:
     """The P2P instance, asked for once the peer runs."""
     maddrs: Callable[[], tuple[str, ...]]
     """The addresses the peer announces, asked for once, while the DHT surely runs."""
+    key: Any = None
+    """The Ed25519 key whose public half is the peer id (the one p2pd and the record signer run
+    with): a driver signs its round tickets with it (peer/net/round_tickets.py). None: its requests
+    carry none, and later stages end their rounds only from the drivers' records."""
 
     @classmethod
-    def from_dht(cls, dht: DHT) -> "PeerNetwork":
-        return cls(dht=dht, p2p=dht.replicate_p2p, maddrs=lambda: visible_maddrs(dht))
+    def from_dht(cls, dht: DHT, key: Any = None) -> "PeerNetwork":
+        return cls(dht=dht, p2p=dht.replicate_p2p, maddrs=lambda: visible_maddrs(dht), key=key)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +161,8 @@ class Peer:
         self.moves = 0
         self._maddrs: tuple[str, ...] = ()
         self._backup_rpc: FramedRPC | None = None
+        self._tokenizer_rpc: FramedRPC | None = None
+        """Serves the run's tokenizer file to joiners (peer/public/tokenizer_share.py); None: no file."""
         self.metrics = PeerMetrics(self.traffic) if options.metrics_port is not None else None
         self.metrics_port: int | None = None
         """The port metrics are served on, once they are."""
@@ -213,6 +220,8 @@ class Peer:
         self.events = EventLog(self.opt.events_path, sink=sink, peer=self.peer_id)
         memory = self.opt.max_memory or device_memory(self.opt.device)
         backup_rpc = await self._backups(p2p)
+        self._tokenizer_rpc = await serve_tokenizer(p2p, self.m, self.traffic,
+                                                    gate=self.admission.check if self.admission is not None else None)
         ctx = PeerContext(manifest=self.m, model=self.model, dht=self.dht, p2p=p2p, swarm=self.swarm,
                           traffic=self.traffic, identity=self.identity, peer_id=self.peer_id, maddrs=maddrs,
                           events=self.events, device=self.opt.device, save_dir=self.opt.save_dir,
@@ -223,7 +232,7 @@ class Peer:
                           backup_rpc=backup_rpc, backup_store=self._backup_store, pinned=not self.opt.rebalancing,
                           gate=self.admission.check if self.admission is not None else None,
                           checkpoints=self.checkpoints, byzantine=self.opt.byzantine,
-                          resume_round=self.resume_round)
+                          resume_round=self.resume_round, key=self.network.key)
         costs = stage_costs(self.m, self.model, compute_dtype=self.compute_dtype)
         rates: tuple[float, ...] = ()
         if self.opt.stage is None or self.opt.rebalancing:
@@ -254,7 +263,8 @@ class Peer:
                 shapes[stage] = {n: tuple(p.shape) for n, p in self.model.build_stage(stage).named_parameters()}
             return shapes[stage]
 
-        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes)
+        self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes,
+                                         peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht)
         rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
                         read_timeout=self.m.timeouts.state_download,
                         gate=self.admission.check if self.admission is not None else None)
@@ -369,8 +379,9 @@ class Peer:
         stage = self.replicas[-1].stage if self.replicas else None
         for replica in list(self.replicas):
             await replica.close()
-        if self._backup_rpc is not None:
-            await self._backup_rpc.remove_handlers()
+        for rpc in (self._backup_rpc, self._tokenizer_rpc):
+            if rpc is not None:
+                await rpc.remove_handlers()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -25,6 +25,7 @@ from swarmgrad.compression import parse_codec_spec
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import Averager
 from swarmgrad.peer.state.backup import BackupPusher
+from swarmgrad.peer.net.round_tickets import RoundSigner, VerifiedTickets
 from swarmgrad.peer.clock import RoundClock, resume_epoch
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import BestEffort
@@ -89,6 +90,8 @@ class PeerContext:
     """The peer does not rebalance (PeerOptions.rebalancing is false): its records say so."""
     compute_dtype: str = "float32"
     """What this peer's forwards compute in (peer/compute/precision.py resolve_compute_dtype)."""
+    key: Any = None
+    """The peer's Ed25519 key (PeerNetwork.key): a driver signs its round tickets with it."""
     backup_store: Any = None
     """The peer's BackupStore (peer/state/backup.py): its copies are announced, and a replica joining a
     stage whose current state it holds starts from that copy instead of downloading it."""
@@ -162,7 +165,8 @@ class Replica:
             downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id,
-                                    boundary=precision.boundary)
+                                    boundary=precision.boundary,
+                                    signer=RoundSigner(ctx.key, m.run_id, m.hash) if stage == 0 and ctx.key else None)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, phase=self.phase, worker=worker, state=state,
@@ -172,14 +176,15 @@ class Replica:
         sync = StateSync(rpc=rpc, swarm=ctx.swarm, identity=ctx.identity, peer_id=ctx.peer_id, stage=stage,
                          state=state, worker=worker, clock=clock, progress=progress, events=self.events,
                          phase=self.phase, timeouts=t, max_numel=ctx.max_numel, backup_rpc=ctx.backup_rpc,
-                         checkpoints=ctx.checkpoints,
+                         checkpoints=ctx.checkpoints, ledger=averager.ledger,
                          local_copy=ctx.backup_store.local_copy if ctx.backup_store else None)
         if stage == 0:
             self.driving = DrivingLoop(manifest=m, worker=worker, downstream=downstream, peer_id=ctx.peer_id,
                                        n_stages=n_stages, swarm=ctx.swarm, clock=clock, events=self.events,
                                        seed=data_seed(m, ctx.peer_id, ctx.data_seed), spawn=self.spawn,
                                        report_stats=presence.set_stats,
-                                       memory_window=driver_memory_window(m, ctx.memory, ctx.model))
+                                       memory_window=driver_memory_window(m, ctx.memory, ctx.model),
+                                       save_dir=ctx.save_dir)
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
                                   sync=sync, presence=presence, phase=self.phase, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
@@ -208,7 +213,8 @@ class Replica:
                                  activation_codecs=wire_codec_names(m.pipeline.activation_codec),
                                  max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
                                  lookahead=m.pipeline.lookahead, hold_s=t.between_rounds,
-                                 boundary=precision.boundary)
+                                 boundary=precision.boundary,
+                                 tickets=VerifiedTickets(m.run_id, m.hash))
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))
@@ -313,6 +319,8 @@ class Replica:
                             "the others see it gone when its record expires (timeouts.announce_ttl, %.0f s)",
                             t.shutdown / 3, t.announce_ttl)
             self.events.emit("leaving", announced=bool(announced))
+        if self.driving is not None:  # its shard goes back at once, not when the lease expires
+            await self.driving.release()
         tasks = self.tasks + ([self.main] if self.main is not None else [])
         for task in tasks:
             task.cancel()

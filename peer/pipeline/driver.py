@@ -32,13 +32,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from hivemind.utils import get_dht_time
 
 from swarmgrad.peer.clock import RoundClock
-from swarmgrad.peer.data import MicrobatchStream
 from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.pipeline.stage_server import Downstream, Hop
@@ -52,6 +51,17 @@ from swarmgrad.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class BatchStream(Protocol):
+    """Where a driver's lanes take their training batches: `draw(size)`, a stream that never waits
+    (`MicrobatchStream`: random windows from the driver's seed; the streaming path's `TokenStream`),
+    or `async take(size)`, one that may (`LeasedStream`: the shards it leases, peer/shards/leaser.py,
+    waiting while its next claim is stored). A stream that can run dry for a while (a leased one at
+    an epoch's end) also has `ready`, an asyncio.Event set while a batch can be taken: a lane waits
+    for it before it is admitted, since an admitted microbatch holds the round boundary."""
+
+    def draw(self, size: int) -> Batch: ...
 
 NOT_READY_BACKOFF = Backoff(first=0.2, cap=1.0, growth=1.5)
 """Waits before re-sending a microbatch that every replica refused NOT_READY (between rounds, or
@@ -83,7 +93,7 @@ class DriverStats:
 
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
-                 n_stages: int, stream: MicrobatchStream | None, emit: Callable[..., None], clock: RoundClock,
+                 n_stages: int, stream: BatchStream | None, emit: Callable[..., None], clock: RoundClock,
                  memory_window: int | None = None):
         self.m = manifest
         self.worker = worker
@@ -148,7 +158,11 @@ class Driver:
             await asyncio.gather(*list(self._commits), return_exceptions=True)
 
     async def _lane(self, stop: asyncio.Event) -> None:
+        ready: asyncio.Event | None = getattr(self.stream, "ready", None)
         while not stop.is_set():
+            if ready is not None and not ready.is_set():
+                await self._until_ready(ready, stop)
+                continue
             async with self._window_changed:  # a lane beyond the window waits for it to grow
                 await self._window_changed.wait_for(lambda: self._in_flight < self.window)
                 self._in_flight += 1
@@ -157,6 +171,16 @@ class Driver:
             finally:
                 self._in_flight -= 1
                 await asyncio.shield(self._rewindow())
+
+    @staticmethod
+    async def _until_ready(ready: asyncio.Event, stop: asyncio.Event) -> None:
+        """Wait, not admitted, until the stream has data or training stops."""
+        waits = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _rewindow(self) -> None:
         """Re-size the window from the latest measurements and wake lanes that may now go."""
@@ -243,16 +267,18 @@ class Driver:
                 "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
                 if self.worker.device.type == "cpu" and now[8] > el0 else None}
 
-    def _draw(self, slot: Slot) -> Batch:
+    async def _draw(self, slot: Slot) -> Batch:
         """A training batch of the size of the slot's place in its step."""
         assert self.stream is not None, "a driver without a stream is given its batches"
-        return self.stream.draw(self.sizes[slot.position % len(self.sizes)])
+        size = self.sizes[slot.position % len(self.sizes)]
+        take = getattr(self.stream, "take", None)
+        return await take(size) if take is not None else self.stream.draw(size)
 
     async def _attempt(self, mb: int, attempt: int, pending: Pending, eval_only: bool) -> tuple[int, float, str, str]:
         """One trip through the pipeline: (status, loss, reason, failed peer)."""
         async with self.worker.admitted(wait=True, train=not eval_only, ahead=self._lookahead) as slot:
             if pending.batch is None:
-                pending.batch = self._draw(slot)
+                pending.batch = await self._draw(slot)
             inputs, targets = pending.batch
             if self.n_stages == 1:
                 try:

@@ -23,6 +23,10 @@ from swarmgrad.peer.pipeline.stage_server import Downstream, wait_for_pipeline
 from swarmgrad.peer.placement.cost import stage_costs
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.pipeline.window import memory_window
+from swarmgrad.peer.shards.leaser import LeaseSettings, LeasedStream, ShardLeaser
+from swarmgrad.peer.shards.saved import load_position, save_position
+from swarmgrad.peer.shards.source import ByteShards, ShardSource, TextShards
+from swarmgrad.peer.data import MicrobatchStream
 from swarmgrad.peer.compute.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,15 @@ def data_seed(manifest: Manifest, peer_id: str, override: int | None) -> int:
     return int.from_bytes(PeerID.from_base58(peer_id).to_bytes()[-4:], "big") ^ manifest.seed
 
 
+def shard_source(manifest: Manifest, data: RunData) -> ShardSource:
+    """The training corpus as shards for the leases (peer/shards/source.py): the byte corpus cut
+    into `data.shards` ranges, or the streaming path's shards as they are listed."""
+    if data.corpus is None:
+        assert isinstance(data.stream, MicrobatchStream)
+        return ByteShards(data.stream.corpus, manifest.data.shards, manifest.model.seq_len, seed=manifest.seed)
+    return TextShards(data.corpus, data.stream)
+
+
 def driver_memory_window(manifest: Manifest, offered_bytes: int | None, model: StagedModel | None = None) -> int | None:
     """Microbatches in flight whose stage-0 activations fit in what this peer offers (the
     window's memory bound), from the stage's estimated needs (peer/placement/cost.py)."""
@@ -74,8 +87,14 @@ class DrivingLoop:
     def __init__(self, *, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
-                 report_stats: Callable[..., None] | None = None, memory_window: int | None = None):
+                 report_stats: Callable[..., None] | None = None, memory_window: int | None = None,
+                 save_dir: str | None = None):
         self.m = manifest
+        self.save_dir = save_dir
+        """--save-dir: the data position is saved there after every round and on leave, and resumed from."""
+        self.leaser: ShardLeaser | None = None
+        """The shard leases (data.shards > 0), run as the replica's task `_leasing`."""
+        self._leasing: asyncio.Task | None = None
         self.memory_window = memory_window
         """Microbatches in flight the memory this peer offers holds (peer/pipeline/window.py); None: unknown."""
         self.report_stats = report_stats
@@ -113,7 +132,18 @@ class DrivingLoop:
     async def _drive(self, data: RunData) -> None:
         self._val = data.validation
         self._val_tokens, self._val_bytes = data.val_tokens, data.val_bytes
-        self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, data.stream,
+        stream: Any = data.stream
+        d = self.m.data
+        if d.shards:
+            source = shard_source(self.m, data)
+            block = self.m.inner.microbatches_per_step * self.m.inner.microbatch_size
+            position = load_position(self.save_dir, len(source.shard_ids()))
+            if position is not None:
+                logger.info("data: resuming from the position saved in %s (%s)", self.save_dir, position.summary())
+            self.leaser = ShardLeaser(source, self.swarm, LeaseSettings(d.lease_seconds, d.lease_settle, block),
+                                      position=position, emit=self.events.emit)
+            stream = LeasedStream(self.leaser)
+        self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
                              self.events.emit, self.clock, memory_window=self.memory_window)
         # a stage may be empty for a while (peers still joining, or one moving in to fill it):
         # wait, saying so, rather than give up on a swarm that is still assembling
@@ -124,6 +154,8 @@ class DrivingLoop:
             await self.evaluate()
         else:
             logger.info("stage 0: no start evaluation (the state came from a live replica, which evaluated it)")
+        if self.leaser is not None and not self.stop_training.is_set():
+            self._leasing = self.spawn(self.leaser.run(), "shard-leases")
         self.events.emit("driving", round=self.clock.current, evaluated_at_start=self.evaluate_at_start)
         await self.driver.run(self.stop_training)
 
@@ -133,6 +165,7 @@ class DrivingLoop:
         driver is one of the round's evaluators (`data.evaluators`, chosen from its group)."""
         if self.driver is not None and self.driver.running and self.n_stages > 1:
             self.report_pipeline()
+        self.save_position()
         group = result.group if result.complete else ()
         # in a group, count by the round number its members share: a joiner's own count of rounds
         # differs from the others', and they would disagree on which rounds are due
@@ -187,6 +220,24 @@ class DrivingLoop:
                          commit_failures=stats.commit_failures)
         logger.info("stage 0 eval at round %d: validation %.3f bits/byte, %.3f nats/token, perplexity %.2f",
                     self.clock.current, bpb, units.nats_per_token, units.perplexity)
+
+    def save_position(self) -> None:
+        """Write the data position into --save-dir (when leasing and given one)."""
+        if self.leaser is not None and self.save_dir:
+            try:
+                save_position(self.save_dir, self.peer_id, self.leaser.position)
+            except OSError as e:
+                logger.warning("data: could not save the data position in %s: %s", self.save_dir, e)
+
+    async def release(self) -> None:
+        """Leaving: stop leasing and give the held shard back at once (within timeouts.shutdown / 3),
+        so another driver goes on with it without waiting for the lease to expire."""
+        if self._leasing is not None:
+            self._leasing.cancel()
+            await asyncio.gather(self._leasing, return_exceptions=True)
+        if self.leaser is not None:
+            await self.leaser.release(self.m.timeouts.shutdown / 3)
+            self.save_position()
 
     async def finish(self) -> None:
         """The last round is done: stop training and evaluate a final time."""

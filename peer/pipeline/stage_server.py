@@ -34,6 +34,7 @@ from swarmgrad.peer.pipeline.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.errors import BestEffort
+from swarmgrad.peer.net.round_tickets import RoundSigner, VerifiedTickets
 from swarmgrad.peer.records import ONLINE
 from swarmgrad.peer.compute.worker import NonFiniteLoss, NotReady, StageWorker
 from swarmgrad.protocol import wire_pb2 as pb
@@ -76,11 +77,15 @@ class Downstream:
     def __init__(self, identity: RunIdentity, rpc: FramedRPC, swarm: SwarmView, bans: BanList,
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
                  gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
-                 boundary: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 signer: RoundSigner | None = None):
         """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
         float32, holding values of the compute dtype); default: the CPU in float32."""
         self.identity = identity
         self.boundary = boundary or _fp32_on_cpu
+        self.signer = signer
+        """A driver's: signs the round ticket its own requests carry (peer/net/round_tickets.py).
+        None at later stages, which relay the ticket that came with the request."""
         self.self_id = self_id
         """This peer's id: never a candidate. A peer moving from stage s to s + 1 runs both
         replicas for a while, and libp2p cannot dial itself ("dial to self attempted")."""
@@ -124,18 +129,22 @@ class Downstream:
 
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
                       attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
-                      timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None) -> Hop:
+                      timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None,
+                      round_ticket: bytes | None = None) -> Hop:
         """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
         already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
-        paces its sends and estimates its link with it)."""
+        paces its sends and estimates its link with it). `round_ticket`: the one the request
+        being relayed came with; None: our signer's for `round_no` (a driver's own requests)."""
         peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
         activations = encoded if encoded is not None else await self.encode(output)
+        if round_ticket is None:
+            round_ticket = self.signer.ticket(round_no) if self.signer is not None else b""
         request = pb.ForwardRequest(
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
             activations=activations, targets=raw_from_tensor(narrow_integers(targets)), deadline=deadline, eval_only=eval_only,
-            round=round_no)
+            round=round_no, round_ticket=round_ticket)
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
@@ -208,7 +217,8 @@ class StageServer:
                  downstream: Downstream | None, gradient_codec: Codec, max_numel: int, clock: RoundClock, *,
                  activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
                  drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False,
-                 hold_s: float = 0.0, boundary: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 hold_s: float = 0.0, boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 tickets: VerifiedTickets | None = None):
         self.identity = identity
         self.boundary = boundary or _fp32_on_cpu
         """What a gradient sent upstream becomes before its codec (as Downstream.boundary)."""
@@ -224,6 +234,9 @@ class StageServer:
         self.drivers = drivers
         """Whether a peer id is a driver listed in the stage-0 records (DriverList.listed): only
         such a driver's round may end ours. None: any (tests without a swarm)."""
+        self.tickets = tickets
+        """Checks the round ticket of a request of a later round than ours (peer/net/round_tickets.py):
+        only the driver's own signature may end our round. None: not checked (tests without keys)."""
         self.activation_codecs = activation_codecs
         """Codecs the previous stage may send activations in (the manifest's); None: any."""
         self.max_deadline_s = max_deadline_s
@@ -266,6 +279,12 @@ class StageServer:
             # not make us skip rounds (and everyone who follows us)
             raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is more than one round ahead of ours "
                                                 f"({self.clock.current})")
+        if inp.round > self.clock.current and self.tickets is not None and (
+                why := self.tickets.refusal(inp.driver, inp.round, inp.round_ticket)) is not None:
+            # the `driver` field is the sender's word; the ticket is the driver's: checked first, as
+            # it needs no DHT read
+            raise ProtocolError(pb.WRONG_ROUND, f"round {inp.round} is ahead of ours ({self.clock.current}) and the "
+                                                f"request {why}")
         if inp.round > self.clock.current and self.drivers is not None and not await self.drivers(inp.driver):
             # a later round ends ours only on the word of a driver the swarm lists: anyone else
             # could otherwise cut every replica's rounds short with one request each
@@ -314,7 +333,8 @@ class StageServer:
         assert self.downstream is not None
         x, y = await self.worker.forward(inp.activations, train, slot)
         hop = await self.downstream.forward(self.contract.stage + 1, y, inp.targets, inp.microbatch_id, inp.attempt,
-                                            inp.driver, inp.deadline, inp.eval_only, inp.round)
+                                            inp.driver, inp.deadline, inp.eval_only, inp.round,
+                                            round_ticket=inp.round_ticket)
         if hop.status != pb.OK:
             status = pb.NOT_READY if hop.status == pb.NOT_READY else pb.DOWNSTREAM_FAILED
             return pb.ForwardResponse(status=status, reason=hop.reason, failed_peer=hop.failed_peer)

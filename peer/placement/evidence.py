@@ -35,9 +35,9 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from swarmgrad.peer.averaging.group import choose_group, group_hash
+from swarmgrad.peer.averaging.group import completed_groups
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
-from swarmgrad.peer.records import FAILED, LEAVING, ONLINE, PeerRecord
+from swarmgrad.peer.records import LEAVING, ONLINE, PeerRecord
 
 EVIDENCE_ROUNDS = 10
 """A replica stays proven on a stage for this many rounds after the last completed round it was
@@ -48,32 +48,10 @@ peer that stopped doing work there stops counting soon."""
 
 def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapping[str, Any]] | None = None
                      ) -> frozenset[str]:
-    """The members of a completed group of one round of one stage: the voters (``checks``: peer id
-    -> "<group hash>:<digest or failed>", peer/averaging/outcome.py) of one vote, not failed, cast
-    by two or more ids whose sorted tuple hashes to that group hash: every member voted it, so
-    every member applied the round (a group of one posts no vote). With ``registrations``
-    (that round's) the group must also be the one ``choose_group`` names from the registrations
-    of that round's voters (a replica that registered late, after the group formed, votes
-    nothing): ids that vote for a group of their own beside the one matchmaking formed prove
-    nothing, and nor does that group (which of the two is real cannot be told). Empty when no
+    """The members of the completed groups of one round of one stage (``checks``: its outcome
+    votes; averaging/group.py `completed_groups`, the rule credit counts by too). Empty when no
     group completed."""
-    by_vote: dict[str, list[str]] = defaultdict(list)
-    for peer, value in checks.items():
-        by_vote[value].append(peer)
-    chosen = None
-    if registrations is not None:
-        group = choose_group({p: dict(v) for p, v in registrations.items() if p in checks})
-        chosen = group.members if group is not None else ()
-    out: set[str] = set()
-    for value, voters in by_vote.items():
-        hash_, _, outcome = value.partition(":")
-        members = tuple(sorted(voters))
-        if len(members) < 2 or outcome in ("", FAILED) or group_hash(members) != hash_:
-            continue
-        if chosen is not None and members != tuple(chosen):
-            continue
-        out.update(members)
-    return frozenset(out)
+    return frozenset(p for g in completed_groups(checks, registrations) for p in g.members)
 
 
 class WorkSeen:

@@ -126,6 +126,10 @@ class RunDirectory:
                 best = published
         return Found(run_id, best, tuple(dict.fromkeys(refusals)))
 
+    async def publishers(self, run_id: str) -> list[str]:
+        """The peer ids that store an entry under the run's manifest key (whatever it holds)."""
+        return [peer_id for peer_id, _ in await self._entries(manifest_key(run_id))]
+
     async def find(self, name: RunName) -> list[Found]:
         """The runs `name` may mean: NAME@FINGERPRINT itself, or every listed run called NAME."""
         if name.fingerprint is not None:
@@ -167,11 +171,12 @@ def describe_model(m: Any) -> str:
 
 
 def parameter_count(m: Any) -> int | None:
-    """The built-in GPT's parameters (placement/cost.py); None where only the model could say."""
-    from swarmgrad.peer.placement.cost import gpt_stage_params
-    if m.model.kind != "gpt":
+    """The built-in GPT's or llama kind's parameters (placement/cost.py); None where only the model could say."""
+    from swarmgrad.peer.placement.cost import gpt_stage_params, llama_stage_params
+    count = {"gpt": gpt_stage_params, "llama": llama_stage_params}.get(m.model.kind)
+    if count is None:
         return None
-    return sum(gpt_stage_params(m, s) for s in range(m.stages.count))
+    return sum(count(m, s) for s in range(m.stages.count))
 
 
 class Publisher:

@@ -4,11 +4,14 @@ cache of the manifests a peer joined with.
 The cache folder is `--cache-dir`, default `$SWARMGRAD_CACHE/runs` (`~/.cache/swarmgrad/runs`, beside
 the stage benchmarks' cache): one file per run, `NAME@FINGERPRINT.manifest`, holding the signed blob
 as the DHT served it. It is verified again whenever it is read, so a file edited on disk is refused
-like a forged DHT entry. The DHT's manifest is preferred; the cached one is used only for a
-NAME@FINGERPRINT the swarm holds no manifest of (a run restarted after all its peers stopped).
+like a forged DHT entry. Beside it, for a run with a tokenizer, `NAME@FINGERPRINT.tokenizer.json`
+(tokenizer_share.py), used only while its bytes hash to the signed sha256. The DHT's manifest is
+preferred; the cached one is used only for a NAME@FINGERPRINT the swarm holds no manifest of (a run
+restarted after all its peers stopped).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -39,6 +42,32 @@ def save(cache_dir: Path, published: PublishedManifest) -> Path:
     tmp.write_bytes(published.blob)
     tmp.replace(path)
     return path
+
+
+def tokenizer_cache_file(cache_dir: Path, run_id: str) -> Path:
+    """Where a run's tokenizer file is cached: beside its manifest (tokenizer_share.py fetches it)."""
+    return cache_dir / f"{run_id}.tokenizer.json"
+
+
+def save_tokenizer(cache_dir: Path, run_id: str, data: bytes) -> Path:
+    """Write a verified tokenizer file atomically; its path."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = tokenizer_cache_file(cache_dir, run_id)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path
+
+
+def load_cached_tokenizer(cache_dir: Path, run_id: str, sha256: str) -> Path | None:
+    """The cached tokenizer file of the run if its bytes hash to `sha256` (the signed digest); None
+    if there is none or it differs (then it is fetched again and replaced)."""
+    path = tokenizer_cache_file(cache_dir, run_id)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return path if hashlib.sha256(data).hexdigest() == sha256 else None
 
 
 def load_cached(cache_dir: Path, name: RunName) -> PublishedManifest | None:

@@ -45,6 +45,19 @@ logger = logging.getLogger(__name__)
 BOUNDARY_POLL_SECONDS = 1.0
 """How often a waiting boundary re-reads the drivers' records (events wake it sooner)."""
 JOIN_HOLD_POLL_SECONDS = 0.25
+JOIN_HOLD_MIN_SHARE = 0.25
+"""A peer is held for only once it has asked this replica for at least this fraction of the state
+(decisions.join_hold): a joiner asks for the whole state, spread over at most two donors (one
+donor's share of a state in several parts is a third or more unless one tensor dwarfs the rest)."""
+JOIN_HOLD_WINDOW_FACTOR = 10
+"""Holds for joiners last at most timeouts.join_hold in all over any window this many times as
+long (decisions.join_hold_left): whatever ids ask, a stage stalls for them at most a tenth of its time."""
+JOIN_HOLD_STALL_SECONDS = 10.0
+"""A hold for a joiner ends once its download from us has not moved (no request, no stream of its
+open to us) for this long: its download stalled, or ended long enough ago for a real joiner to
+have loaded the state and come ONLINE (decisions.join_hold)."""
+HELD_FOR_KEPT = 4096
+"""Peer ids a boundary was held for, remembered so that none is held for twice."""
 """How often a boundary held for joiners re-reads the stage's records."""
 ROUND_FAILURES: tuple[type[BaseException], ...] = (*NETWORK_FAILURES, ProtocolError)
 """What a round's averaging fails with when the swarm, not our code, failed it: the network's
@@ -103,6 +116,11 @@ class RoundRunner:
         """Samples this replica trained so far (the record's stats.samples)."""
         self.leave_after_round = False
         """Set when the peer moves to another stage: the current round is the last one here."""
+        self._holds: list[tuple[float, float]] = []
+        """(start, end), monotonic, of the boundaries held for joiners in the last window
+        (decisions.join_hold_left)."""
+        self._held_for: dict[str, None] = {}
+        """Peer ids a boundary was held for (insertion-ordered, at most HELD_FOR_KEPT): one hold each."""
         self._counting = BestEffort(f"stage {stage}: counting its replicas", logger)
         self._reading_drivers = BestEffort(f"stage {stage}: reading the drivers' records at a boundary", logger)
         self._reading_joiners = BestEffort(f"stage {stage}: reading the stage's records to hold for joiners", logger)
@@ -209,21 +227,34 @@ class RoundRunner:
         """Hold the boundary (worker paused, state served, nothing averaged) while peers that
         downloaded this replica's state have not landed it (decisions.join_hold), at most
         `timeouts.join_hold` from each one's first request. Not with wall-clock rounds: a joiner
-        adopts the wall's round, which holding cannot change."""
+        adopts the wall's round, which holding cannot change. Only for plausible joiners (they asked
+        for JOIN_HOLD_MIN_SHARE of the state or more), one hold per peer id, and at most
+        `timeouts.join_hold` of holding in all per JOIN_HOLD_WINDOW_FACTOR times that (docs/trust.md,
+        "Join hold"): requests from any number of ids cannot stall the stage longer."""
         hold, sync = self.join_hold, self.sync
         if hold <= 0 or not sync.served or self.clock.epoch is not None or self.phase.current is not Phase.AVERAGING:
             return
         started, waited = time.monotonic(), set()
+        window = JOIN_HOLD_WINDOW_FACTOR * hold
+        self._holds = [h for h in self._holds if h[1] > started - window]
+        budget = decisions.join_hold_left(self._holds, started, hold, window)
+        if budget <= 0:
+            logger.info("stage %d round %d: not holding for joiners (held %.0f s in the last %.0f s already)",
+                        self.stage, round_no, hold, window)
+            return
         self.phase.enter(Phase.HOLDING)
         try:
-            while True:
+            while time.monotonic() - started < budget:
                 records = None
                 with self._reading_joiners:
                     records = await within(self.swarm.stage_records(self.stage), self.dht_timeout)
                 if records is None:  # unknown: average now, as a replica that does not hold would
                     break
                 waiting, settled = decisions.join_hold(dict(sync.served), records, self.state.digest,
-                                                    time.monotonic(), hold, await self._connected())
+                                                    time.monotonic(), hold, await self._connected(),
+                                                    shares=sync.shares(), min_share=JOIN_HOLD_MIN_SHARE,
+                                                    held_before=self._held_for, active=sync.activity(),
+                                                    stall=JOIN_HOLD_STALL_SECONDS)
                 sync.forget_served(settled)
                 if not waiting:
                     break
@@ -231,6 +262,12 @@ class RoundRunner:
                 await asyncio.sleep(JOIN_HOLD_POLL_SECONDS)
         finally:
             self.phase.enter(Phase.AVERAGING)
+            if waited:
+                self._holds.append((started, time.monotonic()))
+                for peer in sorted(waited):  # one hold per peer id
+                    self._held_for[peer] = None
+                while len(self._held_for) > HELD_FOR_KEPT:
+                    del self._held_for[next(iter(self._held_for))]
         if waited:
             joined = [p for p in sorted(waited) if p not in sync.served]
             held_s = time.monotonic() - started
@@ -298,6 +335,7 @@ class RoundRunner:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(state.apply_outer, result.mean_delta, result.total_weight, outer_mult)
                 self.progress.completed_round(result.total_weight, float(samples))
+                self.averager.ledger.applied(round_no, result.group, state.applied_rounds)
             self._carried = 0
             self.clock.advance(next_round)
             await worker.run(state.commit, self.clock.current)
@@ -386,6 +424,7 @@ class RoundRunner:
             if result.total_weight > 0:
                 outer_mult = self.progress.round_multiplier() if self.schedule_outer else 1.0
                 await worker.run(self._apply_overlapped, result, outer_mult, flight)
+                self.averager.ledger.applied(round, result.group, state.applied_rounds)
                 moved = True
             else:
                 await worker.run(state.commit, self.clock.current)

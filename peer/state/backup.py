@@ -15,6 +15,16 @@ next waits d / `averaging.backup_link_share` (decisions.next_push_at), skipping 
 
 Holders keep one copy per stage in memory (the newest by applied rounds), validate it like any
 state download (names, shapes, fp32, bounded counters, recomputed digest) and serve it back.
+
+Whose copies a holder takes (`put_refusal`, docs/trust.md "Backups"): a copy is a claim by one peer,
+so a holder takes it only from a peer whose signed record is ONLINE under that stage (a current
+replica), only for a stage it is itself a rendezvous holder of (one of the RESTORE_HOLDERS a refill
+asks), and only if the copy is at most one round ahead of what the stage's replicas announce
+(`stage_position`: the lower medians of their rounds and applied rounds, so one record claiming
+more moves nothing) and of the swarm's round (`swarm_round`, which bounds a stage whose only
+records are one writer's). A copy it holds that the stage has fallen behind (more than one round ahead of
+the stage) no longer blocks a newer push. So a stranger plants nothing, nobody makes a peer hold a
+copy of a stage it does not hold for, and storage is one copy per stage it holds for.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 
@@ -30,7 +40,8 @@ from swarmgrad.peer.decisions import next_push_at
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
-from swarmgrad.peer.net.errors import BestEffort
+from swarmgrad.peer.net.deadline import within
+from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
 from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import FP32_ONLY
@@ -42,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 BACKUP_COPIES = 2
 """Holders per stage: one holder leaving does not lose the backup."""
+RESTORE_HOLDERS = 2 * BACKUP_COPIES
+"""Holders a refill asks, in rendezvous order, and so the peers that may hold a stage's copy (a
+pusher's view of the swarm may differ a little from the holder's)."""
 
 
 def backup_holders(run_id: str, stage: int, view: Mapping[int, Sequence[PeerRecord]]) -> list[str]:
@@ -52,12 +66,74 @@ def backup_holders(run_id: str, stage: int, view: Mapping[int, Sequence[PeerReco
                   reverse=True)
 
 
+def lower_median(values: Sequence[int]) -> int:
+    """The lower median: at least half of the values are at or above it, so values raised by less
+    than half of those counted do not raise it (and ties decide nothing)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def stage_position(records: Sequence[PeerRecord]) -> tuple[int, int] | None:
+    """(round, applied rounds) that the ONLINE records of a stage corroborate (lower medians of what
+    each announces), or None when none is online. Pure."""
+    online = [r for r in records if r.state == ONLINE]
+    if not online:
+        return None
+    return lower_median([r.round for r in online]), lower_median([r.applied_rounds for r in online])
+
+
+def swarm_round(view: Mapping[int, Sequence[PeerRecord]]) -> int | None:
+    """The round the whole swarm corroborates (lower median over every stage's ONLINE records; all
+    stages share the drivers' rounds), or None when nobody is online. A stage whose only records are
+    one writer's cannot lift it. Pure."""
+    rounds = [r.round for recs in view.values() for r in recs if r.state == ONLINE]
+    return lower_median(rounds) if rounds else None
+
+
+def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: int, caller: str, self_id: str,
+                claim_round: int, claim_applied: int) -> str | None:
+    """Why this peer (`self_id`) must not take `caller`'s copy of `stage` (None: it may). Pure."""
+    records = view.get(stage, ())
+    if not any(r.peer_id == caller and r.state == ONLINE for r in records):
+        return f"{caller[-8:]} is not an online replica of stage {stage}"
+    if self_id not in backup_holders(run_id, stage, view)[:RESTORE_HOLDERS]:
+        return f"this peer does not hold backups of stage {stage}"
+    position = stage_position(records)
+    assert position is not None  # the caller's own record is online
+    if claim_round > position[0] + 1 or claim_applied > position[1] + 1:
+        return (f"the copy claims round {claim_round} ({claim_applied} applied), more than one round ahead of "
+                f"stage {stage}'s replicas (round {position[0]}, {position[1]} applied)")
+    swarm = swarm_round(view)
+    if claim_applied > claim_round or (swarm is not None and claim_round > swarm + 1):
+        # a stage whose records are all one writer's (an emptied stage, a forger's) is bounded by
+        # the swarm: rounds are the drivers', shared by every stage
+        return (f"the copy claims round {claim_round} ({claim_applied} applied), more than one round ahead of "
+                f"the swarm (round {swarm})")
+    return None
+
+
+def plausible(snapshot: StateSnapshot, swarm_round: int | None) -> bool:
+    """Whether a backup fetched for a restore may be adopted: its round at most one ahead of the
+    swarm's (the lower median of the other stages' ONLINE records; None: unknown, no bound) and no
+    more applied rounds than rounds. A copy a holder took passed `put_refusal` when it arrived;
+    this bounds one that did not (a holder of an older version, or a hostile holder)."""
+    if snapshot.applied_rounds > snapshot.round:
+        return False
+    return swarm_round is None or snapshot.round <= swarm_round + 1
+
+
 class BackupStore:
     """The copies this peer holds for other stages, and the handlers that take and give them."""
 
     def __init__(self, identity: RunIdentity, n_stages: int, shapes_of: Callable[[int], dict[str, tuple[int, ...]]],
-                 max_numel: int):
+                 max_numel: int, *, peer_id: str,
+                 swarm: Callable[[], Awaitable[Mapping[int, Sequence[PeerRecord]]]], timeout: float):
+        """`swarm`: reads every stage's records (SwarmView.swarm), which decide whose copies are
+        taken (`put_refusal`); `timeout`: its deadline (timeouts.dht)."""
         self.identity = identity
+        self.peer_id = peer_id
+        self.swarm = swarm
+        self.timeout = timeout
         self.n_stages = n_stages
         self.shapes_of = shapes_of
         self.max_numel = max_numel
@@ -77,17 +153,39 @@ class BackupStore:
     async def handle_put(self, request: pb.BackupPut, caller: PeerID) -> pb.BackupAck:
         check_envelope(request.envelope, self.identity, range(self.n_stages))
         stage = request.envelope.stage
+        # who may push, before the state is decoded and hashed: a refused caller costs a DHT read
+        try:
+            view = await within(self.swarm(), self.timeout)
+        except NETWORK_FAILURES:
+            return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the swarm to check the pusher; try later")
+        why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
+                          request.state.applied_rounds)
+        if why is not None:
+            logger.info("refused a backup of stage %d from %s: %s", stage, str(caller)[-8:], why)
+            return pb.BackupAck(status=pb.UNAUTHORIZED, reason=why)
         res = validate_state_response(request.state, self.shapes_of(stage), self.max_numel,
                                       digest_fn=state_digest, allowed_codecs=FP32_ONLY)
         if not res.ok:
             raise ProtocolError(pb.BAD_REQUEST, "a backup must carry a state (status OK)")
+        self._forget_unheld(view)
         held = self.copies.get(stage)
-        if held is not None and held.applied_rounds > res.applied_rounds:
+        position, swarm = stage_position(view.get(stage, ())), swarm_round(view)
+        # a held copy the stage has fallen behind (restored from an older state) blocks nothing
+        current = held is not None and position is not None and held.applied_rounds <= position[1] + 1 and (
+            swarm is None or held.round <= swarm + 1)
+        if held is not None and current and held.applied_rounds > res.applied_rounds:
             return pb.BackupAck(status=pb.STALE_STATE, reason=f"we hold a newer copy ({held.applied_rounds} rounds)")
         self.copies[stage] = StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest,
                                            res.trained_samples)
         logger.info("holding a backup of stage %d (%d rounds) from %s", stage, res.applied_rounds, str(caller)[-8:])
         return pb.BackupAck(status=pb.OK)
+
+    def _forget_unheld(self, view: Mapping[int, Sequence[PeerRecord]]) -> None:
+        """Drop the copies of stages this peer no longer holds for (the holders moved): storage stays
+        one copy per stage it holds for."""
+        for stage in list(self.copies):
+            if self.peer_id not in backup_holders(self.identity.run_id, stage, view)[:RESTORE_HOLDERS]:
+                del self.copies[stage]
 
     async def handle_get(self, request: pb.BackupGet, caller: PeerID) -> pb.StateResponse:
         from swarmgrad.peer.state.sync import state_response  # state_sync restores from backups: import late

@@ -22,6 +22,7 @@ from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.evidence import MAX_LEAD, Evidence, EvidenceLedger, Quorum, bounded_round, quorum
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
 from swarmgrad.peer.net.retry import Backoff
@@ -129,6 +130,17 @@ async def fetch_state(rpc: FramedRPC, donors: Sequence[str], identity: RunIdenti
     return StateSnapshot(params, momentum, first.round, first.applied_rounds, digest, first.trained_samples)
 
 
+def acceptable(snap: StateSnapshot, expected: Quorum, donors: Sequence[str]) -> bool:
+    """Is a downloaded state one to adopt? The quorum's own state (its digest); or, from donors
+    that all back the quorum with their voices, the state of the round after it (they moved on
+    between our read of their records and the download: in a stage whose rounds are short,
+    waiting for a record that matches would race them for ever). Never further ahead. Pure."""
+    if snap.digest == expected.digest:
+        return True
+    return snap.applied_rounds == expected.applied_rounds + MAX_LEAD and bool(donors) \
+        and all(d in expected.backers for d in donors)
+
+
 class StateSync:
     """Join, re-sync and serve the state of one stage replica."""
 
@@ -137,7 +149,8 @@ class StateSync:
                  events: EventLog, phase: ReplicaPhase, timeouts: TimeoutsConfig, max_numel: int,
                  backup_rpc: FramedRPC | None = None,
                  checkpoints: Callable[[int], Awaitable[StateSnapshot | None]] | None = None,
-                 local_copy: Callable[[int, str | None], StateSnapshot | None] | None = None):
+                 local_copy: Callable[[int, str | None], StateSnapshot | None] | None = None,
+                 ledger: EvidenceLedger | None = None):
         self.rpc = rpc
         self.swarm = swarm
         self.identity = identity
@@ -156,8 +169,11 @@ class StateSync:
         """Client of the peer-level backup handlers: an empty stage is restored from a backup."""
         self.checkpoints = checkpoints
         """Private runs: the coordinator's newest checkpoint of a stage, the other source an empty
-        stage restores from (the newer of the two wins)."""
+        stage restores from (it wins over any backup: restore_backup)."""
         self.local_copy = local_copy
+        self.ledger = ledger if ledger is not None else EvidenceLedger(stage)
+        """Whose word counts (peer/evidence.py): donors are the holders of a quorum's digest, and
+        every state adopted here anchors it (`adopted`)."""
         """BackupStore.local_copy: this peer's backup of a stage, if it has the given digest."""
         self._checkpoint_unknown = False
         """The last look for a checkpoint failed (not 'there is none'): the seed is no fallback."""
@@ -167,6 +183,11 @@ class StateSync:
         self.served: dict[str, float] = {}
         """Peers that downloaded this replica's state -> when (monotonic) their first request
         arrived: the round runner holds its boundary for them (decisions.join_hold)."""
+        self._asked: dict[str, set[str]] = {}
+        """Peers in `served` -> the tensors they asked for (`shares`)."""
+        self._active: dict[str, float] = {}
+        """Peers in `served` -> when (monotonic) they last asked, or were last seen with a stream
+        open to our handlers (`activity`)."""
         self._rereading = BestEffort(f"stage {stage}: re-reading the stage's records after a download", logger)
         self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
         self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
@@ -199,17 +220,44 @@ class StateSync:
         if snap is None:
             raise ProtocolError(pb.NOT_READY, REFUSED[Phase.JOINING])
         self.served.setdefault(str(caller), time.monotonic())
+        self._asked.setdefault(str(caller), set()).update(names or self.state.shapes)
+        self._active[str(caller)] = time.monotonic()
         return state_response(snap, names)
+
+    def activity(self) -> dict[str, float]:
+        """Peers in `served` -> when (monotonic) their download from us last moved: a request, or a
+        stream of theirs still open (an answer on its way to them). A download that has not moved
+        for a while has stalled or ended (decisions.join_hold)."""
+        now = time.monotonic()
+        for peer in self._active:
+            if self.rpc is not None and self.rpc.open_streams_of(peer):
+                self._active[peer] = now
+        return dict(self._active)
+
+    def shares(self) -> dict[str, float]:
+        """Peers in `served` -> the fraction of the state (by elements) they asked us for: a joiner
+        asks its donors for the whole state at once; one small part is no download to hold for."""
+        sizes = {n: math.prod(shape) for n, shape in self.state.shapes.items()}
+        total = sum(sizes.values()) or 1
+        return {peer: sum(sizes.get(n, 0) for n in names) / total for peer, names in self._asked.items()}
 
     def forget_served(self, peers: Sequence[str]) -> None:
         """Drop peers the runner will not hold for again until they ask anew (they serve our state,
         left, or lost their connection: decisions.join_hold)."""
         for peer in peers:
             self.served.pop(peer, None)
+            self._asked.pop(peer, None)
+            self._active.pop(peer, None)
 
     # fetching -----------------------------------------------------------------------------------
-    async def download(self, peers: Sequence[str]) -> bool:
-        """Download the state from `peers` (parts spread over the first two), adopt it."""
+    def evidence(self) -> Evidence:
+        return self.ledger.snapshot()
+
+    async def download(self, peers: Sequence[str], expected: Quorum) -> bool:
+        """Download the state from `peers` (parts spread over the first two), adopt it if it is the
+        state `expected` (a quorum of voices, peer/evidence.py) announces: its digest, its applied
+        rounds. Its round moves our clock at most one round past the quorum's (`bounded_round`):
+        a donor's word is no more than its own digest's contents."""
         try:
             snap = await fetch_state(self.rpc, peers, self.identity, self.stage, self.state.shapes, self.max_numel,
                                      self.t.state_download)
@@ -217,9 +265,15 @@ class StateSync:
             logger.info("stage %d: state download from %s failed: %s", self.stage,
                         ", ".join(p[-8:] for p in peers[:2]), e)
             return False
+        if not acceptable(snap, expected, peers[:2]):
+            logger.warning("stage %d: %s served a state of digest %s (%d applied rounds), not the quorum's %s (%d): "
+                           "refused", self.stage, ", ".join(p[-8:] for p in peers[:2]), snap.digest,
+                           snap.applied_rounds, expected.digest, expected.applied_rounds)
+            return False
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.adopt(snap.trained_samples)
-        self.clock.adopt(snap.round, get_dht_time())
+        self.clock.adopt(bounded_round(snap.round, expected.round), get_dht_time())
+        self.ledger.adopted(snap.applied_rounds, expected.backers)
         return True
 
     async def join(self) -> None:
@@ -232,7 +286,17 @@ class StateSync:
         checkpoint_waits, donor_waits = CHECKPOINT_WAIT.waits(), DONOR_RETRY.waits()
         while True:
             records = await self.swarm.stage_records(self.stage)
-            donors = decisions.join_donors(records, self.peer_id)
+            found = quorum(records, self.evidence(), exclude=(self.peer_id,))
+            donors = list(found.holders) if found is not None else []
+            if not donors and any(r.state == ONLINE and r.digest for r in records if r.peer_id != self.peer_id):
+                # replicas are online but no digest has a strict majority (a tie, or a split):
+                # nobody's word decides, so ask again rather than start from the seed
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage {self.stage}: no state is announced by a strict majority of its "
+                                       "replicas within timeouts.state_download; not joining")
+                logger.info("stage %d: no digest has a majority of the stage's voices yet; asking again", self.stage)
+                await asyncio.sleep(next(donor_waits))
+                continue
             if not donors:
                 if await self.restore_backup():
                     await self.worker.run(self.state.copy_to, self.worker.module)
@@ -247,24 +311,26 @@ class StateSync:
                     continue
                 else:
                     self.clock.adopt(0, get_dht_time())
+                    self.ledger.adopted(self.state.applied_rounds)
                     self.events.emit("state_initialised", round=self.clock.current, digest=self.state.digest)
                 self.progress.expect_group(1 + sum(r.state == ONLINE for r in records if r.peer_id != self.peer_id))
                 return
-            if await self.join_local(records):
+            assert found is not None
+            if await self.join_local(records, found):
                 await self.worker.run(self.state.copy_to, self.worker.module)
                 self.progress.expect_group(1 + len(donors))
                 self.from_replica = True
                 return
             # two donors at once when there are two; else each in turn
-            source = await self._download_any(donors)
+            source = await self._download_any(donors, found)
             if source is not None:
                 for _ in range(MAX_JOIN_REFRESHES):
-                    newer = await self._superseded() if time.monotonic() < deadline else []
-                    if not newer:
+                    newer = await self._superseded() if time.monotonic() < deadline else None
+                    if newer is None:
                         break
                     logger.info("stage %d: the state downloaded for round %d was replaced while it travelled; "
                                 "downloading the new one", self.stage, self.clock.current)
-                    source = await self._download_any(newer) or source  # failed: keep the one we have
+                    source = await self._download_any(list(newer.holders), newer) or source  # failed: keep ours
                 await self.worker.run(self.state.copy_to, self.worker.module)
                 self.progress.expect_group(1 + len(donors))
                 self.from_replica = True
@@ -277,30 +343,32 @@ class StateSync:
                                    f"within timeouts.state_download")
             await asyncio.sleep(next(donor_waits))
 
-    async def _download_any(self, donors: Sequence[str]) -> str | None:
+    async def _download_any(self, donors: Sequence[str], expected: Quorum) -> str | None:
         """Download from the donors (two at once when there are two; else each in turn); the
         source(s) that served it, or None if every attempt failed."""
         for order in [donors[i:] + donors[:i] for i in range(len(donors))]:
-            if await self.download(order):
+            if await self.download(order, expected):
                 return ",".join(order[:2])
         return None
 
-    async def _superseded(self) -> list[str]:
-        """The donors to download again from if they moved past the state just adopted
-        (decisions.join_superseded), else none; a failed read says none: the first round then finds
+    async def _superseded(self) -> Quorum | None:
+        """The quorum to download again from if its state moved past the one just adopted
+        (decisions.join_superseded), else None; a failed read says None: the first round then finds
         out whether the state is stale."""
         with self._rereading:
             records = await self.swarm.stage_records(self.stage)
-            return decisions.join_superseded(records, self.peer_id, self.state.applied_rounds)
-        return []
+            evidence = self.evidence()
+            if decisions.join_superseded(records, self.peer_id, self.state.applied_rounds, evidence):
+                return quorum(records, evidence, exclude=(self.peer_id,))
+        return None
 
-    async def join_local(self, records: Sequence) -> bool:
+    async def join_local(self, records: Sequence, found: Quorum) -> bool:
         """A warm standby: this peer holds a backup of the stage (peer/state/backup.py) whose digest is
         the one the stage's majority announces, so it is the stage's current state; adopt it and
         download nothing. A stale or absent copy: False (download as usual)."""
         if self.local_copy is None:
             return False
-        digest = decisions.majority_digest([r for r in records if r.peer_id != self.peer_id])
+        digest = found.digest
         snap = self.local_copy(self.stage, digest)
         if snap is None:
             return False
@@ -309,8 +377,8 @@ class StateSync:
             logger.warning("stage %d: local backup does not reproduce its digest; downloading instead", self.stage)
             return False
         self.progress.trained = snap.trained_samples
-        current = max([r.round for r in records if r.state == ONLINE and r.digest == digest] or [snap.round])
-        self.clock.adopt(max(snap.round, current), get_dht_time())
+        self.clock.adopt(bounded_round(max(snap.round, found.round), found.round), get_dht_time())
+        self.ledger.adopted(snap.applied_rounds, found.backers)
         self.events.emit("state_loaded", source="local-backup", round=self.clock.current,
                          applied_rounds=self.state.applied_rounds, digest=self.state.digest,
                          trained_samples=self.state.trained_samples)
@@ -319,9 +387,18 @@ class StateSync:
         return True
 
     async def restore_backup(self) -> bool:
-        """The stage is empty: restore the newest state that survives it, from the backups its
-        holders have (peer/state/backup.py) or, in a private run, the coordinator's newest checkpoint.
-        Reports how many rounds of the stage were lost (the swarm's round against the state's)."""
+        """The stage is empty: restore the state that survives it, from the coordinator's newest
+        checkpoint (a private run) or the backups its holders have (peer/state/backup.py).
+        Reports how many rounds of the stage were lost (the swarm's round against the state's).
+
+        Evidence over claims (docs/trust.md, "Backups"): the coordinator's checkpoint, when it has
+        one, wins over any backup, however newer the backup says it is. The coordinator took it from
+        the stage's replicas by what their majority announced, and it comes from the run's owner; a
+        backup is one replica's push, which the holder could check only for being a current
+        replica's and at most one round ahead. A private run may lose the rounds since the last
+        checkpoint; it cannot be handed one replica's state. Without a checkpoint (a public run, or
+        the coordinator has none or did not answer) the newest backup that is plausible
+        (backup.plausible: at most one round ahead of the swarm's corroborated round) is restored."""
         if self.backup_rpc is None and self.checkpoints is None:
             return False
         view: dict[int, list[PeerRecord]] = {}
@@ -329,11 +406,19 @@ class StateSync:
             view = await self.swarm.swarm()
         best: tuple[str, StateSnapshot] | None = None
         if self.backup_rpc is not None and view:
-            from swarmgrad.peer.state.backup import BACKUP_COPIES, backup_holders, fetch_backup
-            holders = backup_holders(self.identity.run_id, self.stage, view)[:2 * BACKUP_COPIES]
+            from swarmgrad.peer.state.backup import (RESTORE_HOLDERS, backup_holders, fetch_backup, lower_median,
+                                                     plausible)
+            others = [r.round for s, recs in view.items() if s != self.stage for r in recs if r.state == ONLINE]
+            swarm_position = lower_median(others) if others else None
+            holders = backup_holders(self.identity.run_id, self.stage, view)[:RESTORE_HOLDERS]
             for holder in holders:
                 snap = await fetch_backup(self.backup_rpc, holder, self.identity, self.stage, self.state.shapes,
                                           self.max_numel, self.t.state_download)
+                if snap is not None and not plausible(snap, swarm_position):
+                    logger.warning("stage %d: the backup on %s claims round %d (%d applied), more than one round "
+                                   "ahead of the swarm's (%s): not restored", self.stage, holder[-8:], snap.round,
+                                   snap.applied_rounds, swarm_position)
+                    continue
                 if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
                     best = (holder, snap)
         self._checkpoint_unknown = False
@@ -345,15 +430,19 @@ class StateSync:
                                type(e).__name__, e)
                 snap = None
                 self._checkpoint_unknown = True
-            if snap is not None and (best is None or snap.applied_rounds > best[1].applied_rounds):
+            if snap is not None:  # evidence over claims: the checkpoint wins over any backup (docstring)
                 best = ("coordinator", snap)
         if best is None:
             return False
         source, snap = best
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.adopt(snap.trained_samples)
-        swarm_round = max([r.round for recs in view.values() for r in recs if r.state == ONLINE] or [snap.round])
+        online = [r.round for s, recs in view.items() if s != self.stage for r in recs if r.state == ONLINE]
+        # the swarm's corroborated round (lower median), not its highest claim: one record saying
+        # 2^40 must not move the restored stage's clock
+        swarm_round = max(snap.round, sorted(online)[(len(online) - 1) // 2]) if online else snap.round
         self.clock.adopt(max(snap.round, swarm_round), get_dht_time())
+        self.ledger.adopted(snap.applied_rounds)
         lost = max(0, swarm_round - snap.round)
         self.events.emit("state_restored", source=source, round=self.clock.current, backup_round=snap.round,
                          applied_rounds=snap.applied_rounds, rounds_lost=lost, digest=self.state.digest,
@@ -390,10 +479,13 @@ class StateSync:
             if records is None:
                 await asyncio.sleep(next(waits))
                 continue
+            evidence = self.evidence()
             donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
-                                          result.stale)
+                                             result.stale, evidence)
+            found = quorum([r for r in records if r.peer_id in donors], evidence) if donors else None
             for donor in donors:
-                if await self.download([donor]):
+                assert found is not None
+                if await self.download([donor], found):
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True

@@ -37,10 +37,14 @@ from support.transport import LinkSpec, LoopbackNet, LoopbackP2P
 Event = dict[str, Any]
 
 
+def peer_keys(n: int, seed: str = "swarm") -> list[Ed25519PrivateKey]:
+    """`n` distinct Ed25519 keys, fixed by `seed` (a peer's id is its key's public half)."""
+    return [Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()) for i in range(n)]
+
+
 def peer_ids(n: int, seed: str = "swarm") -> list[str]:
     """`n` distinct Ed25519 peer ids (the swarm's records accept no other kind), fixed by `seed`."""
-    return [peer_id_of(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()))
-            for i in range(n)]
+    return [peer_id_of(key) for key in peer_keys(n, seed)]
 
 
 def step_manifest(inner_steps: int = 2, **sections: Any) -> Manifest:
@@ -60,6 +64,8 @@ class InProcessPeer:
         self.stage = stage
         self.peer: Peer | None = None
         self.task: asyncio.Task | None = None
+        self.key: Ed25519PrivateKey | None = None
+        """Its identity key (a test signs as this peer with it)."""
         self.stop = asyncio.Event()
         self.killed = False
         self._events: list[Event] = []
@@ -90,7 +96,7 @@ class InProcessSwarm:
         self.net = LoopbackNet(link)
         self.tmp_path = tmp_path
         self.peers: list[InProcessPeer] = []
-        self._ids = (peer_ids(1, f"{seed}/{i}")[0] for i in itertools.count())
+        self._keys = (peer_keys(1, f"{seed}/{i}")[0] for i in itertools.count())
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
 
@@ -107,8 +113,10 @@ class InProcessSwarm:
               **options: Any) -> InProcessPeer:
         """Start a peer pinned to `stage` (as `swarmgrad peer --stage N`); `options` are PeerOptions fields."""
         name = f"peer{len(self.peers)}"
-        peer_id = next(self._ids)
+        key = next(self._keys)
+        peer_id = peer_id_of(key)
         handle = InProcessPeer(self, name, peer_id, stage)
+        handle.key = key
         if save:
             assert self.tmp_path is not None, "save needs the swarm's tmp_path"
             options["save_dir"] = str(self.tmp_path / name)
@@ -118,7 +126,7 @@ class InProcessSwarm:
             return p2p
 
         opts = PeerOptions(stage=stage, max_rounds=max_rounds, linger=linger, event_sink=handle._record, **options)
-        handle.peer = Peer(self.manifest, from_manifest(self.manifest), PeerNetwork(node, the_p2p, lambda: ()), opts)
+        handle.peer = Peer(self.manifest, from_manifest(self.manifest), PeerNetwork(node, the_p2p, lambda: (), key=key), opts)
         handle.task = asyncio.create_task(handle.peer.run(handle.stop), name=f"in-process-{name}")
         handle.task.add_done_callback(lambda _: self._changed.set())
         self.peers.append(handle)

@@ -11,7 +11,7 @@ const ROUND_ROWS = 20;
 const SVG_NS = "http://www.w3.org/2000/svg";  // a namespace name, never fetched
 const KINDS = ["activations", "gradients", "averaging", "state"];
 
-const view = {swarm: null, history: null, lastOk: 0, errors: {}};
+const view = {swarm: null, history: null, contributors: null, lastOk: 0, errors: {}};
 
 // ---- small helpers ------------------------------------------------------------------------
 
@@ -106,10 +106,13 @@ async function getJSON(path) {
 }
 
 async function poll() {
-  const [swarm, history] = await Promise.allSettled([getJSON("api/swarm"), getJSON("api/history")]);
+  const [swarm, history, contributors] = await Promise.allSettled(
+    [getJSON("api/swarm"), getJSON("api/history"), getJSON("api/contributors")]);
   view.errors = {};
   if (swarm.status === "fulfilled") view.swarm = swarm.value; else view.errors.swarm = swarm.reason.message;
   if (history.status === "fulfilled") view.history = history.value; else view.errors.history = history.reason.message;
+  if (contributors.status === "fulfilled") view.contributors = contributors.value;
+  else view.errors.contributors = contributors.reason.message;
   if (swarm.status === "fulfilled" && history.status === "fulfilled") view.lastOk = Date.now();
   try {
     render();
@@ -160,6 +163,7 @@ function render() {
     renderBytes(view.history);
     renderRounds(view.history);
   }
+  if (view.contributors) renderContributors(view.contributors, view.swarm);
 }
 
 function replicasOf(swarm) {
@@ -175,6 +179,16 @@ function renderHeader(swarm) {
   $("peer-count").textContent = String(peers.size);
   $("peer-count").title = list(swarm.peers?.admitted).length + " admitted";
   $("updated").textContent = fmtClock(swarm.time);
+  // a monitor (no coordinator) admits nobody and keeps no checkpoint: those panels go
+  const monitor = swarm.coordinator === null && swarm.monitor ? swarm.monitor : null;
+  document.body.dataset.mode = monitor ? "monitor" : "coordinator";
+  $("peers").hidden = $("checkpoints").hidden = $("coordinator").hidden = monitor !== null;
+  $("monitor").hidden = monitor === null;
+  if (monitor) {
+    $("monitor-id").textContent = shortId(monitor.peer_id);
+    $("monitor-id").title = monitor.peer_id ?? "";
+    $("monitor-uptime").textContent = fmtDuration(monitor.uptime_s);
+  }
   const coordinator = swarm.coordinator || {};
   $("coord-id").textContent = shortId(coordinator.peer_id);
   $("coord-id").title = coordinator.peer_id ?? "";
@@ -296,6 +310,25 @@ function renderRounds(history) {
       el("td", {}, fmtDuration(r.duration_s)), el("td", {}, r.group_size ?? "—"),
       el("td", {}, fmt(r.train_loss, 3)), el("td", {}, fmt(r.samples_per_s))))
     : [emptyRow(7, "no round finished yet")]));
+}
+
+// Credit counted from completed rounds only (never from what a peer says of itself): the ledger's rows.
+function renderContributors(doc, swarm) {
+  const rows = list(doc.contributors).slice().sort((a, b) => (num(a.rank) ?? 1e9) - (num(b.rank) ?? 1e9));
+  const totals = doc.totals || {};
+  const now = num(doc.time) ?? num(swarm?.time) ?? Date.now() / 1000;
+  $("contributors-summary").textContent = rows.length
+    ? rows.length + " credited · " + fmt(totals.samples) + " samples" + (num(totals.tokens) !== null
+      ? " · " + fmtTick(totals.tokens) + " tokens" : "") + " · since " + fmtClock(doc.since)
+    : "";
+  $("contributors-body").replaceChildren(...(rows.length ? rows.map(c => el("tr", {"data-contributor": c.peer_id,
+      "data-samples": c.samples, "data-rank": c.rank},
+      el("td", {}, c.rank ?? "—"), el("td", {class: "pid", title: c.peer_id}, shortId(c.peer_id)),
+      el("td", {class: "r"}, fmt(c.samples, 0)), el("td", {class: "r"}, num(c.tokens) === null ? "—" : fmtTick(c.tokens)),
+      el("td", {class: "r"}, c.rounds ?? "—"), el("td", {}, list(c.stages).join(", ")),
+      el("td", {class: "r"}, fmtDuration(c.uptime_s)),
+      el("td", {}, num(c.last_seen) === null ? "—" : fmtAgo(now - c.last_seen))))
+    : [emptyRow(8, "no completed round credited yet")]));
 }
 
 function renderBytes(history) {
