@@ -28,8 +28,9 @@ steps of `--global-batch` windows of 128 tokens (default 16: 2048 tokens):
 - ``2x2``: 2 stages x 2 replicas, the same, with the boundary tensors in `--activation-codec` /
   `--gradient-codec` (default int8 both ways: blockwise 8-bit, 4x fewer bytes than fp32).
 
-The swarms are real `swarmgrad peer` processes on 127.0.0.1 (benchmarks/harness/swarm.py), drivers
-leasing disjoint shards of the corpus, each peer `--max-rounds steps / H`. Peers start one after
+The swarms are real `swarmgrad peer` processes on 127.0.0.1 (benchmarks/harness/swarm.py), each
+driver reading the corpus's shards in an order drawn from its own data seed (no shard leases:
+`data.shards` = 0), each peer `--max-rounds steps / H`. Peers start one after
 another, so a replica that joins late trains its last rounds after the first one stopped: a swarm
 trains somewhat more tokens than planned (the table says how many, from the drivers' round events).
 The swarms run first; the single process then trains as far as the longest of them (past the
