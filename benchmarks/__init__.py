@@ -23,6 +23,8 @@ Real peer processes on 127.0.0.1:
   byzantine           a hostile replica against robust averaging
   rebalance           unequal peers: the swarm's throughput against the best placement
   chaos               chaos soak: a random peer SIGKILLed and replaced every few seconds
+  lm_quality          the Llama CPU preset on Debian's fortunes: one process against 2 replicas
+                      and 2 stages x 2 replicas at equal tokens (nats/token, perplexity, bits/byte)
 
 In network namespaces (root; each says why and exits 0 without):
   wan                 swarmgrad against DDP and hivemind.Optimizer over emulated WAN links
