@@ -30,6 +30,10 @@ def test_blame_counts_only_what_the_member_saw_itself() -> None:
     # a failed vote after a part failed is a reaction to that failure, not a fault of its own
     assert blame(me=me, members=members, contributed=set(members), part_failed=True, failed_votes={c}) == frozenset()
     assert me not in blame(me=me, members=members, contributed=set(), part_failed=True)
+    # a reducer that refused our part as of another round: the members disagree about the round (we
+    # may be the one behind, grouped by registrations written before the others went on), not a fault
+    assert blame(me=me, members=members, contributed={b, c, me}, part_failed=True, silent_reducers={b},
+                 wrong_round=True) == frozenset()
 
 
 def test_exclusion_grows_with_strikes_and_is_forgiven_by_completed_rounds() -> None:

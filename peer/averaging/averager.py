@@ -444,7 +444,8 @@ class Averager:
             me=self.peer_id, members=group.members, contributed=set(slot.contributions) | slot.arrived,
             part_failed=not answered and not vote_first, silent_reducers=silent,
             failed_votes=abandoned_by | set(voted.failed if voted else ()),
-            missing_votes=voted.missing if voted is not None and answered else ())
+            missing_votes=voted.missing if voted is not None and answered else (),
+            wrong_round=any(isinstance(res, pb.AverageResponse) and res.status == pb.WRONG_ROUND for res in results))
         if blamed:
             logger.info("stage %d: %s failed the round as seen here: left out of the next group(s)", self.stage,
                         ", ".join(sorted(p[-8:] for p in blamed)))

@@ -52,13 +52,20 @@ class Standing:
 
 def blame(*, me: str, members: Collection[str], contributed: Collection[str], part_failed: bool,
           silent_reducers: Collection[str] = (), failed_votes: Collection[str] = (),
-          missing_votes: Collection[str] = ()) -> frozenset[str]:
+          missing_votes: Collection[str] = (), wrong_round: bool = False) -> frozenset[str]:
     """The members this replica holds responsible for a failed round, from what it observed itself
     (module docstring). `contributed`: the members whose contribution reached our part;
     `part_failed`: a part failed of itself (not abandoned because of a failed vote);
     `silent_reducers`: members whose reducer gave us no answer at all; `failed_votes`: members that
     voted failed under our group's hash; `missing_votes`: members without a vote at the deadline
-    (pass them only where our exchange completed)."""
+    (pass them only where our exchange completed); `wrong_round`: a reducer refused our part as
+    being of another round than its own. That round failed because its members disagree about the
+    round, not because one withheld: a replica that fell behind (a joiner whose download took
+    rounds) forms its group from registrations its peers wrote before they went on alone, and would
+    otherwise exclude, for growing times, exactly the replicas it needs to catch up with. Clocks and
+    re-syncs settle a disagreement; nobody is blamed for it."""
+    if wrong_round:
+        return frozenset()
     others = set(members) - {me}
     if part_failed:
         withheld = others - set(contributed)
