@@ -22,7 +22,7 @@ machine allows it, else on loopback, said in the report):
   cores (both CPU cores, `torch.set_num_threads(2)`), on random tokens.
 
 To fit 2 CPU cores, every manifest is run with one sample per microbatch, two microbatches per
-step, one inner step per round and `--seq-len` tokens (default 128; the figures that decide scale,
+step, four inner steps per round and `--seq-len` tokens (default 128; the figures that decide scale,
 bytes and memory of weights, do not depend on it). On this machine a 125M-parameter stage takes
 several seconds per microbatch.
 
@@ -91,7 +91,7 @@ def bench_manifest(m: Manifest, seq_len: int) -> Manifest:
     return m.replace(model={"seq_len": min(seq_len, m.model.seq_len)},
                      stages={"count": 2, "layers": []},
                      inner={"microbatch_size": 1, "microbatches_per_step": 2, "microbatch_sizes": []},
-                     rounds={"inner_steps": 1, "round_seconds": 0.0, "max_rounds": 0},
+                     rounds={"inner_steps": 4, "round_seconds": 0.0, "max_rounds": 0},
                      pipeline={"max_in_flight": 2},
                      averaging={"backup_every": 0},
                      data={"eval_every": 0, "eval_batches": 1},
