@@ -54,8 +54,11 @@ JOIN_HOLD_WINDOW_FACTOR = 10
 long (decisions.join_hold_left): whatever ids ask, a stage stalls for them at most a tenth of its time."""
 JOIN_HOLD_STALL_SECONDS = 10.0
 """A hold for a joiner ends once its download from us has not moved (no request, no stream of its
-open to us) for this long: its download stalled, or ended long enough ago for a real joiner to
-have loaded the state and come ONLINE (decisions.join_hold)."""
+open to us) for this long, or half of timeouts.join_hold if that is longer: its download stalled,
+or ended long enough ago for a real joiner to have loaded the state and come ONLINE
+(decisions.join_hold). Loading a 125M-parameter stage and announcing ONLINE took longer than
+10 s on 2 loaded cores (benchmarks/scale.py): the donor went on, and the joiner's first round
+was of a stale round."""
 HELD_FOR_KEPT = 4096
 """Peer ids a boundary was held for, remembered so that none is held for twice."""
 """How often a boundary held for joiners re-reads the stage's records."""
@@ -254,7 +257,7 @@ class RoundRunner:
                                                     time.monotonic(), hold, await self._connected(),
                                                     shares=sync.shares(), min_share=JOIN_HOLD_MIN_SHARE,
                                                     held_before=self._held_for, active=sync.activity(),
-                                                    stall=JOIN_HOLD_STALL_SECONDS)
+                                                    stall=max(JOIN_HOLD_STALL_SECONDS, hold / 2))
                 sync.forget_served(settled)
                 if not waiting:
                     break
