@@ -64,6 +64,12 @@ def test_a_boundary_holds_for_downloaders_until_they_serve_our_state_or_their_ho
     # a joiner killed mid-download: its JOINING record outlives it, its connection does not
     assert decisions.join_hold(served, records, "ours", now=105.0, hold=30.0, connected={"j", "r"}) == (
         ["j", "r"], ["done", "gone", "late", "left", "mover"])
+    # a joiner's first requests can reach us before its JOINING record does: not gone while that
+    # record may still be on its way (unannounced), gone after, or once its connection is
+    assert "gone" in decisions.join_hold(served, records, "ours", now=105.0, hold=30.0, unannounced=10.0)[0]
+    assert "gone" in decisions.join_hold(served, records, "ours", now=111.0, hold=30.0, unannounced=10.0)[1]
+    assert "gone" in decisions.join_hold(served, records, "ours", now=105.0, hold=30.0, unannounced=10.0,
+                                         connected={"j"})[1]
 
 
 def test_a_group_member_that_applied_the_round_already_finished_it_without_us() -> None:

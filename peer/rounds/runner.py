@@ -257,7 +257,8 @@ class RoundRunner:
                                                     time.monotonic(), hold, await self._connected(),
                                                     shares=sync.shares(), min_share=JOIN_HOLD_MIN_SHARE,
                                                     held_before=self._held_for, active=sync.activity(),
-                                                    stall=max(JOIN_HOLD_STALL_SECONDS, hold / 2))
+                                                    stall=max(JOIN_HOLD_STALL_SECONDS, hold / 2),
+                                                    unannounced=max(JOIN_HOLD_STALL_SECONDS, hold / 2))
                 sync.forget_served(settled)
                 if not waiting:
                     break
