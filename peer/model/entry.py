@@ -52,26 +52,34 @@ class StagedModel:
 def gpt_staged_model(cfg: GPTConfig, layers_per_stage: Sequence[int], seed: int) -> StagedModel:
     """The byte-level GPT split as ``layers_per_stage`` (validated here, not at first build)."""
     layers = tuple(_check_layers_per_stage(cfg, layers_per_stage))  # fail now, not at first build
-    n = len(layers)
+    return decoder_staged_model(len(layers), cfg.seq_len, cfg.d_model, cfg.vocab_size,
+                                lambda stage: build_gpt_stage(cfg, layers, stage, seed))
+
+
+def decoder_staged_model(n: int, seq_len: int, d_model: int, vocab_size: int,
+                         build_stage: Callable[[int], nn.Module]) -> StagedModel:
+    """A decoder LM of `n` stages (the built-in GPT's and Llama's shape): token ids into stage 0,
+    the fp32 residual stream of `d_model` between stages, logits out of the last, next-token
+    cross entropy (gpt_loss) on the targets."""
 
     def hidden(batch: int) -> TensorSpec:
-        return (batch, cfg.seq_len, cfg.d_model), torch.float32
+        return (batch, seq_len, d_model), torch.float32
 
     def input_spec(stage: int, batch: int) -> TensorSpec:
         _check_stage(stage, n)
-        return ((batch, cfg.seq_len), torch.int64) if stage == 0 else hidden(batch)
+        return ((batch, seq_len), torch.int64) if stage == 0 else hidden(batch)
 
     def output_spec(stage: int, batch: int) -> TensorSpec:
         _check_stage(stage, n)
-        return ((batch, cfg.seq_len, cfg.vocab_size), torch.float32) if stage == n - 1 else hidden(batch)
+        return ((batch, seq_len, vocab_size), torch.float32) if stage == n - 1 else hidden(batch)
 
     return StagedModel(
         n_stages=n,
-        build_stage=lambda stage: build_gpt_stage(cfg, layers, stage, seed),
+        build_stage=build_stage,
         loss_fn=gpt_loss,
         input_spec=input_spec,
         output_spec=output_spec,
-        targets_spec=lambda batch: ((batch, cfg.seq_len), torch.int64),
+        targets_spec=lambda batch: ((batch, seq_len), torch.int64),
     )
 
 

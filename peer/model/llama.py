@@ -49,8 +49,6 @@ __all__ = [
     "swarm_name",
 ]
 
-TensorSpec = tuple[tuple[int, ...], torch.dtype]
-
 
 def default_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:
     """Llama's SwiGLU width: 2/3 of 4·d (same FLOPs as a 4·d GELU MLP), rounded up to a
@@ -286,8 +284,7 @@ def llama_staged_model(cfg: LlamaConfig, layers_per_stage: Sequence[int], seed: 
     """The decoder split as ``layers_per_stage``; with ``init_from`` its config.json is checked
     against ``cfg`` now (HFCheckpointError naming the field), each stage's tensors read when the
     stage is built."""
-    from .entry import StagedModel, _check_stage
-    from .gpt import gpt_loss
+    from .entry import decoder_staged_model
     layers = tuple(int(n) for n in layers_per_stage)
     if not layers or any(n < 1 for n in layers) or sum(layers) != cfg.n_layers:
         raise ValueError(f"layers_per_stage={list(layers)} must give every stage >= 1 layer and sum to "
@@ -297,27 +294,8 @@ def llama_staged_model(cfg: LlamaConfig, layers_per_stage: Sequence[int], seed: 
     if init_from is not None:
         from .hf import check_hf_config
         check_hf_config(Path(init_from), cfg)
-    n = len(layers)
-
-    def hidden(batch: int) -> TensorSpec:
-        return (batch, cfg.seq_len, cfg.d_model), torch.float32
-
-    def input_spec(stage: int, batch: int) -> TensorSpec:
-        _check_stage(stage, n)
-        return ((batch, cfg.seq_len), torch.int64) if stage == 0 else hidden(batch)
-
-    def output_spec(stage: int, batch: int) -> TensorSpec:
-        _check_stage(stage, n)
-        return ((batch, cfg.seq_len, cfg.vocab_size), torch.float32) if stage == n - 1 else hidden(batch)
-
-    return StagedModel(
-        n_stages=n,
-        build_stage=lambda stage: build_llama_stage(cfg, layers, stage, seed, init_from),
-        loss_fn=gpt_loss,
-        input_spec=input_spec,
-        output_spec=output_spec,
-        targets_spec=lambda batch: ((batch, cfg.seq_len), torch.int64),
-    )
+    return decoder_staged_model(len(layers), cfg.seq_len, cfg.d_model, cfg.vocab_size,
+                                lambda stage: build_llama_stage(cfg, layers, stage, seed, init_from))
 
 
 def llama_config(md) -> LlamaConfig:
