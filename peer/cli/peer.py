@@ -12,11 +12,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from swarmgrad.peer.cli.args import parse_bytes
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.retry import Backoff
+
+if TYPE_CHECKING:
+    from swarmgrad.peer.manifest import Manifest
 
 
 BOOTSTRAP_WAIT_S = 30.0
@@ -149,9 +152,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             except ManifestError as e:
                 print(e, file=sys.stderr)
                 return 2
-            if local.hash != manifest.hash:
-                print(f"--manifest {args.manifest} is not the run's manifest (the coordinator signed "
-                      f"{manifest.hash[:12]}, this one is {local.hash[:12]}); leave --manifest out", file=sys.stderr)
+            try:
+                manifest = with_local_files(manifest, local)
+            except ValueError as e:
+                print(f"--manifest {args.manifest} {e}: give your copy of the run's manifest (it says where the "
+                      "run's files are on this machine), or leave --manifest out", file=sys.stderr)
                 return 2
         print(f"admitted to run {manifest.run_id} as {private.admitted.certificate.peer_id} until "
               f"{_clock(private.admitted.certificate.expires_at)}", flush=True)
@@ -343,6 +348,17 @@ def _both(first: Callable[[dict], None] | None, second: Callable[[dict], None]) 
         first(record)
         second(record)
     return sink
+
+
+def with_local_files(signed: Manifest, local: Manifest) -> Manifest:
+    """A private run's manifest as its coordinator signed it, with where this machine keeps the run's
+    files (data.tokenizer, data.base_dir: not hashed) taken from `local`, this machine's copy: the
+    coordinator's paths name files on its own machine. Raises ValueError (one clause) when `local`
+    is another run."""
+    if local.hash != signed.hash:
+        raise ValueError(f"is not the run's manifest (the coordinator signed {signed.hash[:12]}, "
+                         f"this one is {local.hash[:12]})")
+    return dataclasses.replace(signed, data=local.data)
 
 
 def _clock(t: float) -> str:
