@@ -185,3 +185,52 @@ def bounded_round(claimed: int, corroborated: int) -> int:
     """The round a downloaded state may move a clock to: its claim, at most one past the round
     its quorum is in."""
     return min(claimed, corroborated + MAX_LEAD)
+
+
+EVIDENCE_ROUNDS = 10
+"""A replica stays proven on a stage for this many rounds after the last completed round it was
+seen voting in there (`WorkSeen`). Long enough to outlast a few rounds a reader missed (the
+rebalancer reads each stage's last two rounds per check, and a vote expires within four announce
+TTLs); short enough that a peer that stopped doing work there stops counting soon."""
+
+
+class WorkSeen:
+    """Who this peer has seen complete voted rounds, per stage: (peer id, stage) -> the latest such
+    round (averaging/group.py `completed_voters` of what it read). Owned by one reader (the
+    rebalancer, for placement; a backup store, for whose copies it takes); no I/O (the owner reads
+    the votes and feeds them)."""
+
+    def __init__(self, window: int = EVIDENCE_ROUNDS) -> None:
+        self.window = window
+        self._last: dict[tuple[str, int], int] = {}
+        self._settled: set[tuple[int, int]] = set()
+        self._stages: set[int] = set()
+        self.seen_any = False
+        """A completed round was ever seen: from then on no record counts without evidence (even
+        when all evidence has aged out, or ids voting groups of their own deny it for a while)."""
+
+    def settled(self, stage: int, round_no: int) -> bool:
+        """A completed group of this round was already seen: no need to read it again."""
+        return (stage, round_no) in self._settled
+
+    def seen(self, stage: int) -> bool:
+        """A completed round of `stage` was ever seen (`seen_any`, for one stage)."""
+        return stage in self._stages
+
+    def observe(self, stage: int, round_no: int, voters: Iterable[str]) -> None:
+        voters = list(voters)
+        if voters:
+            self._settled.add((stage, round_no))
+            self._stages.add(stage)
+            self.seen_any = True
+        for peer in voters:
+            key = (peer, stage)
+            self._last[key] = max(self._last.get(key, -1), round_no)
+
+    def proven(self, current_round: int) -> frozenset[tuple[str, int]]:
+        """(peer id, stage) pairs seen in a completed round within the last ``window`` rounds.
+        Forgets older entries (its memory stays the size of the swarm's recent workers)."""
+        oldest = current_round - self.window
+        self._last = {k: r for k, r in self._last.items() if r >= oldest}
+        self._settled = {k for k in self._settled if k[1] >= oldest}
+        return frozenset(self._last)

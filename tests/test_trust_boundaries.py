@@ -126,6 +126,42 @@ def test_a_stranger_cannot_plant_a_backup(inprocess) -> None:
     inprocess(scenario)
 
 
+def test_a_fresh_id_online_under_a_stage_of_two_cannot_plant_a_backup(inprocess) -> None:
+    """The same through real peers: stage 1's two replicas average, a fresh id writes its own
+    ONLINE record under stage 1 at their position and pushes the holder (the driver) a copy one
+    round ahead. Before, the holder took it; now it reads stage 1's round votes, refuses the copy,
+    and the replicas' pushes still land."""
+    from swarmgrad.peer.state.backup import push_backup
+    from swarmgrad.peer.state.stage_state import StageState
+    from swarmgrad.peer.model import from_manifest
+    from swarmgrad.protocol.validation import RunIdentity
+    from support.hostile import Forgers
+
+    m = step_manifest(2, averaging={"backup_every": 1, "backup_link_share": 1.0})
+    model, identity = from_manifest(m), RunIdentity(m.run_id, m.hash)
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            driver, a, b = swarm.start(0), swarm.start(1), swarm.start(1)
+            store = driver.peer._backup_store
+            await swarm.until(lambda: a.events("backup") or b.events("backup"), 60, "a push of stage 1's pair")
+            assert [e["holders"] for e in a.events("backup") + b.events("backup")][0] == [driver.peer_id]
+            held = store.copies[1]
+            planter = Forgers(swarm, 1, "planter")
+            await planter.announce(1, applied_rounds=held.applied_rounds, digest=held.digest, round_no=held.round)
+            state = StageState(model.build_stage(1), m.outer)
+            state.commit(0)
+            copy = dataclasses.replace(state.snapshot, round=held.round + 1, applied_rounds=held.applied_rounds + 1)
+            rpc = FramedRPC(swarm.client("planter"), f"swarmgrad/{m.run_id}/backup", Traffic(),
+                            max_message_bytes=1 << 26)
+            taken = await push_backup(rpc, driver.peer_id, identity, 1, copy, timeout=20)
+            assert not taken and store.copies[1].digest != copy.digest, "a fresh id's copy is what stage 1 restores"
+            now = store.copies[1].applied_rounds
+            await swarm.until(lambda: store.copies[1].applied_rounds > now, 60, "a later honest push")
+
+    inprocess(scenario)
+
+
 def test_whose_backup_a_holder_takes() -> None:
     """backup.put_refusal over one snapshot of the swarm: a current replica of the stage, pushing to
     one of the stage's holders, at most one round ahead of what the stage's replicas announce (lower
@@ -152,6 +188,81 @@ def test_whose_backup_a_holder_takes() -> None:
     holder = backup_holders("run", 1, emptied)[0]
     assert "the swarm" in put_refusal(emptied, "run", 1, "forger", holder, 2**40, 2**40)
     assert put_refusal(emptied, "run", 1, "forger", holder, 10, 9) is None
+
+
+def _completed(*members: str, applied: int = 8) -> tuple[dict[str, str], dict[str, dict]]:
+    """The outcome votes and registrations of a round in which `members` averaged and all applied it."""
+    from swarmgrad.peer.averaging.group import group_hash
+    from swarmgrad.peer.averaging.outcome import vote
+    ids = tuple(sorted(members))
+    return ({p: vote(group_hash(ids), "mean") for p in ids},
+            {p: {"digest": "theta", "applied_rounds": applied, "weight": 1.0} for p in ids})
+
+
+def test_only_replicas_proven_by_voted_rounds_count_as_the_stages_pushers() -> None:
+    """backup.put_refusal with the holder's evidence: once it saw a completed round of the stage,
+    an ONLINE record is no longer enough (a fresh id writes its own), the pusher must have voted
+    in a completed round of the stage; the pusher of the copy held stays one (a replica whose
+    partners left posts no votes); before any completed round, every ONLINE record counts."""
+    from swarmgrad.peer.state.backup import backup_holders, put_refusal
+    from support.records import rec
+
+    view = {0: [rec(f"d{i}", stage=0, round_no=9) for i in range(6)],
+            1: [rec(p, round_no=9, applied=8) for p in ("r1", "r2", "fresh", "lone")]}
+    me = backup_holders("run", 1, view)[0]
+    proven = frozenset({"r1", "r2"})
+    assert put_refusal(view, "run", 1, "r1", me, 10, 9, proven=proven) is None
+    assert "not a proven replica" in put_refusal(view, "run", 1, "fresh", me, 10, 9, proven=proven)
+    assert put_refusal(view, "run", 1, "fresh", me, 10, 9) is None  # no completed round seen yet: as before
+    assert put_refusal(view, "run", 1, "lone", me, 10, 9, proven=frozenset(), held_from="lone") is None
+    assert "not a proven replica" in put_refusal(view, "run", 1, "fresh", me, 10, 9, proven=frozenset(),
+                                                  held_from="lone")
+    assert "not an online replica" in put_refusal(view, "run", 1, "stranger", me, 10, 9, proven=proven | {"stranger"})
+
+
+def test_a_fresh_id_with_its_own_record_cannot_plant_a_backup() -> None:
+    """Stage 1's replicas r1 and r2 completed round 8; a fresh id writes its own ONLINE record under
+    stage 1 and pushes a copy one round ahead to the stage's holder. Before, the copy was taken (it
+    is a current replica by its record) and an emptied stage was restored from it in a public run.
+    Now the holder reads the stage's round votes: the fresh id did no work there, and is refused;
+    r1's honest push is still taken (BackupStore.handle_put over a scripted swarm)."""
+    from swarmgrad.peer.state.backup import BackupStore, backup_holders
+    from swarmgrad.peer.state.sync import state_response
+    from swarmgrad.protocol.validation import RunIdentity, envelope
+    from support.records import rec
+    from support.state import trained
+
+    identity = RunIdentity("run", "h" * 32)
+    view = {0: [rec(f"d{i}", stage=0, round_no=9) for i in range(3)],
+            1: [rec(p, round_no=9, applied=8) for p in ("r1", "r2", "fresh")]}
+    me = backup_holders("run", 1, view)[0]
+    honest = dataclasses.replace(trained(1).snapshot, round=9, applied_rounds=8)
+    planted = dataclasses.replace(trained(2).snapshot, round=10, applied_rounds=9)
+    reads: list[tuple[int, int]] = []
+
+    async def swarm() -> dict:
+        return view
+
+    async def votes(stage: int, round_no: int) -> tuple[dict, dict]:
+        reads.append((stage, round_no))
+        return _completed("r1", "r2") if (stage, round_no) == (1, 8) else ({}, {})
+
+    async def main() -> None:
+        store = BackupStore(identity, 2, lambda s: dict(trained().shapes), 1 << 22, peer_id=me, swarm=swarm,
+                            timeout=1.0, votes=votes)
+
+        def put(snapshot: Any, caller: str) -> Any:
+            return store.handle_put(pb.BackupPut(envelope=envelope(identity, 1), state=state_response(snapshot)),
+                                    caller)
+        ack = await put(planted, "fresh")
+        assert ack.status == pb.UNAUTHORIZED and "not a proven replica" in ack.reason, ack
+        assert 1 not in store.copies
+        ack = await put(honest, "r1")
+        assert ack.status == pb.OK and store.copies[1].digest == honest.digest
+        assert (await put(planted, "fresh")).status == pb.UNAUTHORIZED and store.copies[1].digest == honest.digest
+        assert (1, 8) in reads
+
+    asyncio.run(main())
 
 
 def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,3 +124,11 @@ def completed_groups(votes: Mapping[str, str], registrations: Mapping[str, Mappi
             continue
         out.append(CompletedGroup(hash_, digest, members))
     return out
+
+
+def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> frozenset[str]:
+    """The members of the completed groups of one round of one stage (``checks``: its outcome
+    votes; `completed_groups`). Empty when no group completed. What placement's evidence and a
+    backup holder (peer/state/backup.py) count as a replica proven on a stage."""
+    return frozenset(p for g in completed_groups(checks, registrations) for p in g.members)

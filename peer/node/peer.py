@@ -263,8 +263,13 @@ class Peer:
                 shapes[stage] = {n: tuple(p.shape) for n, p in self.model.build_stage(stage).named_parameters()}
             return shapes[stage]
 
+        async def votes(stage: int, round_no: int) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+            # who did a stage's work, for whose backups this peer takes (docs/trust.md "Backups")
+            return await self.swarm.round_checks(stage, round_no), await self.swarm.round_registrations(stage, round_no)
+
         self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes,
-                                         peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht)
+                                         peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht,
+                                         votes=votes)
         rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
                         read_timeout=self.m.timeouts.state_download,
                         gate=self.admission.check if self.admission is not None else None)

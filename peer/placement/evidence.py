@@ -33,60 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from swarmgrad.peer.averaging.group import completed_groups
+from swarmgrad.peer.averaging.group import completed_voters
+from swarmgrad.peer.evidence import EVIDENCE_ROUNDS, WorkSeen
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
 from swarmgrad.peer.records import LEAVING, ONLINE, PeerRecord
-
-EVIDENCE_ROUNDS = 10
-"""A replica stays proven on a stage for this many rounds after the last completed round it was
-seen voting in there. Long enough to outlast a few rounds a reader missed (it reads each stage's
-last two rounds per check, and a vote expires within four announce TTLs); short enough that a
-peer that stopped doing work there stops counting soon."""
-
-
-def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapping[str, Any]] | None = None
-                     ) -> frozenset[str]:
-    """The members of the completed groups of one round of one stage (``checks``: its outcome
-    votes; averaging/group.py `completed_groups`, the rule credit counts by too). Empty when no
-    group completed."""
-    return frozenset(p for g in completed_groups(checks, registrations) for p in g.members)
-
-
-class WorkSeen:
-    """Who this peer has seen complete voted rounds, per stage: (peer id, stage) -> the latest such
-    round. State owned by one rebalancer; no I/O (the rebalancer reads the votes and feeds them)."""
-
-    def __init__(self, window: int = EVIDENCE_ROUNDS) -> None:
-        self.window = window
-        self._last: dict[tuple[str, int], int] = {}
-        self._settled: set[tuple[int, int]] = set()
-        self.seen_any = False
-        """A completed round was ever seen: from then on no record counts without evidence (even
-        when all evidence has aged out, or ids voting groups of their own deny it for a while)."""
-
-    def settled(self, stage: int, round_no: int) -> bool:
-        """A completed group of this round was already seen: no need to read it again."""
-        return (stage, round_no) in self._settled
-
-    def observe(self, stage: int, round_no: int, voters: Iterable[str]) -> None:
-        voters = list(voters)
-        if voters:
-            self._settled.add((stage, round_no))
-            self.seen_any = True
-        for peer in voters:
-            key = (peer, stage)
-            self._last[key] = max(self._last.get(key, -1), round_no)
-
-    def proven(self, current_round: int) -> frozenset[tuple[str, int]]:
-        """(peer id, stage) pairs seen in a completed round within the last ``window`` rounds.
-        Forgets older entries (its memory stays the size of the swarm's recent workers)."""
-        oldest = current_round - self.window
-        self._last = {k: r for k, r in self._last.items() if r >= oldest}
-        self._settled = {k for k in self._settled if k[1] >= oldest}
-        return frozenset(self._last)
-
 
 def likely_round(view: Mapping[int, Sequence[PeerRecord]]) -> int:
     """The round the swarm is in, for a reader without a clock yet (a newcomer choosing its stage):

@@ -32,11 +32,13 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 
+from swarmgrad.peer.averaging.group import completed_voters
 from swarmgrad.peer.decisions import next_push_at
+from swarmgrad.peer.evidence import WorkSeen
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -91,11 +93,23 @@ def swarm_round(view: Mapping[int, Sequence[PeerRecord]]) -> int | None:
 
 
 def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: int, caller: str, self_id: str,
-                claim_round: int, claim_applied: int) -> str | None:
-    """Why this peer (`self_id`) must not take `caller`'s copy of `stage` (None: it may). Pure."""
+                claim_round: int, claim_applied: int, *, proven: Collection[str] | None = None,
+                held_from: str | None = None) -> str | None:
+    """Why this peer (`self_id`) must not take `caller`'s copy of `stage` (None: it may). Pure.
+
+    `proven`: the ids this peer saw vote in a completed round of `stage` lately (WorkSeen); only
+    they count as the stage's current replicas, so a fresh id that writes its own ONLINE record is
+    none. None where this peer never saw a completed round of `stage` (a swarm's first rounds, a
+    stage only ever served by one replica, which posts no votes): every ONLINE record counts, as
+    placement counts records before its first completed round. `held_from`: who pushed the copy
+    held now; that pusher stays a replica for its own next copies (a replica left alone by its
+    partners posts no votes and would otherwise lose its backups once its proof aged out)."""
     records = view.get(stage, ())
     if not any(r.peer_id == caller and r.state == ONLINE for r in records):
         return f"{caller[-8:]} is not an online replica of stage {stage}"
+    if proven is not None and caller not in proven and caller != held_from:
+        return (f"{caller[-8:]} is not a proven replica of stage {stage}: this peer saw it in no completed, "
+                f"voted round of the stage")
     if self_id not in backup_holders(run_id, stage, view)[:RESTORE_HOLDERS]:
         return f"this peer does not hold backups of stage {stage}"
     position = stage_position(records)
@@ -127,13 +141,22 @@ class BackupStore:
 
     def __init__(self, identity: RunIdentity, n_stages: int, shapes_of: Callable[[int], dict[str, tuple[int, ...]]],
                  max_numel: int, *, peer_id: str,
-                 swarm: Callable[[], Awaitable[Mapping[int, Sequence[PeerRecord]]]], timeout: float):
+                 swarm: Callable[[], Awaitable[Mapping[int, Sequence[PeerRecord]]]], timeout: float,
+                 votes: Callable[[int, int], Awaitable[tuple[Mapping[str, str], Mapping[str, Mapping[str, Any]]]]]
+                 | None = None):
         """`swarm`: reads every stage's records (SwarmView.swarm), which decide whose copies are
-        taken (`put_refusal`); `timeout`: its deadline (timeouts.dht)."""
+        taken (`put_refusal`); `votes(stage, round)`: that round's outcome votes and registrations
+        (SwarmView.round_checks, round_registrations), which prove who is a replica (None: nobody
+        is proven, every ONLINE record counts); `timeout`: the deadline of each read (timeouts.dht)."""
         self.identity = identity
         self.peer_id = peer_id
         self.swarm = swarm
+        self.votes = votes
         self.timeout = timeout
+        self.work = WorkSeen()
+        """Who this peer saw complete voted rounds of the stages it holds for."""
+        self.pushers: dict[int, str] = {}
+        """Stage -> who pushed the copy held of it."""
         self.n_stages = n_stages
         self.shapes_of = shapes_of
         self.max_numel = max_numel
@@ -160,6 +183,13 @@ class BackupStore:
             return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the swarm to check the pusher; try later")
         why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
                           request.state.applied_rounds)
+        if why is None:  # the claims hold: now whether the caller did the stage's work
+            try:
+                proven = await self._proven(stage, request.state.round, swarm_round(view))
+            except NETWORK_FAILURES:
+                return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the stage's round votes; try later")
+            why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
+                              request.state.applied_rounds, proven=proven, held_from=self.pushers.get(stage))
         if why is not None:
             logger.info("refused a backup of stage %d from %s: %s", stage, str(caller)[-8:], why)
             return pb.BackupAck(status=pb.UNAUTHORIZED, reason=why)
@@ -177,8 +207,26 @@ class BackupStore:
             return pb.BackupAck(status=pb.STALE_STATE, reason=f"we hold a newer copy ({held.applied_rounds} rounds)")
         self.copies[stage] = StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest,
                                            res.trained_samples)
+        self.pushers[stage] = str(caller)
         logger.info("holding a backup of stage %d (%d rounds) from %s", stage, res.applied_rounds, str(caller)[-8:])
         return pb.BackupAck(status=pb.OK)
+
+    async def _proven(self, stage: int, round_no: int, swarm: int | None) -> frozenset[str] | None:
+        """The ids proven on `stage` by the completed rounds this peer saw (`put_refusal`'s
+        `proven`), after reading the votes of the two rounds before the copy's round (a copy's round
+        is the one after the round it applied; `put_refusal` bounded it) and before the swarm's
+        (`swarm_round`: a pusher choosing an old round does not choose which rounds are read), not
+        already seen complete. None while no completed round of the stage was ever seen."""
+        if self.votes is None:
+            return None
+        rounds = {r for x in (round_no, swarm) if x is not None for r in (x - 1, x - 2) if r >= 0}
+        for r in sorted(rounds, reverse=True):
+            if not self.work.settled(stage, r):
+                checks, registrations = await within(self.votes(stage, r), self.timeout)
+                self.work.observe(stage, r, completed_voters(checks, registrations))
+        if not self.work.seen(stage):
+            return None
+        return frozenset(p for p, s in self.work.proven(max(round_no, swarm or 0)) if s == stage)
 
     def _forget_unheld(self, view: Mapping[int, Sequence[PeerRecord]]) -> None:
         """Drop the copies of stages this peer no longer holds for (the holders moved): storage stays
@@ -186,6 +234,7 @@ class BackupStore:
         for stage in list(self.copies):
             if self.peer_id not in backup_holders(self.identity.run_id, stage, view)[:RESTORE_HOLDERS]:
                 del self.copies[stage]
+                self.pushers.pop(stage, None)
 
     async def handle_get(self, request: pb.BackupGet, caller: PeerID) -> pb.StateResponse:
         from swarmgrad.peer.state.sync import state_response  # state_sync restores from backups: import late
