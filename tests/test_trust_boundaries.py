@@ -143,8 +143,8 @@ def test_a_fresh_id_online_under_a_stage_of_two_cannot_plant_a_backup(inprocess)
     async def scenario() -> None:
         async with InProcessSwarm(m) as swarm:
             driver, a, b = swarm.start(0), swarm.start(1), swarm.start(1)
-            store = driver.peer._backup_store
             await swarm.until(lambda: a.events("backup") or b.events("backup"), 60, "a push of stage 1's pair")
+            store = driver.peer._backup_store
             assert [e["holders"] for e in a.events("backup") + b.events("backup")][0] == [driver.peer_id]
             held = store.copies[1]
             planter = Forgers(swarm, 1, "planter")
