@@ -35,6 +35,8 @@ import dataclasses
 from collections import defaultdict
 from typing import Mapping, Sequence
 
+# re-exported: placement's evidence rules read them here; they live lower so that a backup holder
+# (peer/state/backup.py) counts the same proof
 from swarmgrad.peer.averaging.group import completed_voters
 from swarmgrad.peer.evidence import EVIDENCE_ROUNDS, WorkSeen
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
