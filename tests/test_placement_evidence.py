@@ -194,3 +194,92 @@ def test_forged_leaving_records_over_the_dht_block_no_refill() -> None:
     snap, _ = asyncio.run(main())
     assert snap.has_mover == (False, False, False)
     assert set(snap.fill_plan(ROUND).values()) == {0}
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rebalancers(swarm: ScriptedSwarm, peers: dict[str, int], n_stages: int, clock: Clock, window: float = 100.0):
+    """One daemon Rebalancer per peer (peer id -> its stage), each with its own memory of the stages."""
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * n_stages
+    return {p: R.Rebalancer(swarm=swarm, peer_id=p, costs=costs, bench_rates=(1.0,) * n_stages, memory=0,
+                            interval_s=10.0, seed=0, unserved_after=window, clock=clock) for p in peers}
+
+
+def check(rebs: dict, peers: dict[str, int], steps: int) -> dict:
+    """Every peer's check at the clock's time, its replica at `steps` inner steps ever."""
+    return {p: asyncio.run(reb.decide(peers[p], 1.0, ROUND, steps)) for p, reb in rebs.items()}
+
+
+def test_forged_live_records_hold_an_empty_stage_for_one_window_whatever_their_ids() -> None:
+    """Stage 0 has nobody serving it, only forged ONLINE records; stages 1 and 2 have two replicas
+    each that completed their last round, and nothing trains (the pipeline lacks stage 0). On
+    today's code the forged records make stage 0 look occupied for as long as they are renewed, and
+    it is never refilled. Now they hold it for one window (no evidence that it is served: no
+    proven replica there, no training anywhere), counted per stage: fresh ids taking over from the
+    first ones renew nothing. Then one replica fills it, as if the stage were empty."""
+    view = {0: [rec("f1", 0)], 1: [rec("a", 1), rec("b", 1)], 2: [rec("c", 2), rec("d", 2)]}
+    swarm, clock = ScriptedSwarm(view, {1: completed("a", "b"), 2: completed("c", "d")}), Clock()
+    peers = {"a": 1, "b": 1, "c": 2, "d": 2}
+    rebs = rebalancers(swarm, peers, 3, clock)
+    for t, forgers in ((0.0, ["f1"]), (60.0, ["f1", "f2"]), (90.0, ["f3"])):
+        clock.now = t
+        view[0] = [rec(f, 0) for f in forgers]
+        out = check(rebs, peers, steps=7)
+        assert all(snap.empty_stages == () and d is None for snap, d in out.values()), (t, out)
+    clock.now = 130.0
+    view[0] = [rec("f4", 0), rec("f5", 0, JOINING)]  # fresh ids again: the stage's window has passed
+    out = check(rebs, peers, steps=7)
+    assert all(snap.empty_stages == (0,) for snap, _ in out.values())
+    fills = [(p, d.target, d.reason) for p, (_, d) in out.items() if d is not None]
+    assert len(fills) == 1 and fills[0][1:] == (0, "fill-empty"), fills
+
+
+def test_a_stage_of_one_replica_is_served_while_the_pipeline_trains() -> None:
+    """A lone replica never votes, so it is never proven. It keeps its stage while this peer's own
+    replica trains (an inner step needs every stage): no fill of its stage, however long. When
+    nothing has trained for a window, its stage counts as empty (a forged record, or a replica that
+    hung) and is filled; the filler's record there (it is proven on the stage it leaves) then holds
+    the stage, so nobody fills it a second time."""
+    view = {0: [rec("a", 0), rec("b", 0)], 1: [rec("lone", 1, rate=2.0)]}  # balanced: 2 samples/s each
+    swarm, clock = ScriptedSwarm(view, {0: completed("a", "b")}), Clock()
+    peers = {"a": 0, "b": 0}
+    rebs = rebalancers(swarm, peers, 2, clock)
+    for step, t in enumerate((0.0, 80.0, 160.0, 240.0, 320.0)):
+        clock.now = t
+        out = check(rebs, peers, steps=step)  # each check: one more inner step
+        assert all(snap.empty_stages == () and d is None for snap, d in out.values()), (t, out)
+    clock.now = 440.0  # nothing trained since 320 s
+    out = check(rebs, peers, steps=4)
+    fills = [(p, d.target) for p, (_, d) in out.items() if d is not None]
+    assert [t for _, t in fills] == [1], fills
+    mover = fills[0][0]
+    view[0] = [rec(p, 0, moving=p == mover) for p in ("a", "b")]
+    view[1] = [rec("lone", 1), rec(mover, 1, JOINING)]
+    clock.now = 460.0
+    out = check(rebs, peers, steps=4)
+    assert all(snap.empty_stages == () for snap, _ in out.values())
+    assert all(d is None for p, (_, d) in out.items() if p != mover), out
+
+
+def test_stage_service_counts_a_window_per_stage() -> None:
+    from swarmgrad.peer.placement.evidence import StageService, unserved_after, vacate_unserved
+    from swarmgrad.peer.manifest import TimeoutsConfig
+
+    service = StageService(3, now=0.0)
+    service.observe(50.0, {1}, trained=False)
+    assert service.unserved(120.0, 100.0) == {0, 2}
+    service.observe(130.0, (), trained=True)  # this peer trained: every stage was served
+    assert service.unserved(200.0, 100.0) == frozenset()
+    assert unserved_after(TimeoutsConfig()) == 240.0
+    view = {0: [rec("f", 0), rec("m", 0, JOINING), rec("gone", 0, LEAVING)], 1: [rec("m", 1, moving=True)]}
+    kept = vacate_unserved(view, frozenset({("m", 1)}), {0})
+    assert [r.peer_id for r in kept[0]] == ["m", "gone"] and [r.peer_id for r in kept[1]] == ["m"]
+    assert vacate_unserved(view, frozenset(), ()) == view

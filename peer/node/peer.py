@@ -31,7 +31,7 @@ from swarmgrad.peer.node.metrics import PeerMetrics
 from swarmgrad.peer.model import StagedModel
 from swarmgrad.peer.placement.rules import MoveDecision, PeerFigures, SWARM_POLICY, choose_stage_for_newcomer
 from swarmgrad.peer.net.reachability import visible_maddrs
-from swarmgrad.peer.placement.evidence import WorkSeen, likely_round
+from swarmgrad.peer.placement.evidence import WorkSeen, likely_round, unserved_after
 from swarmgrad.peer.placement.rebalancer import DEFAULT_BANDWIDTH, Rebalancer, read_work, snapshot_from_view
 from swarmgrad.peer.node.replica import PeerContext, Replica
 from swarmgrad.peer.state.backup import BackupStore
@@ -198,7 +198,8 @@ class Peer:
             rebalancer = Rebalancer(swarm=self.swarm, peer_id=self.peer_id, costs=costs, bench_rates=rates,
                                     memory=ctx.memory, interval_s=self.m.timeouts.rebalance_check,
                                     policy=SWARM_POLICY,
-                                    bandwidth=lambda: self.traffic.link.estimate(DEFAULT_BANDWIDTH)) \
+                                    bandwidth=lambda: self.traffic.link.estimate(DEFAULT_BANDWIDTH),
+                                    unserved_after=unserved_after(self.m.timeouts)) \
                 if self.opt.rebalancing else None
             await self._serve(replica, rebalancer, stop)
         finally:
@@ -312,7 +313,8 @@ class Peer:
                     clock, worker = replica.clock, replica.worker
                     assert worker is not None
                     mover = asyncio.create_task(rebalancer.next_move(
-                        replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current), name="rebalance")
+                        replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current,
+                        lambda w=worker: w.steps_total), name="rebalance")
                 waiting = [main, stopper] + ([mover] if mover is not None else [])
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if mover is not None and mover not in done:

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 # re-exported: placement's evidence rules read them here; they live lower so that a backup holder
 # (peer/state/backup.py) counts the same proof
 from swarmgrad.peer.averaging.group import completed_voters
 from swarmgrad.peer.evidence import EVIDENCE_ROUNDS, WorkSeen
+from swarmgrad.peer.manifest import TimeoutsConfig
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
 from swarmgrad.peer.records import LEAVING, ONLINE, PeerRecord
 
@@ -87,9 +88,62 @@ def bound_claims(snapshot: Snapshot) -> Snapshot:
     return dataclasses.replace(snapshot, stages=stages)
 
 
-def evidenced(view: Mapping[int, Sequence[PeerRecord]], proven: frozenset[tuple[str, int]], seen_any: bool
+def unserved_after(timeouts: TimeoutsConfig) -> float:
+    """Seconds a stage may go without evidence that it is served before its unproven live records
+    stop holding it (``StageService``): a refill's time with room to spare, so that an honest
+    joiner's record is not doubled. A refill is detected and confirmed within a few rebalancing
+    checks, then downloads (at most ``state_download``) and is waited for by its donors (at most
+    ``join_hold``): twice those, and four checks. 240 s by default."""
+    return 2 * (timeouts.state_download + timeouts.join_hold) + 4 * timeouts.rebalance_check
+
+
+class StageService:
+    """When this peer last saw each stage served, by evidence rather than records (seconds of a
+    monotonic clock). A stage is seen served when a proven replica (``WorkSeen``) has a live record
+    there, or when this peer's own replica trained: an inner step needs microbatches that went
+    forward and back through every stage, so every stage was served by someone, whoever its
+    records name. That is how a stage of one replica, which never votes and so is never proven,
+    shows it is served. Nothing a record says refreshes it, so fresh ids rotating their records
+    under a stage that nobody serves hold it for at most one window (``unserved``), counted per
+    stage, not per id. State owned by one rebalancer; the caller passes the time (pure)."""
+
+    def __init__(self, n_stages: int, now: float) -> None:
+        self.served_at = [now] * n_stages
+        """Last time each stage was seen served; a stage is given one window from when this peer
+        started looking."""
+
+    def observe(self, now: float, proven_stages: Iterable[int], trained: bool) -> None:
+        """At a check: the stages with a proven live replica, and whether this peer's replica
+        trained (made an inner step) since the last check."""
+        for s in (range(len(self.served_at)) if trained else proven_stages):
+            self.served_at[s] = now
+
+    def unserved(self, now: float, window: float) -> frozenset[int]:
+        """Stages not seen served for longer than ``window`` seconds."""
+        return frozenset(s for s, t in enumerate(self.served_at) if now - t > window)
+
+
+def vacate_unserved(view: Mapping[int, Sequence[PeerRecord]], proven: frozenset[tuple[str, int]],
+                    unserved: Iterable[int]) -> dict[int, list[PeerRecord]]:
+    """The view without the unproven live records of the ``unserved`` stages (``StageService``):
+    they claim a stage that no evidence shows served, and left in place they make it look occupied,
+    so placement never refills it. Kept: the record of a move's target (its writer proven on the
+    stage it is leaving: a replica moving in to refill it)."""
+    unserved = set(unserved)
+    if not unserved:
+        return {s: list(records) for s, records in view.items()}
+    movers = {r.peer_id for s, records in view.items() for r in records if _departing(r) and (r.peer_id, s) in proven}
+    return {s: [r for r in records if s not in unserved or r.state not in LIVE or (r.peer_id, s) in proven
+                or r.peer_id in movers] for s, records in view.items()}
+
+
+def evidenced(view: Mapping[int, Sequence[PeerRecord]], proven: frozenset[tuple[str, int]], seen_any: bool,
+              unserved: Iterable[int] = ()
               ) -> tuple[dict[int, list[PeerRecord]], frozenset[tuple[str, int]] | None]:
     """(the records placement counts, the proven pairs to mark, or None where the reader never
     saw a completed round (``WorkSeen.seen_any``): then every record counts as proven, as in a
-    swarm's first rounds)."""
-    return one_record_per_id(view), (proven if seen_any else None)
+    swarm's first rounds, and no stage is vacated). ``unserved``: stages whose unproven live records
+    no longer count (``vacate_unserved``)."""
+    if not seen_any:
+        return one_record_per_id(view), None
+    return vacate_unserved(one_record_per_id(view), proven, unserved), proven

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from typing import Callable, Sequence
@@ -12,8 +13,8 @@ from typing import Callable, Sequence
 from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, Confirmation, EmptyStageChecks, MoveDecision,
                                       PeerFigures, PlacementPolicy, check_interval, estimate_rates, expected_tenure,
                                       should_move)
-from swarmgrad.peer.placement.evidence import WorkSeen, bound_claims, completed_voters, evidenced
-from swarmgrad.peer.placement.plan import Snapshot
+from swarmgrad.peer.placement.evidence import (StageService, WorkSeen, bound_claims, completed_voters, evidenced)
+from swarmgrad.peer.placement.plan import LIVE, Snapshot
 from swarmgrad.peer.placement.cost import StageCost
 from swarmgrad.peer.decisions import majority_digest
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -42,14 +43,16 @@ def current_rounds(view: dict[int, list[PeerRecord]]) -> dict[int, int]:
 
 
 def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageCost],
-                       work: WorkSeen | None = None, round_no: int = 0) -> Snapshot:
+                       work: WorkSeen | None = None, round_no: int = 0, unserved: frozenset[int] = frozenset()
+                       ) -> Snapshot:
     """The placement snapshot of what was read. With ``work`` (what this peer saw of completed
     voted rounds, up to round ``round_no``) it counts only what has evidence
     (peer/placement/evidence.py): one record per id, movers and capacity of proven replicas, other
-    claims bounded. Without it (``swarmgrad status``) every record counts."""
+    claims bounded, and no unproven live record under an ``unserved`` stage (``StageService``).
+    Without it (``swarmgrad status``) every record counts."""
     proven = None
     if work is not None:
-        view, proven = evidenced(view, work.proven(round_no), work.seen_any)
+        view, proven = evidenced(view, work.proven(round_no), work.seen_any, unserved)
     snap = Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
                                  moving={r.peer_id for rs in view.values() for r in rs if r.moving},
                                  current=current_rounds(view), proven=proven)
@@ -74,7 +77,10 @@ async def read_work(swarm: SwarmView, work: WorkSeen, n_stages: int, round_no: i
 class Rebalancer:
     def __init__(self, *, swarm: SwarmView, peer_id: str, costs: Sequence[StageCost], bench_rates: Sequence[float],
                  memory: int, interval_s: float, policy: PlacementPolicy = PlacementPolicy(), seed: int | None = None,
-                 bandwidth: Callable[[], float] = lambda: DEFAULT_BANDWIDTH):
+                 bandwidth: Callable[[], float] = lambda: DEFAULT_BANDWIDTH, unserved_after: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic):
+        """``unserved_after``: seconds after which a stage no evidence shows served stops being held
+        by unproven records (evidence.unserved_after of the run's timeouts; inf: never)."""
         self.swarm = swarm
         self.peer_id = peer_id
         self.costs = tuple(costs)
@@ -91,6 +97,11 @@ class Rebalancer:
         self._reading = BestEffort("reading the swarm for a rebalancing check", logger)
         self.work = WorkSeen()
         """Who this peer saw complete voted rounds, per stage: placement's evidence."""
+        self.clock = clock
+        self.unserved_after = unserved_after
+        self.service = StageService(len(self.costs), clock())
+        """When each stage was last seen served (a proven replica there, or this peer trained)."""
+        self._steps: int | None = None
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
         rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
@@ -98,21 +109,30 @@ class Rebalancer:
         return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
                            tenure=expected_tenure(time.monotonic() - self.started))
 
-    async def decide(self, stage: int, measured_rate: float, salt: int) -> tuple[Snapshot, MoveDecision | None]:
-        """One check, unconfirmed: what the policy says now. ``salt`` is this replica's round."""
+    async def decide(self, stage: int, measured_rate: float, salt: int, steps: int | None = None
+                     ) -> tuple[Snapshot, MoveDecision | None]:
+        """One check, unconfirmed: what the policy says now. ``salt`` is this replica's round;
+        ``steps``: its inner steps ever (a growth since the last check: it trained, so every
+        stage is served; None: unknown)."""
         view = await self.swarm.swarm()
         await read_work(self.swarm, self.work, len(self.costs), salt)
-        snap = snapshot_from_view(view, self.costs, self.work, salt)
+        now, proven = self.clock(), self.work.proven(salt)
+        trained = steps is not None and self._steps is not None and steps > self._steps
+        self._steps = steps
+        self.service.observe(now, {s for s, records in view.items() for r in records
+                                   if r.state in LIVE and (r.peer_id, s) in proven}, trained)
+        snap = snapshot_from_view(view, self.costs, self.work, salt, self.service.unserved(now, self.unserved_after))
         return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
 
     def moved(self) -> None:
         """The peer just moved: stay put for DWELL_CHECKS intervals."""
         self._dwell_until = time.monotonic() + DWELL_CHECKS * self.interval_s
 
-    async def next_move(self, stage: int, rate_fn, salt_fn) -> MoveDecision:
+    async def next_move(self, stage: int, rate_fn, salt_fn, steps_fn: Callable[[], int] | None = None
+                        ) -> MoveDecision:
         """Check until a move is confirmed (same decision twice in a row), then return it.
         `rate_fn()` gives the replica's measured rate, `salt_fn()` its round (the tie-break salt
-        that all replicas of a stage share)."""
+        that all replicas of a stage share), `steps_fn()` its inner steps ever (`decide`)."""
         dwell = self._dwell_until - time.monotonic()
         if dwell > 0:
             await asyncio.sleep(dwell)
@@ -124,7 +144,8 @@ class Rebalancer:
                                   self.rng)
             await asyncio.sleep(wait)
             with self._reading:  # a slow DHT: skip this check, never act on a partial view
-                snap, decision = await self.decide(stage, rate_fn(), salt_fn())
+                snap, decision = await self.decide(stage, rate_fn(), salt_fn(),
+                                                   steps_fn() if steps_fn is not None else None)
             if not self._reading.ok:
                 continue
             quick = empties.observe(snap.empty_stages, moved=decision is not None)
