@@ -21,7 +21,12 @@ read turn records into a ``Snapshot`` that counts only what has evidence (docs/t
 - only a proven replica marks its stage as having a mover, and a replica leaves a stage only while
   a proven one stays (``Snapshot.has_mover``, ``Snapshot.may_leave``);
 - an unproven replica's throughput counts at most as the largest proven replica's, expressed for
-  its stage (``bound_claims``): a claim is bounded by a rate someone showed by doing work.
+  its stage (``bound_claims``): a claim is bounded by a rate someone showed by doing work;
+- unproven live records hold a stage only while something shows it served, or for one window
+  after (``StageService``, ``vacate_unserved``, ``unserved_after``): a proven replica there, or
+  the deciding peer's own replica training (which needs every stage). Counted per stage, so
+  records rotated through fresh ids renew nothing; a stage of one replica, never proven, keeps its
+  place while the pipeline trains.
 
 Until the reader has seen a completed round (a swarm's first rounds, or a reader that just
 started and has not read one yet), every record counts as before: there is nothing to bound claims by, and a swarm that
