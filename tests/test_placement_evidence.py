@@ -213,9 +213,9 @@ def rebalancers(swarm: ScriptedSwarm, peers: dict[str, int], n_stages: int, cloc
                             interval_s=10.0, seed=0, unserved_after=window, clock=clock) for p in peers}
 
 
-def check(rebs: dict, peers: dict[str, int], steps: int) -> dict:
-    """Every peer's check at the clock's time, its replica at `steps` inner steps ever."""
-    return {p: asyncio.run(reb.decide(peers[p], 1.0, ROUND, steps)) for p, reb in rebs.items()}
+def check(rebs: dict, peers: dict[str, int], trained: int) -> dict:
+    """Every peer's check at the clock's time, its replica having trained `trained` microbatches ever."""
+    return {p: asyncio.run(reb.decide(peers[p], 1.0, ROUND, trained)) for p, reb in rebs.items()}
 
 
 def test_forged_live_records_hold_an_empty_stage_for_one_window_whatever_their_ids() -> None:
@@ -232,11 +232,11 @@ def test_forged_live_records_hold_an_empty_stage_for_one_window_whatever_their_i
     for t, forgers in ((0.0, ["f1"]), (60.0, ["f1", "f2"]), (90.0, ["f3"])):
         clock.now = t
         view[0] = [rec(f, 0) for f in forgers]
-        out = check(rebs, peers, steps=7)
+        out = check(rebs, peers, trained=7)
         assert all(snap.empty_stages == () and d is None for snap, d in out.values()), (t, out)
     clock.now = 130.0
     view[0] = [rec("f4", 0), rec("f5", 0, JOINING)]  # fresh ids again: the stage's window has passed
-    out = check(rebs, peers, steps=7)
+    out = check(rebs, peers, trained=7)
     assert all(snap.empty_stages == (0,) for snap, _ in out.values())
     fills = [(p, d.target, d.reason) for p, (_, d) in out.items() if d is not None]
     assert len(fills) == 1 and fills[0][1:] == (0, "fill-empty"), fills
@@ -252,19 +252,19 @@ def test_a_stage_of_one_replica_is_served_while_the_pipeline_trains() -> None:
     swarm, clock = ScriptedSwarm(view, {0: completed("a", "b")}), Clock()
     peers = {"a": 0, "b": 0}
     rebs = rebalancers(swarm, peers, 2, clock)
-    for step, t in enumerate((0.0, 80.0, 160.0, 240.0, 320.0)):
+    for n, t in enumerate((0.0, 80.0, 160.0, 240.0, 320.0)):
         clock.now = t
-        out = check(rebs, peers, steps=step)  # each check: one more inner step
+        out = check(rebs, peers, trained=n)  # each check: one more microbatch trained
         assert all(snap.empty_stages == () and d is None for snap, d in out.values()), (t, out)
     clock.now = 440.0  # nothing trained since 320 s
-    out = check(rebs, peers, steps=4)
+    out = check(rebs, peers, trained=4)
     fills = [(p, d.target) for p, (_, d) in out.items() if d is not None]
     assert [t for _, t in fills] == [1], fills
     mover = fills[0][0]
     view[0] = [rec(p, 0, moving=p == mover) for p in ("a", "b")]
     view[1] = [rec("lone", 1), rec(mover, 1, JOINING)]
     clock.now = 460.0
-    out = check(rebs, peers, steps=4)
+    out = check(rebs, peers, trained=4)
     assert all(snap.empty_stages == () for snap, _ in out.values())
     assert all(d is None for p, (_, d) in out.items() if p != mover), out
 

@@ -19,6 +19,7 @@ class RoundTally:
       not carry over; `inner_steps` the steps since the last `new_round`.
     - `steps_total` and `skipped_steps` never decrease; `steps_total` grows with `inner_steps`,
       one per step, so a slot's `step` compared with it says whether that step has been applied.
+    - `microbatches_total` never decreases: one per `trained`.
     """
     accumulated: int = 0
     """Microbatches whose gradients sit in .grad, waiting for the next inner step."""
@@ -34,10 +35,14 @@ class RoundTally:
     """Losses of microbatches since the last round boundary (known at the last stage and at drivers)."""
     skipped_steps: int = 0
     """Inner steps skipped because a gradient was not finite (reported in round events)."""
+    microbatches_total: int = 0
+    """Microbatches trained ever: each went forward and back through every stage, so its growth
+    shows the whole pipeline served (placement's evidence that a stage of one replica is served)."""
 
     def trained(self, batch: int) -> None:
         """A microbatch of `batch` samples joined the accumulation."""
         self.accumulated += 1
+        self.microbatches_total += 1
         self.step_samples += batch
         self.samples += batch
 

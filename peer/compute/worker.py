@@ -110,6 +110,10 @@ class StageWorker:
         return self.tally.steps_total
 
     @property
+    def microbatches_total(self) -> int:
+        return self.tally.microbatches_total
+
+    @property
     def skipped_steps(self) -> int:
         return self.tally.skipped_steps
 

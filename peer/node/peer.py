@@ -266,7 +266,9 @@ class Peer:
 
         async def votes(stage: int, round_no: int) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
             # who did a stage's work, for whose backups this peer takes (docs/trust.md "Backups")
-            return await self.swarm.round_checks(stage, round_no), await self.swarm.round_registrations(stage, round_no)
+            checks, registrations = await asyncio.gather(self.swarm.round_checks(stage, round_no),
+                                                         self.swarm.round_registrations(stage, round_no))
+            return checks, registrations
 
         self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes,
                                          peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht,
@@ -314,7 +316,7 @@ class Peer:
                     assert worker is not None
                     mover = asyncio.create_task(rebalancer.next_move(
                         replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current,
-                        lambda w=worker: w.steps_total), name="rebalance")
+                        lambda w=worker: w.microbatches_total), name="rebalance")
                 waiting = [main, stopper] + ([mover] if mover is not None else [])
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if mover is not None and mover not in done:

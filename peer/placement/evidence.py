@@ -105,9 +105,8 @@ def unserved_after(timeouts: TimeoutsConfig) -> float:
 class StageService:
     """When this peer last saw each stage served, by evidence rather than records (seconds of a
     monotonic clock). A stage is seen served when a proven replica (``WorkSeen``) has a live record
-    there, or when this peer's own replica trained: an inner step needs microbatches that went
-    forward and back through every stage, so every stage was served by someone, whoever its
-    records name. That is how a stage of one replica, which never votes and so is never proven,
+    there, or when this peer's own replica trained a microbatch: it went forward and back through
+    every stage, so every stage was served by someone, whoever its records name. That is how a stage of one replica, which never votes and so is never proven,
     shows it is served. Nothing a record says refreshes it, so fresh ids rotating their records
     under a stage that nobody serves hold it for at most one window (``unserved``), counted per
     stage, not per id. State owned by one rebalancer; the caller passes the time (pure)."""
@@ -119,7 +118,7 @@ class StageService:
 
     def observe(self, now: float, proven_stages: Iterable[int], trained: bool) -> None:
         """At a check: the stages with a proven live replica, and whether this peer's replica
-        trained (made an inner step) since the last check."""
+        trained a microbatch since the last check."""
         for s in (range(len(self.served_at)) if trained else proven_stages):
             self.served_at[s] = now
 

@@ -101,7 +101,7 @@ class Rebalancer:
         self.unserved_after = unserved_after
         self.service = StageService(len(self.costs), clock())
         """When each stage was last seen served (a proven replica there, or this peer trained)."""
-        self._steps: int | None = None
+        self._trained: int | None = None
 
     def figures(self, stage: int, measured_rate: float) -> PeerFigures:
         rates = (estimate_rates(measured_rate, stage, [c.cost for c in self.costs]) if measured_rate > 0
@@ -109,18 +109,18 @@ class Rebalancer:
         return PeerFigures(peer_id=self.peer_id, rates=tuple(rates), memory=self.memory, bandwidth=self.bandwidth(),
                            tenure=expected_tenure(time.monotonic() - self.started))
 
-    async def decide(self, stage: int, measured_rate: float, salt: int, steps: int | None = None
+    async def decide(self, stage: int, measured_rate: float, salt: int, trained: int | None = None
                      ) -> tuple[Snapshot, MoveDecision | None]:
         """One check, unconfirmed: what the policy says now. ``salt`` is this replica's round;
-        ``steps``: its inner steps ever (a growth since the last check: it trained, so every
-        stage is served; None: unknown)."""
+        ``trained``: the microbatches it trained ever (a growth since the last check: every stage
+        served them; None: unknown)."""
         view = await self.swarm.swarm()
         await read_work(self.swarm, self.work, len(self.costs), salt)
         now, proven = self.clock(), self.work.proven(salt)
-        trained = steps is not None and self._steps is not None and steps > self._steps
-        self._steps = steps
+        grew = trained is not None and self._trained is not None and trained > self._trained
+        self._trained = trained
         self.service.observe(now, {s for s, records in view.items() for r in records
-                                   if r.state in LIVE and (r.peer_id, s) in proven}, trained)
+                                   if r.state in LIVE and (r.peer_id, s) in proven}, grew)
         snap = snapshot_from_view(view, self.costs, self.work, salt, self.service.unserved(now, self.unserved_after))
         return snap, should_move(snap, self.figures(stage, measured_rate), stage, salt=salt, policy=self.policy)
 
@@ -128,11 +128,12 @@ class Rebalancer:
         """The peer just moved: stay put for DWELL_CHECKS intervals."""
         self._dwell_until = time.monotonic() + DWELL_CHECKS * self.interval_s
 
-    async def next_move(self, stage: int, rate_fn, salt_fn, steps_fn: Callable[[], int] | None = None
+    async def next_move(self, stage: int, rate_fn, salt_fn, trained_fn: Callable[[], int] | None = None
                         ) -> MoveDecision:
         """Check until a move is confirmed (same decision twice in a row), then return it.
         `rate_fn()` gives the replica's measured rate, `salt_fn()` its round (the tie-break salt
-        that all replicas of a stage share), `steps_fn()` its inner steps ever (`decide`)."""
+        that all replicas of a stage share), `trained_fn()` the microbatches it trained ever
+        (`decide`)."""
         dwell = self._dwell_until - time.monotonic()
         if dwell > 0:
             await asyncio.sleep(dwell)
@@ -145,7 +146,7 @@ class Rebalancer:
             await asyncio.sleep(wait)
             with self._reading:  # a slow DHT: skip this check, never act on a partial view
                 snap, decision = await self.decide(stage, rate_fn(), salt_fn(),
-                                                   steps_fn() if steps_fn is not None else None)
+                                                   trained_fn() if trained_fn is not None else None)
             if not self._reading.ok:
                 continue
             quick = empties.observe(snap.empty_stages, moved=decision is not None)

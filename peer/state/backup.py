@@ -39,7 +39,7 @@ from hivemind.p2p import PeerID
 
 from swarmgrad.peer.averaging.group import completed_voters
 from swarmgrad.peer.decisions import next_push_at
-from swarmgrad.peer.evidence import WorkSeen
+from swarmgrad.peer.evidence import WINDOW, WorkSeen
 from swarmgrad.peer.net.rpc import FramedRPC, RPCFailed
 from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -154,8 +154,11 @@ class BackupStore:
         self.swarm = swarm
         self.votes = votes
         self.timeout = timeout
-        self.work = WorkSeen()
-        """Who this peer saw complete voted rounds of the stages it holds for."""
+        self.work = WorkSeen(window=WINDOW)
+        """Who this peer saw complete voted rounds of the stages it holds for, remembered for the
+        window a voice lasts (evidence.WINDOW: 64 rounds, not placement's 10): a replica whose
+        partners left stays proven until its first push alone, even where pushes are paced or
+        `backup_every` is large, and is then the pusher of the copy held (`put_refusal`)."""
         self.pushers: dict[int, str] = {}
         """Stage -> who pushed the copy held of it."""
         self.n_stages = n_stages
@@ -220,11 +223,12 @@ class BackupStore:
         already seen complete. None while no completed round of the stage was ever seen."""
         if self.votes is None:
             return None
-        rounds = {r for x in (round_no, swarm) if x is not None for r in (x - 1, x - 2) if r >= 0}
-        for r in sorted(rounds, reverse=True):
-            if not self.work.settled(stage, r):
-                checks, registrations = await within(self.votes(stage, r), self.timeout)
-                self.work.observe(stage, r, completed_voters(checks, registrations))
+        rounds = sorted({r for x in (round_no, swarm) if x is not None for r in (x - 1, x - 2)
+                         if r >= 0 and not self.work.settled(stage, r)})
+        votes = self.votes
+        found = await within(asyncio.gather(*(votes(stage, r) for r in rounds)), self.timeout)
+        for r, (checks, registrations) in zip(rounds, found):
+            self.work.observe(stage, r, completed_voters(checks, registrations))
         if not self.work.seen(stage):
             return None
         return frozenset(p for p, s in self.work.proven(max(round_no, swarm or 0)) if s == stage)
