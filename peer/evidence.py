@@ -27,6 +27,8 @@ The API, kept small for the other subsystems that count evidence:
 - `quorum(records, evidence, ...)`: the digest a strict majority of voices announces (a tie, or
   no majority, decides nothing: None), with the records that back it and the round they are in.
 - `voiced_majority(values, evidence)`: the same rule over any per-peer claim (the run's epoch).
+- `WorkSeen`: who a reader saw vote in completed rounds of each stage, from the DHT's votes
+  rather than from rounds it applied itself (a reader of other stages: placement, a backup holder).
 
 A replica with no evidence at all (a newcomer) has nobody to weigh: it counts ids, one each, still
 by strict majority (ties refuse, and it asks again). An honest swarm is then what it reads; a
