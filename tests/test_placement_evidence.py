@@ -283,3 +283,36 @@ def test_stage_service_counts_a_window_per_stage() -> None:
     kept = vacate_unserved(view, frozenset({("m", 1)}), {0})
     assert [r.peer_id for r in kept[0]] == ["m", "gone"] and [r.peer_id for r in kept[1]] == ["m"]
     assert vacate_unserved(view, frozenset(), ()) == view
+
+
+def test_a_stage_held_only_by_a_forged_record_is_refilled_by_real_peers(inprocess) -> None:
+    """The wiring, with real peers in one event loop (tests/support/swarm.py): stage 2's replica
+    stops and a fresh id keeps an ONLINE record under stage 2 alive; stage 1's two replicas
+    (rebalancing on) completed rounds together. Nothing trains once stage 2 is gone. On today's code
+    the forged record holds stage 2 for as long as it is renewed; now, one window
+    (evidence.unserved_after: 2 x (2 s + 0 s) + 4 x 1 s here) after their last trained microbatch,
+    one of them moves to stage 2."""
+    from support.hostile import Forgers
+    from support.swarm import InProcessSwarm, step_manifest
+
+    m = step_manifest(2, stages={"count": 3}, model={"n_layers": 3},
+                      timeouts={"rebalance_check": 1.0, "state_download": 2.0, "join_hold": 0.0, "move": 5.0})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            swarm.start(0)
+            a, b = swarm.start(1, rebalance="on"), swarm.start(1, rebalance="on")
+            last = swarm.start(2)
+            await swarm.until(lambda: any(e["complete"] and e["group_size"] == 2 for e in a.events("round")), 60,
+                              "a complete round of stage 1's pair")
+            forger = Forgers(swarm, 1, "squatter")
+            await swarm.stop(last)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not any(r.stage == 2 for p in (a, b) for r in p.peer.replicas):
+                assert loop.time() < deadline, f"nobody refilled stage 2\n{swarm.history()}"
+                await forger.announce(2, applied_rounds=0, digest="f" * 24, round_no=0)
+                await asyncio.sleep(0.5)
+            assert a.alive and b.alive
+
+    inprocess(scenario, timeout=110)
