@@ -287,9 +287,10 @@ def test_stage_service_counts_a_window_per_stage() -> None:
 
 def test_a_stage_held_only_by_a_forged_record_is_refilled_by_real_peers(inprocess) -> None:
     """The wiring, with real peers in one event loop (tests/support/swarm.py): stage 2's replica
-    stops and a fresh id keeps an ONLINE record under stage 2 alive; stage 1's two replicas
-    (rebalancing on) completed rounds together. Nothing trains once stage 2 is gone. On today's code
-    the forged record holds stage 2 for as long as it is renewed; now, one window
+    stops and three fresh ids keep ONLINE records under stage 2 alive (each one's claimed
+    throughput bounded by a proven rate: together they make stage 2 look served); stage 1's two
+    replicas (rebalancing on) completed rounds together. Nothing trains once stage 2 is gone. On
+    today's code the forged records hold stage 2 for as long as they are renewed; now, one window
     (evidence.unserved_after: 2 x (2 s + 0 s) + 4 x 1 s here) after their last trained microbatch,
     one of them moves to stage 2."""
     from support.hostile import Forgers
@@ -300,12 +301,13 @@ def test_a_stage_held_only_by_a_forged_record_is_refilled_by_real_peers(inproces
 
     async def scenario() -> None:
         async with InProcessSwarm(m) as swarm:
-            swarm.start(0)
+            swarm.start(0), swarm.start(0)  # stages 0 and 1 alike: no bottleneck move
             a, b = swarm.start(1, rebalance="on"), swarm.start(1, rebalance="on")
             last = swarm.start(2)
             await swarm.until(lambda: any(e["complete"] and e["group_size"] == 2 for e in a.events("round")), 60,
                               "a complete round of stage 1's pair")
-            forger = Forgers(swarm, 1, "squatter")
+            forger = Forgers(swarm, 3, "squatter")  # three: stage 2 is no bottleneck either
+            await forger.announce(2, applied_rounds=0, digest="f" * 24, round_no=0)
             await swarm.stop(last)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 60
