@@ -262,7 +262,25 @@ def test_a_fresh_id_with_its_own_record_cannot_plant_a_backup() -> None:
         assert (await put(planted, "fresh")).status == pb.UNAUTHORIZED and store.copies[1].digest == honest.digest
         assert (1, 8) in reads
 
+    async def first_rounds() -> None:
+        """Before the stage's first completed round a record is enough, as before; a copy taken so
+        gives its pusher no standing once a completed round is seen."""
+        seen: dict[tuple[int, int], Any] = {}
+
+        async def later_votes(stage: int, round_no: int) -> tuple[dict, dict]:
+            return seen.get((stage, round_no), ({}, {}))
+
+        store = BackupStore(identity, 2, lambda s: dict(trained().shapes), 1 << 22, peer_id=me, swarm=swarm,
+                            timeout=1.0, votes=later_votes)
+        request = pb.BackupPut(envelope=envelope(identity, 1), state=state_response(honest))
+        assert (await store.handle_put(request, "fresh")).status == pb.OK
+        seen[(1, 8)] = _completed("r1", "r2")
+        request = pb.BackupPut(envelope=envelope(identity, 1), state=state_response(planted))
+        ack = await store.handle_put(request, "fresh")
+        assert ack.status == pb.UNAUTHORIZED and store.copies[1].digest == honest.digest, ack
+
     asyncio.run(main())
+    asyncio.run(first_rounds())
 
 
 def test_a_restore_prefers_evidence_to_claims(monkeypatch: pytest.MonkeyPatch) -> None:

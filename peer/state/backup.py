@@ -103,8 +103,9 @@ def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: in
     none. None where this peer never saw a completed round of `stage` (a swarm's first rounds, a
     stage only ever served by one replica, which posts no votes): every ONLINE record counts, as
     placement counts records before its first completed round. `held_from`: who pushed the copy
-    held now; that pusher stays a replica for its own next copies (a replica left alone by its
-    partners posts no votes and would otherwise lose its backups once its proof aged out)."""
+    held now, if it was proven when it pushed it; that pusher stays a replica for its own next
+    copies (a replica left alone by its partners posts no votes and would otherwise lose its
+    backups once its proof aged out)."""
     records = view.get(stage, ())
     if not any(r.peer_id == caller and r.state == ONLINE for r in records):
         return f"{caller[-8:]} is not an online replica of stage {stage}"
@@ -187,6 +188,7 @@ class BackupStore:
             return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the swarm to check the pusher; try later")
         why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
                           request.state.applied_rounds)
+        proven: frozenset[str] | None = None
         if why is None:  # the claims hold: now whether the caller did the stage's work
             try:
                 proven = await self._proven(stage, request.state.round, swarm_round(view))
@@ -211,7 +213,11 @@ class BackupStore:
             return pb.BackupAck(status=pb.STALE_STATE, reason=f"we hold a newer copy ({held.applied_rounds} rounds)")
         self.copies[stage] = StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest,
                                            res.trained_samples)
-        self.pushers[stage] = str(caller)
+        if proven is not None and str(caller) in proven:
+            self.pushers[stage] = str(caller)
+        elif proven is None:
+            # taken on its record alone (no completed round of the stage seen): no standing later
+            self.pushers.pop(stage, None)
         logger.info("holding a backup of stage %d (%d rounds) from %s", stage, res.applied_rounds, str(caller)[-8:])
         return pb.BackupAck(status=pb.OK)
 
