@@ -162,6 +162,91 @@ def test_a_fresh_id_online_under_a_stage_of_two_cannot_plant_a_backup(inprocess)
     inprocess(scenario)
 
 
+def test_a_stage_of_one_replica_takes_backups_only_from_the_replica_that_serves_it(inprocess) -> None:
+    """A lone replica posts no votes, so no completed round of its stage is ever seen. Its copies are
+    taken once it has been the stage's one live record while the holder trained (a microbatch goes
+    through every stage). A fresh id writing an ONLINE record beside it and pushing a copy one round
+    ahead was taken before (and restored if the stage emptied); now it is refused, and the lone
+    replica's pushes still land."""
+    from swarmgrad.peer.state.backup import push_backup
+    from swarmgrad.peer.state.stage_state import StageState
+    from swarmgrad.peer.model import from_manifest
+    from swarmgrad.protocol.validation import RunIdentity
+    from support.hostile import Forgers
+
+    m = step_manifest(2, averaging={"backup_every": 1, "backup_link_share": 1.0})
+    model, identity = from_manifest(m), RunIdentity(m.run_id, m.hash)
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            driver, lone = swarm.start(0), swarm.start(1)
+            await swarm.wait_for(lone, lambda e: e["event"] == "backup", 60, "the lone replica's first push")
+            store = driver.peer._backup_store
+            held = store.copies[1]
+            planter = Forgers(swarm, 1, "beside")
+            await planter.announce(1, applied_rounds=held.applied_rounds, digest=held.digest, round_no=held.round)
+            state = StageState(model.build_stage(1), m.outer)
+            state.commit(0)
+            copy = dataclasses.replace(state.snapshot, round=held.round + 1, applied_rounds=held.applied_rounds + 1)
+            rpc = FramedRPC(swarm.client("beside"), f"swarmgrad/{m.run_id}/backup", Traffic(),
+                            max_message_bytes=1 << 26)
+            for _ in range(2):
+                assert not await push_backup(rpc, driver.peer_id, identity, 1, copy, timeout=20)
+                assert store.copies[1].digest != copy.digest, "a fresh id's copy is what stage 1 restores"
+            now = store.copies[1].applied_rounds
+            await swarm.until(lambda: store.copies[1].applied_rounds > now, 60, "a later push of the lone replica")
+
+    inprocess(scenario)
+
+
+def test_a_lone_replica_is_the_stages_pusher_once_the_holder_trained() -> None:
+    """BackupStore over a scripted swarm: stage 1's one live record is "lone"; no completed round
+    of it exists. Its first push is refused (the holder first sees it alone), taken once the holder
+    trained since; a fresh id's record beside it gets nothing, nor alone in a stage nothing trains."""
+    from swarmgrad.peer.state.backup import BackupStore, backup_holders, put_refusal
+    from swarmgrad.peer.state.sync import state_response
+    from swarmgrad.protocol.validation import RunIdentity, envelope
+    from support.records import rec
+    from support.state import trained
+
+    identity = RunIdentity("run", "h" * 32)
+    view = {0: [rec(f"d{i}", stage=0, round_no=9) for i in range(3)], 1: [rec("lone", round_no=9, applied=8)]}
+    me = backup_holders("run", 1, view)[0]
+    assert "not shown to serve" in put_refusal(view, "run", 1, "lone", me, 10, 9, served_alone=False)
+    assert put_refusal(view, "run", 1, "lone", me, 10, 9, served_alone=True) is None
+    honest = dataclasses.replace(trained(1).snapshot, round=9, applied_rounds=8)
+    planted = dataclasses.replace(trained(2).snapshot, round=10, applied_rounds=9)
+    microbatches = [0]
+
+    async def swarm() -> dict:
+        return view
+
+    async def votes(stage: int, round_no: int) -> tuple[dict, dict]:
+        return {}, {}
+
+    async def main() -> None:
+        store = BackupStore(identity, 2, lambda s: dict(trained().shapes), 1 << 22, peer_id=me, swarm=swarm,
+                            timeout=1.0, votes=votes, trained=lambda: microbatches[0])
+
+        def put(snapshot: Any, caller: str) -> Any:
+            return store.handle_put(pb.BackupPut(envelope=envelope(identity, 1), state=state_response(snapshot)),
+                                    caller)
+        assert (await put(honest, "lone")).status == pb.UNAUTHORIZED
+        microbatches[0] += 4
+        assert (await put(honest, "lone")).status == pb.OK
+        view[1] = [rec("lone", round_no=9, applied=8), rec("fresh", round_no=9, applied=8)]
+        microbatches[0] += 4
+        ack = await put(planted, "fresh")
+        assert ack.status == pb.UNAUTHORIZED and "not shown to serve" in ack.reason, ack
+        assert (await put(honest, "lone")).status == pb.OK  # the pusher of the copy held
+        view[1] = [rec("fresh", round_no=9, applied=8)]  # the lone replica left: nothing trains now
+        for _ in range(3):
+            assert (await put(planted, "fresh")).status == pb.UNAUTHORIZED
+        assert store.copies[1].digest == honest.digest
+
+    asyncio.run(main())
+
+
 def test_whose_backup_a_holder_takes() -> None:
     """backup.put_refusal over one snapshot of the swarm: a current replica of the stage, pushing to
     one of the stage's holders, at most one round ahead of what the stage's replicas announce (lower

@@ -159,6 +159,8 @@ class Peer:
         self.replicas: list[Replica] = []
         """The replica being served (two during a move)."""
         self.moves = 0
+        self._trained_before = 0
+        """Microbatches trained by the replicas this peer has left (`_trained`)."""
         self._maddrs: tuple[str, ...] = ()
         self._backup_rpc: FramedRPC | None = None
         self._tokenizer_rpc: FramedRPC | None = None
@@ -255,6 +257,11 @@ class Peer:
         except OSError as e:
             raise RuntimeError(f"--metrics-port {port}: cannot serve metrics on {host}: {e.strerror or e}") from None
 
+    def _trained(self) -> int:
+        """Microbatches this peer's replicas trained ever (never decreases): a backup holder's
+        evidence that the pipeline, so every stage, is served (peer/state/backup.py)."""
+        return self._trained_before + sum(r.worker.microbatches_total for r in self.replicas if r.worker is not None)
+
     async def _backups(self, p2p) -> FramedRPC:
         """Serve the backups this peer holds for other stages (peer/state/backup.py)."""
         shapes: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -272,7 +279,7 @@ class Peer:
 
         self._backup_store = BackupStore(self.identity, self.n_stages, shapes_of, self.max_message_bytes,
                                          peer_id=self.peer_id, swarm=self.swarm.swarm, timeout=self.m.timeouts.dht,
-                                         votes=votes)
+                                         votes=votes, trained=self._trained)
         rpc = FramedRPC(p2p, f"swarmgrad/{self.m.run_id}/backup", self.traffic, self.max_message_bytes,
                         read_timeout=self.m.timeouts.state_download,
                         gate=self.admission.check if self.admission is not None else None)
@@ -365,6 +372,7 @@ class Peer:
         except Exception as e:  # the old replica's whole run: a bug there must not stop the move
             logger.error("stage %d ended with %s: %s", old.stage, type(e).__name__, e, exc_info=e)
         await old.close()
+        self._trained_before += old.worker.microbatches_total if old.worker is not None else 0
         self.replicas.remove(old)
         self.moves += 1
         rebalancer.moved()

@@ -45,7 +45,7 @@ from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
-from swarmgrad.peer.records import ONLINE, PeerRecord
+from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import FP32_ONLY
 from swarmgrad.protocol.framing import ProtocolError
@@ -95,7 +95,7 @@ def swarm_round(view: Mapping[int, Sequence[PeerRecord]]) -> int | None:
 
 def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: int, caller: str, self_id: str,
                 claim_round: int, claim_applied: int, *, proven: Collection[str] | None = None,
-                held_from: str | None = None) -> str | None:
+                held_from: str | None = None, served_alone: bool | None = None) -> str | None:
     """Why this peer (`self_id`) must not take `caller`'s copy of `stage` (None: it may). Pure.
 
     `proven`: the ids this peer saw vote in a completed round of `stage` lately (WorkSeen); only
@@ -105,13 +105,22 @@ def put_refusal(view: Mapping[int, Sequence[PeerRecord]], run_id: str, stage: in
     placement counts records before its first completed round. `held_from`: who pushed the copy
     held now, if it was proven when it pushed it; that pusher stays a replica for its own next
     copies (a replica left alone by its partners posts no votes and would otherwise lose its
-    backups once its proof aged out)."""
+    backups once its proof aged out).
+
+    `served_alone`, where `proven` is None: whether the caller has been the stage's one live record
+    while this peer's own replica trained (a microbatch goes through every stage, so the stage was
+    served, and by it: it was the only one there). A record written beside a lone replica, or
+    into a stage its replicas left (nothing trains then), is not; None: not known (every ONLINE
+    record counts, as before)."""
     records = view.get(stage, ())
     if not any(r.peer_id == caller and r.state == ONLINE for r in records):
         return f"{caller[-8:]} is not an online replica of stage {stage}"
     if proven is not None and caller not in proven and caller != held_from:
         return (f"{caller[-8:]} is not a proven replica of stage {stage}: this peer saw it in no completed, "
                 f"voted round of the stage")
+    if proven is None and served_alone is False and caller != held_from:
+        return (f"{caller[-8:]} is not shown to serve stage {stage}: no completed round of it seen, and it has "
+                f"not been its one live replica while this peer trained")
     if self_id not in backup_holders(run_id, stage, view)[:RESTORE_HOLDERS]:
         return f"this peer does not hold backups of stage {stage}"
     position = stage_position(records)
@@ -145,11 +154,13 @@ class BackupStore:
                  max_numel: int, *, peer_id: str,
                  swarm: Callable[[], Awaitable[Mapping[int, Sequence[PeerRecord]]]], timeout: float,
                  votes: Callable[[int, int], Awaitable[tuple[Mapping[str, str], Mapping[str, Mapping[str, Any]]]]]
-                 | None = None):
+                 | None = None, trained: Callable[[], int] | None = None):
         """`swarm`: reads every stage's records (SwarmView.swarm), which decide whose copies are
         taken (`put_refusal`); `votes(stage, round)`: that round's outcome votes and registrations
         (SwarmView.round_checks, round_registrations), which prove who is a replica (None: nobody
-        is proven, every ONLINE record counts); `timeout`: the deadline of each read (timeouts.dht)."""
+        is proven, every ONLINE record counts); `trained()`: the microbatches this peer's replicas
+        trained ever, which show a stage of one replica served (`put_refusal`'s `served_alone`;
+        None: not known); `timeout`: the deadline of each read (timeouts.dht)."""
         self.identity = identity
         self.peer_id = peer_id
         self.swarm = swarm
@@ -161,7 +172,10 @@ class BackupStore:
         partners left stays proven until its first push alone, even where pushes are paced or
         `backup_every` is large, and is then the pusher of the copy held (`put_refusal`)."""
         self.pushers: dict[int, str] = {}
-        """Stage -> who pushed the copy held of it."""
+        """Stage -> who pushed the copy held of it, if it was proven or served alone then."""
+        self.trained = trained
+        self._alone: dict[int, tuple[str, int]] = {}
+        """Stage -> (its one live record's id, `trained()` when this peer first saw it so)."""
         self.n_stages = n_stages
         self.shapes_of = shapes_of
         self.max_numel = max_numel
@@ -194,8 +208,10 @@ class BackupStore:
                 proven = await self._proven(stage, request.state.round, swarm_round(view))
             except NETWORK_FAILURES:
                 return pb.BackupAck(status=pb.NOT_READY, reason="cannot read the stage's round votes; try later")
+            alone = self._served_alone(view, stage, str(caller)) if proven is None else None
             why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
-                              request.state.applied_rounds, proven=proven, held_from=self.pushers.get(stage))
+                              request.state.applied_rounds, proven=proven, held_from=self.pushers.get(stage),
+                              served_alone=alone)
         if why is not None:
             logger.info("refused a backup of stage %d from %s: %s", stage, str(caller)[-8:], why)
             return pb.BackupAck(status=pb.UNAUTHORIZED, reason=why)
@@ -213,7 +229,7 @@ class BackupStore:
             return pb.BackupAck(status=pb.STALE_STATE, reason=f"we hold a newer copy ({held.applied_rounds} rounds)")
         self.copies[stage] = StateSnapshot(res.params, res.momentum, res.round, res.applied_rounds, res.digest,
                                            res.trained_samples)
-        if proven is not None and str(caller) in proven:
+        if (proven is not None and str(caller) in proven) or (proven is None and alone):
             self.pushers[stage] = str(caller)
         elif proven is None:
             # taken on its record alone (no completed round of the stage seen): no standing later
@@ -238,6 +254,23 @@ class BackupStore:
         if not self.work.seen(stage):
             return None
         return frozenset(p for p, s in self.work.proven(max(round_no, swarm or 0)) if s == stage)
+
+    def _served_alone(self, view: Mapping[int, Sequence[PeerRecord]], stage: int, caller: str) -> bool | None:
+        """`put_refusal`'s `served_alone`: `caller` is the stage's one live record and this peer
+        trained since it first saw it so (the first push after that is refused; the pusher tries
+        again after its next round). None without `trained`."""
+        if self.trained is None:
+            return None
+        live = {r.peer_id for r in view.get(stage, ()) if r.state in (ONLINE, JOINING)}
+        if live != {caller}:
+            self._alone.pop(stage, None)
+            return False
+        count = self.trained()
+        seen = self._alone.get(stage)
+        if seen is None or seen[0] != caller:
+            self._alone[stage] = (caller, count)
+            return False
+        return count > seen[1]
 
     def _forget_unheld(self, view: Mapping[int, Sequence[PeerRecord]]) -> None:
         """Drop the copies of stages this peer no longer holds for (the holders moved): storage stays
