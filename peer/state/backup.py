@@ -45,7 +45,7 @@ from swarmgrad.peer.state.stage_state import StateSnapshot, state_digest
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.errors import NETWORK_FAILURES, BestEffort
-from swarmgrad.peer.records import JOINING, ONLINE, PeerRecord
+from swarmgrad.peer.records import ONLINE, PeerRecord
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import FP32_ONLY
 from swarmgrad.protocol.framing import ProtocolError
@@ -256,13 +256,14 @@ class BackupStore:
         return frozenset(p for p, s in self.work.proven(max(round_no, swarm or 0)) if s == stage)
 
     def _served_alone(self, view: Mapping[int, Sequence[PeerRecord]], stage: int, caller: str) -> bool | None:
-        """`put_refusal`'s `served_alone`: `caller` is the stage's one live record and this peer
+        """`put_refusal`'s `served_alone`: `caller` is the stage's one record and this peer
         trained since it first saw it so (the first push after that is refused; the pusher tries
         again after its next round). None without `trained`."""
         if self.trained is None:
             return None
-        live = {r.peer_id for r in view.get(stage, ()) if r.state in (ONLINE, JOINING)}
-        if live != {caller}:
+        # any other record, LEAVING too: a leaving replica serves its last round's microbatches,
+        # which would show the stage served while only the caller is live
+        if {r.peer_id for r in view.get(stage, ())} != {caller}:
             self._alone.pop(stage, None)
             return False
         count = self.trained()
