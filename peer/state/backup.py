@@ -19,7 +19,9 @@ state download (names, shapes, fp32, bounded counters, recomputed digest) and se
 Whose copies a holder takes (`put_refusal`, docs/trust.md "Backups"): a copy is a claim by one peer,
 so a holder takes it only from a peer whose signed record is ONLINE under that stage (a current
 replica) and, once the holder has seen a completed round of the stage, that voted in one lately
-(a proven replica: a record is a claim anyone writes, a vote in a completed round is work), only for a stage it is itself a rendezvous holder of (one of the RESTORE_HOLDERS a refill
+(a proven replica: a record is a claim anyone writes, a vote in a completed round is work), or,
+before that, that has been the stage's only record while the holder's own replicas trained (a
+microbatch goes through every stage: a lone replica, which posts no votes, shows so), only for a stage it is itself a rendezvous holder of (one of the RESTORE_HOLDERS a refill
 asks), and only if the copy is at most one round ahead of what the stage's replicas announce
 (`stage_position`: the lower medians of their rounds and applied rounds, so one record claiming
 more moves nothing) and of the swarm's round (`swarm_round`, which bounds a stage whose only
