@@ -205,6 +205,7 @@ class BackupStore:
         why = put_refusal(view, self.identity.run_id, stage, str(caller), self.peer_id, request.state.round,
                           request.state.applied_rounds)
         proven: frozenset[str] | None = None
+        alone: bool | None = None
         if why is None:  # the claims hold: now whether the caller did the stage's work
             try:
                 proven = await self._proven(stage, request.state.round, swarm_round(view))
