@@ -267,6 +267,13 @@ def test_a_stage_of_one_replica_is_served_while_the_pipeline_trains() -> None:
     out = check(rebs, peers, trained=4)
     assert all(snap.empty_stages == () for snap, _ in out.values())
     assert all(d is None for p, (_, d) in out.items() if p != mover), out
+    # the move done, the pipeline trains again: nobody moves back or on (no oscillation)
+    stay = next(p for p in peers if p != mover)
+    view[0], view[1] = [rec(stay, 0)], [rec("lone", 1, rate=2.0), rec(mover, 1)]
+    for n, t in enumerate((500.0, 600.0, 700.0, 800.0), start=5):
+        clock.now = t
+        out = check(rebs, {stay: 0, mover: 1}, trained=n)
+        assert all(snap.empty_stages == () and d is None for snap, d in out.values()), (t, out)
 
 
 def test_stage_service_counts_a_window_per_stage() -> None:
