@@ -258,8 +258,9 @@ class Peer:
             raise RuntimeError(f"--metrics-port {port}: cannot serve metrics on {host}: {e.strerror or e}") from None
 
     def _trained(self) -> int:
-        """Microbatches this peer's replicas trained ever (never decreases): a backup holder's
-        evidence that the pipeline, so every stage, is served (peer/state/backup.py)."""
+        """Microbatches this peer's replicas trained ever (never decreases, across moves too): a
+        backup holder's and the rebalancer's evidence that the pipeline, so every stage, is served
+        (peer/state/backup.py, peer/placement/evidence.py `StageService`)."""
         return self._trained_before + sum(r.worker.microbatches_total for r in self.replicas if r.worker is not None)
 
     async def _backups(self, p2p) -> FramedRPC:
@@ -322,8 +323,8 @@ class Peer:
                     clock, worker = replica.clock, replica.worker
                     assert worker is not None
                     mover = asyncio.create_task(rebalancer.next_move(
-                        replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current,
-                        lambda w=worker: w.microbatches_total), name="rebalance")
+                        replica.stage, lambda w=worker: w.rate.rate, lambda c=clock: c.current, self._trained),
+                        name="rebalance")
                 waiting = [main, stopper] + ([mover] if mover is not None else [])
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if mover is not None and mover not in done:
