@@ -15,14 +15,23 @@ stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those 
 run's summary names the test, so a leak is seen and found rather than piling up on the machine."""
 from __future__ import annotations
 
-import asyncio
 import os
+
+# One compute thread per process, set before torch is imported (here, and in every process a test
+# starts: they inherit it): the suite's models are tiny, and two OpenMP threads per process on a
+# shared 2-core machine spin at every barrier: at load ~13, tests/test_sparse_rounds.py took 90 s
+# with torch's default of 2 threads and 14 s with 1 (tests/test_model.py's 30 AdamW steps, 27 s and
+# 0.3 s). LocalSwarm's peers already ran with 1 (peer/cli/launcher.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import asyncio  # noqa: E402
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import psutil
 import pytest
+import torch
 
 from swarmgrad.peer.net.dht_process import remove_dead_sockets
 from swarmgrad.peer.cli.launcher import LocalSwarm, PrivateSwarm
@@ -30,6 +39,7 @@ from swarmgrad.peer.cli.launcher import small_manifest  # noqa: F401  (tests imp
 from swarmgrad.peer.manifest import Manifest, dumps
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before us
 
 
 TIERS = ("unit", "inprocess", "wire", "swarm", "browser")
