@@ -214,13 +214,17 @@ def test_private_run(private_swarm, tmp_path: Path) -> None:
         swarm.wait_for(p, lambda e: e["event"] == "round" and e["samples"] > 0, 120, "a trained round")
     if chromium_available():
         url = f"http://127.0.0.1:{swarm.http_port}/"
+        # the page reads /api/swarm at some moment between these two reads; rounds are 2 s, and on a
+        # loaded machine Chromium took longer than two of them (a check of ±1 round failed at load 20)
+        before = json.loads(_get(url + "api/swarm"))
         view = parse_dashboard(dump_dom(url, budget_ms=6000))
         api = json.loads(_get(url + "api/swarm"))
         assert view.js_error is None and view.api_state == "ok", (view.js_error, view.api_state)
         assert sorted(view.stages) == [s["stage"] for s in api["stages"]]
         for stage in api["stages"]:
             assert set(view.stages[stage["stage"]]) == {r["peer_id"] for r in stage["replicas"]}
-        assert abs(int(view.latest_round) - api["latest_round"]) <= 1
+        assert before["latest_round"] <= int(view.latest_round) <= api["latest_round"], (before["latest_round"],
+                                                                                          view.latest_round)
         # SWARMGRAD_SCREENSHOTS=docs/img keeps the picture the README shows
         shots = Path(os.environ.get("SWARMGRAD_SCREENSHOTS", tmp_path))
         screenshot(url, shots / "dashboard-live.png")
