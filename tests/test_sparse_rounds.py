@@ -16,7 +16,9 @@ from swarmgrad.peer.data import load_corpora, validation_batches
 from swarmgrad.peer.manifest import OuterOptConfig, from_dict
 from swarmgrad.peer.state.stage_state import StageState
 
-pytestmark = pytest.mark.timeout(120)
+# No timeout of its own (pyproject's 300 s catches a hang): this is compute only, and its time is the
+# machine's load (with two torch threads it hit a 120 s timeout at load 20; tests/conftest.py now
+# runs one, and it takes ~3 s).
 
 MANIFEST = from_dict({
     "run_id": "t", "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}, "stages": {"count": 1},
@@ -37,12 +39,13 @@ def run(name: str, rounds: int, data, **change) -> dict:
 
 
 def test_every_kind_of_variant_runs(data) -> None:
+    # two rounds: an overlapped variant's mean lands in the second (shift, rebase), which is also the last
     for name in ("fp32", "int8+ef/sgd1/overlap", "int8+ef/sgd1/eager", "int4+ef/gather/sgd1/swarm-moment/eager",
                  "ctk64b2+ef/reduce-ef"):
-        res = run(name, 3, data)
+        res = run(name, 2, data)
         assert math.isfinite(res["val"]) and res["bytes_per_sample"] > 0, name
-        assert res["samples"] == 3 * 2 * 2 * 8
-    assert math.isfinite(run_ddp(MANIFEST, 6, 2, *data)["val"])
+        assert res["samples"] == 2 * 2 * 2 * 8
+    assert math.isfinite(run_ddp(MANIFEST, 4, 2, *data)["val"])
 
 
 def test_overlap_changes_nothing_in_a_run_of_one_round_and_eager_differs_from_delayed(data) -> None:
