@@ -50,6 +50,10 @@ class ModelConfig:
     init_from: str = ""
     """llama: a Hugging Face checkpoint folder (config.json + safetensors) to start from instead of
     the seeded initialisation; relative to the manifest's folder. Each peer reads only its stage's tensors."""
+    boundary_subspace: int = 0
+    """llama: k > 0 constrains every residual write before the last stage boundary to a seeded
+    k-dimensional subspace, so k values per token cross a boundary instead of d_model, exactly
+    (docs/models.md); 0: off."""
     entry_point: str = ""
     """`package.module:function` returning a StagedModel; only with kind = "entry_point"."""
     params: Mapping[str, Any] = field(default_factory=dict)

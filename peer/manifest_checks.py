@@ -187,7 +187,8 @@ def _check_data_source(m: Manifest) -> None:
                                       "its shards (choose the files with data.paths)")
 
 
-_LLAMA_ONLY = ("n_kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "init_from")
+_LLAMA_ONLY = ("n_kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "init_from",
+               "boundary_subspace")
 
 
 def _check_llama(m: Manifest) -> None:
@@ -215,9 +216,32 @@ def _check_llama(m: Manifest) -> None:
                                             f"{m.stages.count - 1}) on one stage: on two, the one tensor would live "
                                             "on two peers that drift apart between averaging rounds; set "
                                             "stages.count = 1 or tie_embeddings = false")
+    _check_boundary_subspace(m)
     # byte-level data feeds ids 0..255; a tokenizer (data.tokenizer, when named) gives its own vocabulary
     if not getattr(m.data, "tokenizer", "") and md.vocab_size < 256:
         raise _fail("model.vocab_size", f"must be >= 256 with byte-level data (got {md.vocab_size})")
+
+
+def _check_boundary_subspace(m: Manifest) -> None:
+    md, k = m.model, m.model.boundary_subspace
+    if k == 0:
+        return
+    if not 0 < k < md.d_model:
+        raise _fail("model.boundary_subspace", f"must be 0 (off) or in 1..{md.d_model - 1}, below model.d_model "
+                                               f"(got {k})")
+    if m.stages.count < 2:
+        raise _fail("model.boundary_subspace", "constrains what crosses a stage boundary and a one-stage run has "
+                                               "none: set stages.count >= 2 or boundary_subspace = 0")
+    if md.tie_embeddings:
+        raise _fail("model.boundary_subspace", "with tie_embeddings: the head would reuse an embedding split "
+                                               "into a frozen and a subspace part; set tie_embeddings = false")
+    if md.init_from:
+        raise _fail("model.boundary_subspace", "with model.init_from: a checkpoint's full-rank residual writes "
+                                               "have no exact k-dimensional form; start from the seeded "
+                                               "initialisation or set boundary_subspace = 0")
+    if md.vocab_size > 1 << 24:
+        raise _fail("model.boundary_subspace", f"carries token ids in fp32, exact up to 2^24; vocab_size is "
+                                               f"{md.vocab_size}")
 
 
 def _check_codec(name: str, spec: str) -> None:

@@ -39,7 +39,7 @@ PINNED = {
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
 # kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer
-PINNED_HASH = "7b804cb8c18b3a856b5666ed41ef5b81"
+PINNED_HASH = "ded7c6f0b661f5f3e167315965d20f74"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -284,6 +284,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "model.rope_theta": [{"kind": "llama", "rope_theta": 20000.0}],
         "model.norm_eps": [{"kind": "llama", "norm_eps": 1e-6}],
         "model.init_from": [{"kind": "llama", "init_from": "checkpoint"}],
+        "model.boundary_subspace": [{"kind": "llama", "boundary_subspace": 8}],
     }
     if key == "model.tie_embeddings":  # needs the embedding and the head on one stage
         return [{"model": {"kind": "llama", "tie_embeddings": True}, "stages": {"count": 1}}]

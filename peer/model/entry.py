@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from .gpt import GPTConfig, _check_layers_per_stage, build_gpt_stage, gpt_loss, split_layers
+from .subspace import TokenCarry, loss_targets
 
-__all__ = ["StagedModel", "gpt_staged_model", "gpt_from_params", "load_entry_point"]
+__all__ = ["StagedModel", "TokenCarry", "gpt_staged_model", "gpt_from_params", "load_entry_point"]
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -43,6 +44,10 @@ class StagedModel:
     """(stage, batch) -> (shape, dtype) of that stage's output."""
     targets_spec: Callable[[int], TensorSpec]
     """batch -> (shape, dtype) of the targets that travel with a microbatch."""
+    token_carry: TokenCarry | None = None
+    """Set when stages past the first need the token ids (``boundary_subspace``): the driver sends
+    ``wire_targets``, a stage server feeds its module ``stage_input`` and sends back ``input_grad``
+    (peer/model/subspace.py). ``input_spec`` of a stage >= 1 is then what crosses, not the module's input."""
 
     def __post_init__(self) -> None:
         if self.n_stages < 1:
@@ -57,13 +62,18 @@ def gpt_staged_model(cfg: GPTConfig, layers_per_stage: Sequence[int], seed: int)
 
 
 def decoder_staged_model(n: int, seq_len: int, d_model: int, vocab_size: int,
-                         build_stage: Callable[[int], nn.Module]) -> StagedModel:
+                         build_stage: Callable[[int], nn.Module], boundary_subspace: int = 0) -> StagedModel:
     """A decoder LM of `n` stages (the built-in GPT's and Llama's shape): token ids into stage 0,
     the fp32 residual stream of `d_model` between stages, logits out of the last, next-token
-    cross entropy (gpt_loss) on the targets."""
+    cross entropy (gpt_loss) on the targets.
+
+    ``boundary_subspace`` = k > 0 (Llama): k fp32 values per token cross each boundary, and the
+    targets that travel are [B, T+1], each sequence's first id in front (peer/model/subspace.py)."""
+    carry = TokenCarry(boundary_subspace, seq_len) if boundary_subspace else None
+    width = boundary_subspace or d_model
 
     def hidden(batch: int) -> TensorSpec:
-        return (batch, seq_len, d_model), torch.float32
+        return (batch, seq_len, width), torch.float32
 
     def input_spec(stage: int, batch: int) -> TensorSpec:
         _check_stage(stage, n)
@@ -76,11 +86,17 @@ def decoder_staged_model(n: int, seq_len: int, d_model: int, vocab_size: int,
     return StagedModel(
         n_stages=n,
         build_stage=build_stage,
-        loss_fn=gpt_loss,
+        loss_fn=gpt_loss if carry is None else _carried_loss,
         input_spec=input_spec,
         output_spec=output_spec,
-        targets_spec=lambda batch: ((batch, seq_len), torch.int64),
+        targets_spec=lambda batch: ((batch, seq_len + (carry is not None)), torch.int64),
+        token_carry=carry,
     )
+
+
+def _carried_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """gpt_loss on the targets a TokenCarry sent ([B, T+1]) or on plain ones ([B, T])."""
+    return gpt_loss(logits, loss_targets(targets, logits.shape[1]))
 
 
 def gpt_from_params(params: Mapping[str, Any], n_stages: int, seed: int) -> StagedModel:

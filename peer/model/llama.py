@@ -73,6 +73,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    boundary_subspace: int = 0
+    """k > 0: residual writes before the last stage boundary constrained to a seeded k-dimensional
+    subspace, so k values per token cross a boundary (peer/model/subspace.py); 0: off."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
@@ -88,6 +91,9 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: head dimension d_model / n_heads = {self.head_dim} must be even (rotary)")
         if not (self.rope_theta > 0 and self.norm_eps > 0):
             raise ValueError("LlamaConfig.rope_theta and norm_eps must be > 0")
+        if not 0 <= self.boundary_subspace < self.d_model:
+            raise ValueError(f"LlamaConfig.boundary_subspace must be in [0, d_model={self.d_model}), "
+                             f"got {self.boundary_subspace}")
 
     @property
     def kv_heads(self) -> int:
@@ -142,13 +148,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, out_dim: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.hd, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.hd, out_dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -163,27 +169,37 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, out_dim: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, out_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """A pre-norm block; ``out_dim`` < d_model: its two residual writes are subspace coefficients
+    (``forward_subspace``)."""
+
+    def __init__(self, cfg: LlamaConfig, out_dim: int | None = None) -> None:
         super().__init__()
+        out_dim = out_dim or cfg.d_model
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, out_dim)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, out_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_subspace(self, base: Tensor, z: Tensor, basis: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The residual is ``base + z·basisᵀ``, rebuilt before each read so that a receiver of z
+        rebuilds exactly what was read here; returns the new z."""
+        z = z + self.self_attn(self.input_layernorm(base + z @ basis.T), cos, sin)
+        return z + self.mlp(self.post_attention_layernorm(base + z @ basis.T))
 
 
 class LlamaStage(nn.Module):
@@ -196,12 +212,25 @@ class LlamaStage(nn.Module):
         super().__init__()
         if cfg.tie_embeddings and n_stages > 1:
             raise ValueError("tie_embeddings needs the embedding and the head on one stage (stages.count = 1)")
+        if cfg.boundary_subspace and n_stages < 2:
+            raise ValueError("boundary_subspace constrains what crosses a stage boundary: it needs stages.count >= 2")
         self.cfg = cfg
         self.stage_index, self.n_stages, self.first_layer = stage_index, n_stages, first_layer
         self.is_first, self.is_last = stage_index == 0, stage_index == n_stages - 1
+        self.k = cfg.boundary_subspace
+        # the last stage's layers write freely: nothing crosses after them
+        self.constrained = bool(self.k) and not self.is_last
         if self.is_first:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(first_layer + j): DecoderLayer(cfg) for j in range(n_layers)})
+            if self.k:
+                self.embed_subspace = nn.Embedding(cfg.vocab_size, self.k)
+            else:
+                self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if self.k:
+            # seeded, never trained, sent, averaged or saved (peer/model/subspace.py): buffers
+            self.register_buffer("basis", torch.empty(cfg.d_model, self.k), persistent=False)
+            self.register_buffer("frozen_embed", torch.empty(cfg.vocab_size, cfg.d_model), persistent=False)
+        out_dim = self.k if self.constrained else cfg.d_model
+        self.layers = nn.ModuleDict({str(first_layer + j): DecoderLayer(cfg, out_dim) for j in range(n_layers)})
         if self.is_last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             if not cfg.tie_embeddings:
@@ -213,6 +242,8 @@ class LlamaStage(nn.Module):
         t = x.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds model.seq_len={self.cfg.seq_len}")
+        if self.k:
+            return self._forward_subspace(x)
         if self.is_first:
             x = self.embed_tokens(x)
         cos, sin = rotary_tables(self.cfg, t, x.device)
@@ -223,6 +254,25 @@ class LlamaStage(nn.Module):
             x = F.linear(x, self.embed_tokens.weight) if self.cfg.tie_embeddings else self.lm_head(x)
         return x
 
+    def _forward_subspace(self, x: Tensor) -> Tensor:
+        """Stage 0: ids [B, T]; later stages: [B, T, k+1], z then the ids as fp32
+        (TokenCarry.stage_input). Stages before the last return z [B, T, k]."""
+        if self.is_first:
+            ids = x
+            z = self.embed_subspace(ids)
+        else:
+            ids, z = x[..., self.k].long(), x[..., :self.k]
+        base = F.embedding(ids, self.frozen_embed)
+        cos, sin = rotary_tables(self.cfg, x.shape[1], x.device)
+        if self.constrained:
+            for layer in self.layers.values():
+                z = layer.forward_subspace(base, z, self.basis, cos, sin)
+            return z
+        x = base + z @ self.basis.T
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter from generators keyed by (seed, "llama", piece); see the module doc."""
@@ -230,8 +280,11 @@ class LlamaStage(nn.Module):
         # Residual projections scaled by 1/sqrt(2·n_layers) (GPT-2): each layer adds two of them
         # to the residual stream, whose variance would otherwise grow with depth.
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        if self.k:
+            self.init_buffers(seed)
         if self.is_first:
-            self.embed_tokens.weight.normal_(0.0, std, generator=seeded_generator(seed, "llama", "embed"))
+            embed = self.embed_subspace if self.k else self.embed_tokens
+            embed.weight.normal_(0.0, std, generator=seeded_generator(seed, "llama", "embed"))
         for key, layer in self.layers.items():
             gen = seeded_generator(seed, "llama", "layer", int(key))
             layer.input_layernorm.weight.fill_(1.0)
@@ -244,6 +297,14 @@ class LlamaStage(nn.Module):
             self.norm.weight.fill_(1.0)
             if not self.cfg.tie_embeddings:
                 self.lm_head.weight.normal_(0.0, std, generator=seeded_generator(seed, "llama", "head"))
+
+
+    @torch.no_grad()
+    def init_buffers(self, seed: int) -> None:
+        """The seeded subspace basis and frozen embedding (boundary_subspace only)."""
+        from .subspace import frozen_embedding, subspace_basis
+        self.basis.copy_(subspace_basis(seed, self.cfg.d_model, self.k))
+        self.frozen_embed.copy_(frozen_embedding(seed, self.cfg.vocab_size, self.cfg.d_model))
 
 
 def build_llama_stage(cfg: LlamaConfig, layers_per_stage: Sequence[int], stage: int, seed: int,
@@ -263,6 +324,8 @@ def build_llama_stage(cfg: LlamaConfig, layers_per_stage: Sequence[int], stage: 
     if not layers or any(n < 1 for n in layers) or sum(layers) != cfg.n_layers:
         raise ValueError(f"layers_per_stage={layers} must give every stage >= 1 layer and sum to "
                          f"n_layers={cfg.n_layers}")
+    if init_from is not None and cfg.boundary_subspace:
+        raise ValueError(_SUBSPACE_INIT_FROM)
     if not 0 <= stage < len(layers):
         raise ValueError(f"stage {stage} out of range for {len(layers)} stages")
     with torch.device("meta"):
@@ -291,15 +354,25 @@ def llama_staged_model(cfg: LlamaConfig, layers_per_stage: Sequence[int], seed: 
                          f"n_layers={cfg.n_layers}")
     if cfg.tie_embeddings and len(layers) > 1:
         raise ValueError("tie_embeddings needs the embedding and the head on one stage (stages.count = 1)")
+    if cfg.boundary_subspace and len(layers) < 2:
+        raise ValueError("boundary_subspace constrains what crosses a stage boundary: it needs stages.count >= 2")
     if init_from is not None:
+        if cfg.boundary_subspace:
+            raise ValueError(_SUBSPACE_INIT_FROM)
         from .hf import check_hf_config
         check_hf_config(Path(init_from), cfg)
     return decoder_staged_model(len(layers), cfg.seq_len, cfg.d_model, cfg.vocab_size,
-                                lambda stage: build_llama_stage(cfg, layers, stage, seed, init_from))
+                                lambda stage: build_llama_stage(cfg, layers, stage, seed, init_from),
+                                boundary_subspace=cfg.boundary_subspace)
+
+
+_SUBSPACE_INIT_FROM = ("init_from with boundary_subspace: a checkpoint's full-rank residual writes have no exact "
+                       "k-dimensional form; start from the seeded initialisation or set boundary_subspace = 0")
 
 
 def llama_config(md) -> LlamaConfig:
     """The LlamaConfig of a manifest's ``[model]`` section."""
     return LlamaConfig(vocab_size=md.vocab_size, d_model=md.d_model, n_layers=md.n_layers, n_heads=md.n_heads,
                        n_kv_heads=md.n_kv_heads, seq_len=md.seq_len, ffn_hidden=md.ffn_hidden,
-                       rope_theta=md.rope_theta, norm_eps=md.norm_eps, tie_embeddings=md.tie_embeddings)
+                       rope_theta=md.rope_theta, norm_eps=md.norm_eps, tie_embeddings=md.tie_embeddings,
+                       boundary_subspace=md.boundary_subspace)

@@ -1,0 +1,162 @@
+"""boundary_subspace: the stage boundary is exact (split = the multiplied-out whole model, forward
+and backward), the specs and the manifest's checks, the HF export."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmgrad.peer.manifest import ManifestError, loads
+from swarmgrad.peer.model import from_manifest
+from swarmgrad.peer.model.entry import decoder_staged_model
+from swarmgrad.peer.model.llama import LlamaConfig, build_llama_stage, llama_staged_model, rotary_tables
+from swarmgrad.peer.model.subspace import TokenCarry, dense_tensors, frozen_embedding, subspace_basis
+
+K = 6
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=12, ffn_hidden=48,
+                  boundary_subspace=K)
+DENSE = LlamaConfig(**{**CFG.__dict__, "boundary_subspace": 0})
+SEED = 7
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return float((a - b).abs().max()) <= rel * max(float(b.abs().max()), 1e-12)
+
+
+def _batch(batch: int = 3):
+    gen = torch.Generator().manual_seed(1)
+    window = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len + 1), generator=gen)
+    return window[:, :-1], window[:, 1:]
+
+
+def _pipeline(split, tokens, targets):
+    """The stages as the swarm runs them: z crosses each boundary with the carried targets,
+    each receiver's input is a leaf, the gradient sent back is TokenCarry.input_grad of its grad."""
+    model = llama_staged_model(CFG, split, SEED)
+    carry = model.token_carry
+    stages = [model.build_stage(s) for s in range(len(split))]
+    sent = carry.wire_targets(tokens, targets)
+    outs, ins = [], []
+    x = tokens
+    for s, stage in enumerate(stages):
+        if s > 0:
+            x = carry.stage_input(outs[-1].detach(), sent).requires_grad_(True)
+            ins.append(x)
+        outs.append(stage(x))
+    loss = model.loss_fn(outs[-1], sent)
+    loss.backward()
+    for s in range(len(stages) - 2, -1, -1):
+        outs[s].backward(carry.input_grad(ins[s].grad))
+    grads = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    params = {n: p.detach() for st in stages for n, p in st.named_parameters()}
+    return outs, params, grads
+
+
+def _dense(params):
+    whole = build_llama_stage(DENSE, [DENSE.n_layers], 0, seed=0)
+    whole.load_state_dict(dense_tensors(params, SEED, CFG.vocab_size, CFG.d_model, K))
+    return whole
+
+
+@pytest.mark.parametrize("split", [[2, 2], [1, 3], [1, 1, 2], [1, 1, 1, 1]])
+def test_the_split_subspace_model_equals_its_whole_model_forward_and_backward(split):
+    tokens, targets = _batch()
+    outs, params, grads = _pipeline(split, tokens, targets)
+    for s, out in enumerate(outs[:-1]):
+        assert out.shape == (3, CFG.seq_len, K), "only k values per token cross a boundary"
+    whole = _dense(params)
+    logits = whole(tokens)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1)).backward()
+    assert _close(outs[-1].detach(), logits.detach())
+    u = subspace_basis(SEED, CFG.d_model, K)
+    dense_grads = dict(whole.named_parameters())
+    for name, g in grads.items():
+        if name == "embed_subspace.weight":
+            assert _close(g, dense_grads["embed_tokens.weight"].grad @ u), name
+        elif g.shape != dense_grads[name].shape:  # a constrained residual write: U·W multiplied out
+            assert _close(g, u.T @ dense_grads[name].grad), name
+        else:
+            assert _close(g, dense_grads[name].grad), name
+
+
+def test_the_residual_rebuilt_at_stage_1_is_the_one_stage_0_computed():
+    tokens, targets = _batch()
+    model = llama_staged_model(CFG, [2, 2], SEED)
+    s0, s1 = model.build_stage(0), model.build_stage(1)
+    z = s0(tokens)
+    x1 = model.token_carry.stage_input(z, model.token_carry.wire_targets(tokens, targets))
+    assert torch.equal(x1[..., K].long(), tokens), "the ids arrive exactly"
+    rebuilt = torch.nn.functional.embedding(tokens, s1.frozen_embed) + x1[..., :K] @ s1.basis.T
+    # stage 0's residual after its layers, in the unconstrained (multiplied-out) model
+    params = {n: p.detach() for st in (s0, s1) for n, p in st.named_parameters()}
+    whole = _dense(params)
+    h = whole.embed_tokens(tokens)
+    cos, sin = rotary_tables(DENSE, CFG.seq_len, h.device)
+    for key in ("0", "1"):
+        h = whole.layers[key](h, cos, sin)
+    assert _close(rebuilt.detach(), h.detach())
+    # and the parts every stage regenerates from the seed are the same on both
+    assert torch.equal(s0.basis, s1.basis) and torch.equal(s0.frozen_embed, s1.frozen_embed)
+    assert torch.allclose(s0.basis.T @ s0.basis, torch.eye(K), atol=1e-6)
+
+
+def test_seeded_parts_are_buffers_not_parameters_and_depend_on_the_seed():
+    stage = build_llama_stage(CFG, [2, 2], 0, seed=SEED)
+    names = dict(stage.named_parameters())
+    assert "embed_subspace.weight" in names and "embed_tokens.weight" not in names
+    assert names["layers.0.self_attn.o_proj.weight"].shape == (K, CFG.d_model)
+    assert names["layers.1.mlp.down_proj.weight"].shape == (K, CFG.ffn)
+    assert not any(n in stage.state_dict() for n in ("basis", "frozen_embed")), "never saved or averaged"
+    last = dict(build_llama_stage(CFG, [2, 2], 1, seed=SEED).named_parameters())
+    assert last["layers.3.self_attn.o_proj.weight"].shape == (CFG.d_model, CFG.d_model), "the last stage is free"
+    assert not torch.equal(subspace_basis(1, 32, K), subspace_basis(2, 32, K))
+    assert torch.equal(frozen_embedding(3, 64, 32), frozen_embedding(3, 64, 32))
+
+
+def test_specs_carry_z_and_the_first_id():
+    model = llama_staged_model(CFG, [2, 1, 1], SEED)
+    assert model.output_spec(0, 5) == ((5, CFG.seq_len, K), torch.float32)
+    assert model.input_spec(1, 5) == ((5, CFG.seq_len, K), torch.float32)
+    assert model.output_spec(1, 5) == ((5, CFG.seq_len, K), torch.float32)
+    assert model.output_spec(2, 5) == ((5, CFG.seq_len, CFG.vocab_size), torch.float32)
+    assert model.targets_spec(5) == ((5, CFG.seq_len + 1), torch.int64)
+    assert isinstance(model.token_carry, TokenCarry)
+    plain = decoder_staged_model(2, 8, 16, 32, lambda s: None)
+    assert plain.token_carry is None and plain.targets_spec(2) == ((2, 8), torch.int64)
+
+
+BASE = """
+run_id = "sub"
+[model]
+kind = "llama"
+d_model = 64
+n_layers = 2
+n_heads = 4
+{extra}
+[stages]
+count = {count}
+"""
+
+
+def test_manifest_builds_a_subspace_model():
+    m = loads(BASE.format(extra="boundary_subspace = 8", count=2))
+    assert m.model.boundary_subspace == 8
+    model = from_manifest(m)
+    assert model.input_spec(1, 2) == ((2, 128, 8), torch.float32)
+
+
+@pytest.mark.parametrize("extra,count,says", [
+    ("boundary_subspace = 64", 2, "below model.d_model"),
+    ("boundary_subspace = -1", 2, "must be 0 (off)"),
+    ("boundary_subspace = 8", 1, "stages.count >= 2"),
+    ("boundary_subspace = 8\ntie_embeddings = true", 1, "stages.count >= 2"),
+    ("boundary_subspace = 8\ninit_from = \"ckpt\"", 2, "init_from"),
+])
+def test_manifest_refuses(extra, count, says):
+    with pytest.raises(ManifestError, match="model.boundary_subspace") as e:
+        loads(BASE.format(extra=extra, count=count))
+    assert says in str(e.value)
+
+
+def test_boundary_subspace_is_llama_only():
+    with pytest.raises(ManifestError, match="model.boundary_subspace is only used with model.kind"):
+        loads('run_id = "g"\n[model]\nboundary_subspace = 8\n[stages]\ncount = 2\n')
