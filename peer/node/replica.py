@@ -184,7 +184,7 @@ class Replica:
                                        seed=data_seed(m, ctx.peer_id, ctx.data_seed), spawn=self.spawn,
                                        report_stats=presence.set_stats,
                                        memory_window=driver_memory_window(m, ctx.memory, ctx.model),
-                                       save_dir=ctx.save_dir)
+                                       save_dir=ctx.save_dir, token_carry=ctx.model.token_carry)
         self.rounds = RoundRunner(stage=stage, clock=clock, worker=worker, state=state, averager=averager,
                                   sync=sync, presence=presence, phase=self.phase, swarm=ctx.swarm, progress=progress,
                                   traffic=ctx.traffic, events=self.events, schedule_outer=m.schedule.outer,
@@ -214,7 +214,8 @@ class Replica:
                                  max_deadline_s=t.microbatch, drivers=DriverList(ctx.swarm, t.heartbeat).listed,
                                  lookahead=m.pipeline.lookahead, hold_s=t.between_rounds,
                                  boundary=precision.boundary,
-                                 tickets=VerifiedTickets(m.run_id, m.hash))
+                                 tickets=VerifiedTickets(m.run_id, m.hash),
+                                 token_carry=ctx.model.token_carry)
             await rpc.add_handler("forward", pb.ForwardRequest, server.handle, refusal(pb.ForwardResponse))
             await rpc.add_handler("commit", pb.CommitRequest, server.commit, refusal(pb.CommitResponse))
         await rpc.add_handler("average", pb.AverageRequest, averager.reducer.handle, refusal(pb.AverageResponse))

@@ -40,6 +40,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.manifest import Manifest
+from swarmgrad.peer.model.subspace import TokenCarry
 from swarmgrad.peer.pipeline.stage_server import Downstream, Hop
 from swarmgrad.peer.pipeline.routing import DeadlineEstimator
 from swarmgrad.peer.net.retry import Backoff
@@ -94,8 +95,11 @@ class DriverStats:
 class Driver:
     def __init__(self, manifest: Manifest, worker: StageWorker, downstream: Downstream | None, peer_id: str,
                  n_stages: int, stream: BatchStream | None, emit: Callable[..., None], clock: RoundClock,
-                 memory_window: int | None = None):
+                 memory_window: int | None = None, token_carry: TokenCarry | None = None):
         self.m = manifest
+        self.token_carry = token_carry
+        """Set when later stages need the token ids (StagedModel.token_carry): the targets sent are its
+        wire_targets."""
         self.worker = worker
         self.downstream = downstream
         self.peer_id = peer_id
@@ -289,7 +293,8 @@ class Driver:
             assert self.downstream is not None
             x, h = await self.worker.forward(inputs, train=not eval_only, slot=slot)
             started = time.monotonic()
-            hop, timing = await self._send(mb, attempt, h, targets, eval_only, slot.step)
+            sent = targets if self.token_carry is None else self.token_carry.wire_targets(inputs, targets)
+            hop, timing = await self._send(mb, attempt, h, sent, eval_only, slot.step)
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)

@@ -13,6 +13,7 @@ from hivemind.p2p import PeerID
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.clock import RoundClock
+from swarmgrad.peer.model.subspace import TokenCarry
 from swarmgrad.peer.text.run_data import RunData, load_run_data
 from swarmgrad.peer.text.units import eval_units
 from swarmgrad.peer.pipeline.driver import Batch, Driver
@@ -88,8 +89,10 @@ class DrivingLoop:
                  n_stages: int, swarm: SwarmView, clock: RoundClock, events: EventLog, seed: int,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
                  report_stats: Callable[..., None] | None = None, memory_window: int | None = None,
-                 save_dir: str | None = None):
+                 save_dir: str | None = None, token_carry: TokenCarry | None = None):
         self.m = manifest
+        self.token_carry = token_carry
+        """The model's StagedModel.token_carry, for the driver."""
         self.save_dir = save_dir
         """--save-dir: the data position is saved there after every round and on leave, and resumed from."""
         self.leaser: ShardLeaser | None = None
@@ -144,7 +147,8 @@ class DrivingLoop:
                                       position=position, emit=self.events.emit)
             stream = LeasedStream(self.leaser)
         self.driver = Driver(self.m, self.worker, self.downstream, self.peer_id, self.n_stages, stream,
-                             self.events.emit, self.clock, memory_window=self.memory_window)
+                             self.events.emit, self.clock, memory_window=self.memory_window,
+                             token_carry=self.token_carry)
         # a stage may be empty for a while (peers still joining, or one moving in to fill it):
         # wait, saying so, rather than give up on a swarm that is still assembling
         while self.n_stages > 1 and not await wait_for_pipeline(self.swarm, self.n_stages,

@@ -30,6 +30,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
+from swarmgrad.peer.model.subspace import TokenCarry
 from swarmgrad.peer.pipeline.routing import BanList, Candidate, choose_replica
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -218,8 +219,11 @@ class StageServer:
                  activation_codecs: frozenset[str] | None = None, max_deadline_s: float = 30.0,
                  drivers: Callable[[str], Awaitable[bool]] | None = None, lookahead: bool = False,
                  hold_s: float = 0.0, boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 tickets: VerifiedTickets | None = None):
+                 tickets: VerifiedTickets | None = None, token_carry: TokenCarry | None = None):
         self.identity = identity
+        self.token_carry = token_carry
+        """Set when the module needs the token ids (StagedModel.token_carry): its input is built from
+        the activations and the targets that came, and the gradient sent back is z's alone."""
         self.boundary = boundary or _fp32_on_cpu
         """What a gradient sent upstream becomes before its codec (as Downstream.boundary)."""
         self.hold_s = hold_s
@@ -318,20 +322,27 @@ class StageServer:
             await self.worker.maybe_step()
         return pb.CommitResponse(status=pb.OK, committed=committed)
 
+    def _grad_message(self, grad_x: torch.Tensor) -> pb.EncodedTensor:
+        if self.token_carry is not None:
+            grad_x = self.token_carry.input_grad(grad_x)
+        return encoded_to_proto(self.codec.encode(self.boundary(grad_x)))
+
     async def _serve(self, inp, train: bool, slot: Slot) -> pb.ForwardResponse:
         batch = inp.activations.shape[0]
         key = (inp.driver, inp.microbatch_id, inp.attempt)
+        x_in = (inp.activations if self.token_carry is None
+                else self.token_carry.stage_input(inp.activations, inp.targets))
         if self.last:
             if train:
-                loss, grad_x = await self.worker.forward_loss_held(key, inp.activations, inp.targets, slot)
+                loss, grad_x = await self.worker.forward_loss_held(key, x_in, inp.targets, slot)
             else:
-                loss, grad_x = await self.worker.forward_loss(inp.activations, inp.targets, False)
+                loss, grad_x = await self.worker.forward_loss(x_in, inp.targets, False)
             response = pb.ForwardResponse(status=pb.OK, loss=loss, n_targets=inp.targets.numel())
             if grad_x is not None:
-                response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(self.boundary(grad_x))))
+                response.grad_input.CopyFrom(self._grad_message(grad_x))
             return response
         assert self.downstream is not None
-        x, y = await self.worker.forward(inp.activations, train, slot)
+        x, y = await self.worker.forward(x_in, train, slot)
         hop = await self.downstream.forward(self.contract.stage + 1, y, inp.targets, inp.microbatch_id, inp.attempt,
                                             inp.driver, inp.deadline, inp.eval_only, inp.round,
                                             round_ticket=inp.round_ticket)
@@ -343,7 +354,7 @@ class StageServer:
             assert hop.grad is not None
             grad_x = await self.worker.backward_held(key, x, y, hop.grad, batch, hop.loss, slot)
             assert grad_x is not None
-            response.grad_input.CopyFrom(encoded_to_proto(self.codec.encode(self.boundary(grad_x))))
+            response.grad_input.CopyFrom(self._grad_message(grad_x))
         return response
 
 

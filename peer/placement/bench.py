@@ -36,7 +36,9 @@ def bench_stage(model: StagedModel, stage: int, batch: int, device: torch.device
     module = model.build_stage(stage).to(device)
     x = _synthetic(model.input_spec(stage, batch), device, vocab)
     last = stage == model.n_stages - 1
-    targets = _synthetic(model.targets_spec(batch), device, vocab) if last else None
+    targets = _synthetic(model.targets_spec(batch), device, vocab)
+    if stage > 0 and model.token_carry is not None:
+        x = model.token_carry.stage_input(x, targets.to(device))
     if x.is_floating_point():
         x.requires_grad_(True)
 
