@@ -2,6 +2,8 @@
 and backward), the specs and the manifest's checks, the HF export."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -160,3 +162,47 @@ def test_manifest_refuses(extra, count, says):
 def test_boundary_subspace_is_llama_only():
     with pytest.raises(ManifestError, match="model.boundary_subspace is only used with model.kind"):
         loads('run_id = "g"\n[model]\nboundary_subspace = 8\n[stages]\ncount = 2\n')
+
+
+def _carried_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The swarm's stages chained as the pipeline runs them (TokenCarry at each boundary)."""
+    targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # the next ids (the last one made up)
+    sent = model.token_carry.wire_targets(tokens, targets)
+    with torch.no_grad():
+        x = model.build_stage(0)(tokens)
+        for s in range(1, model.n_stages):
+            x = model.build_stage(s)(model.token_carry.stage_input(x, sent))
+    return x
+
+
+def test_hf_export_multiplies_the_subspace_out_and_loads_with_equal_logits(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from swarmgrad.peer.cli.main import main
+    from swarmgrad.peer.manifest import dumps
+    from swarmgrad.peer.state.stage_state import StageState
+    m = loads(BASE.format(extra="boundary_subspace = 8\nn_kv_heads = 2\nseq_len = 16\nffn_hidden = 40", count=2)
+              .replace('run_id = "sub"', 'run_id = "sub"\nseed = 3'))
+    (tmp_path / "run.toml").write_text(dumps(m))
+    model = from_manifest(m)
+    for s in range(2):
+        state = StageState(model.build_stage(s), m.outer)
+        state.commit(1)
+        state.save(tmp_path / "save" / f"stage{s}-peer{s}.safetensors", {"stage": str(s), "peer": f"peer{s}"})
+    out = tmp_path / "hf"
+    assert main(["export", "--format", "hf", "--manifest", str(tmp_path / "run.toml"), "--save-dir",
+                 str(tmp_path / "save"), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == 64 and config["architectures"] == ["LlamaForCausalLM"]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager")(
+            tokens).logits
+    assert _close(_carried_logits(model, tokens), theirs, 1e-4)
+
+
+def test_hf_export_of_a_subspace_model_needs_the_seed(tmp_path):
+    from swarmgrad.peer.model.hf import write_hf_folder
+    stages = [build_llama_stage(CFG, [2, 2], s, seed=SEED) for s in range(2)]
+    tensors = {n: p.detach() for st in stages for n, p in st.named_parameters()}
+    with pytest.raises(ValueError, match="needs the run's seed"):
+        write_hf_folder(tmp_path / "hf", CFG, tensors)

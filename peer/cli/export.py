@@ -101,7 +101,8 @@ def export_hf(args: argparse.Namespace) -> str:
     tokenizer = _tokenizer_of(manifest, args.tokenizer)
     try:
         write_hf_folder(out, llama_config(manifest.model), tensors, tokenizer,
-                        metadata={"run_id": manifest.run_id, "round": str(round_no), "manifest_hash": manifest.hash})
+                        metadata={"run_id": manifest.run_id, "round": str(round_no), "manifest_hash": manifest.hash},
+                        seed=manifest.seed)
     except ValueError as e:  # tensors of another manifest's model
         raise ExportError(f"{source}: {e}") from None
     return f"wrote {out}: a Hugging Face LlamaForCausalLM folder from {source}"

@@ -14,6 +14,7 @@ without loading the rest).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Mapping
@@ -199,16 +200,28 @@ def _special_tokens(tokenizer_json: str) -> dict[str, tuple[str, int]]:
 
 
 def write_hf_folder(out: Path, cfg: LlamaConfig, tensors: Mapping[str, torch.Tensor],
-                    tokenizer_file: Path | None = None, metadata: Mapping[str, str] | None = None) -> None:
+                    tokenizer_file: Path | None = None, metadata: Mapping[str, str] | None = None,
+                    seed: int | None = None) -> None:
     """Write a Hugging Face checkpoint folder of the whole model.
 
     ``tensors`` are the swarm's parameters of every stage (swarm names, global layer indices).
     ``tokenizer_file``: the run's ``tokenizer.json``, copied; None writes the byte tokenizer.
+    A ``boundary_subspace`` model is written multiplied out, an ordinary Llama
+    (peer/model/subspace.py ``dense_tensors``): that needs the run's ``seed``, which made its
+    frozen embedding and subspace.
 
     Raises:
-        ValueError: tensors missing, left over or of another shape than the model ``cfg`` describes.
+        ValueError: tensors missing, left over or of another shape than the model ``cfg`` describes;
+            a boundary_subspace model without its seed.
     """
     from safetensors.torch import save_file
+    if cfg.boundary_subspace:
+        if seed is None:
+            raise ValueError("a boundary_subspace model's export needs the run's seed (its frozen embedding and "
+                             "subspace are made from it)")
+        from .subspace import dense_tensors
+        tensors = dense_tensors(tensors, seed, cfg.vocab_size, cfg.d_model, cfg.boundary_subspace)
+        cfg = dataclasses.replace(cfg, boundary_subspace=0)
     expected = _expected_shapes(cfg)
     names = {hf_name(n) for n in tensors}
     if names != set(expected):
