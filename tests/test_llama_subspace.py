@@ -206,3 +206,64 @@ def test_hf_export_of_a_subspace_model_needs_the_seed(tmp_path):
     tensors = {n: p.detach() for st in stages for n, p in st.named_parameters()}
     with pytest.raises(ValueError, match="needs the run's seed"):
         write_hf_folder(tmp_path / "hf", CFG, tensors)
+
+
+@pytest.mark.timeout(120)
+def test_a_round_of_two_peers_with_a_subspace_boundary_equals_one_whole_model_step(inprocess, tmp_path) -> None:
+    """Through the real pipeline (driver, stage server, message validation of the [B, T, k] activations
+    and the [B, T+1] carried targets, z's gradient back): one round with H = 1, outer lr 1 and no
+    momentum equals one AdamW step of the stages chained in this process."""
+    from pathlib import Path
+
+    from swarmgrad.peer.data import MicrobatchStream, load_corpora
+    from swarmgrad.peer.state.stage_state import load_checkpoint
+
+    from conftest import small_manifest
+    from support.swarm import InProcessSwarm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
+    m = small_manifest(
+        model={"kind": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+               "boundary_subspace": 4},
+        inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 2},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        rounds={"inner_steps": 1, "round_seconds": 0.0},
+        averaging={"codec": "fp32"},
+        pipeline={"activation_codec": "fp32", "gradient_codec": "fp32", "max_in_flight": 2},
+        data={"source": "files", "paths": [str(corpus)], "max_bytes": 0, "eval_batches": 1, "eval_every": 0},
+    )
+
+    async def scenario() -> list[Path]:
+        async with InProcessSwarm(m, tmp_path=tmp_path) as swarm:
+            peers = [swarm.start(s, max_rounds=1, data_seed=99, save=True, linger=5.0) for s in (0, 1)]
+            await swarm.wait_exit(60)
+            return [Path(p.peer.opt.save_dir) for p in peers]  # type: ignore[union-attr,arg-type]
+
+    saves = inprocess(scenario)
+
+    model = from_manifest(m)
+    carry = model.token_carry
+    stages = [model.build_stage(s) for s in range(model.n_stages)]
+    train, _ = load_corpora(m.data.source, m.data.paths, m.data.val_fraction, None)
+    stream = MicrobatchStream(train, m.model.seq_len, m.inner.microbatch_size, 99)
+    batches = [stream.draw(n) for n in m.inner.step_sizes]
+    opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=m.inner.lr, betas=m.inner.betas,
+                            weight_decay=m.inner.weight_decay)
+    loss = 0.0
+    for x, y in batches:
+        sent = carry.wire_targets(x, y)
+        loss = loss + model.loss_fn(stages[1](carry.stage_input(stages[0](x), sent)), sent)
+    (loss / len(batches)).backward()
+    opt.step()
+    for s, stage in enumerate(stages):
+        files = list(saves[s].glob(f"stage{s}-*.safetensors"))
+        assert len(files) == 1, files
+        params, _, meta = load_checkpoint(files[0])
+        assert meta["applied_rounds"] == "1"
+        assert not any(n in params for n in ("basis", "frozen_embed")), "the seeded parts are not saved"
+        fresh = dict(model.build_stage(s).named_parameters())
+        assert any(not torch.equal(params[n], fresh[n].detach()) for n in params)
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg: f"stage {s} {name}: {msg}")
