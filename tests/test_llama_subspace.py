@@ -267,3 +267,10 @@ def test_a_round_of_two_peers_with_a_subspace_boundary_equals_one_whole_model_st
         for name, p in stage.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda msg: f"stage {s} {name}: {msg}")
+
+
+def test_the_placement_bench_builds_a_receiving_stages_input():
+    from swarmgrad.peer.placement.bench import bench_stage
+    model = llama_staged_model(CFG, [2, 1, 1], SEED)
+    for stage in range(3):
+        assert bench_stage(model, stage, 2, torch.device("cpu"), CFG.vocab_size) > 0
