@@ -274,3 +274,15 @@ def test_the_placement_bench_builds_a_receiving_stages_input():
     model = llama_staged_model(CFG, [2, 1, 1], SEED)
     for stage in range(3):
         assert bench_stage(model, stage, 2, torch.device("cpu"), CFG.vocab_size) > 0
+
+
+def test_activation_checkpointing_covers_the_constrained_layers_and_keeps_gradients():
+    from swarmgrad.peer.compute.precision import enable_activation_checkpointing
+    tokens, targets = _batch()
+    plain = build_llama_stage(CFG, [2, 2], 0, seed=SEED)
+    ckpt = build_llama_stage(CFG, [2, 2], 0, seed=SEED)
+    assert enable_activation_checkpointing(ckpt) == 2
+    for stage in (plain, ckpt):
+        stage(tokens).square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name

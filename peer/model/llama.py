@@ -181,7 +181,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """A pre-norm block; ``out_dim`` < d_model: its two residual writes are subspace coefficients
-    (``forward_subspace``)."""
+    (``forward`` with ``base`` and ``basis``)."""
 
     def __init__(self, cfg: LlamaConfig, out_dim: int | None = None) -> None:
         super().__init__()
@@ -191,15 +191,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, out_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_subspace(self, base: Tensor, z: Tensor, basis: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The residual is ``base + z·basisᵀ``, rebuilt before each read so that a receiver of z
-        rebuilds exactly what was read here; returns the new z."""
-        z = z + self.self_attn(self.input_layernorm(base + z @ basis.T), cos, sin)
-        return z + self.mlp(self.post_attention_layernorm(base + z @ basis.T))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, base: Tensor | None = None,
+                basis: Tensor | None = None) -> Tensor:
+        """x -> x + the block's writes; with ``basis`` (boundary_subspace), x is z and the residual
+        is ``base + z·basisᵀ``, rebuilt before each read so that a receiver of z rebuilds exactly
+        what was read here: returns the new z. (One ``forward`` either way, so activation
+        checkpointing, which wraps it, covers both.)"""
+        if basis is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        assert base is not None
+        x = x + self.self_attn(self.input_layernorm(base + x @ basis.T), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(base + x @ basis.T))
 
 
 class LlamaStage(nn.Module):
@@ -266,7 +269,7 @@ class LlamaStage(nn.Module):
         cos, sin = rotary_tables(self.cfg, x.shape[1], x.device)
         if self.constrained:
             for layer in self.layers.values():
-                z = layer.forward_subspace(base, z, self.basis, cos, sin)
+                z = layer(z, cos, sin, base, self.basis)
             return z
         x = base + z @ self.basis.T
         for layer in self.layers.values():
