@@ -286,3 +286,14 @@ def test_activation_checkpointing_covers_the_constrained_layers_and_keeps_gradie
         stage(tokens).square().mean().backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_the_placement_estimate_counts_the_constrained_stages_parameters():
+    from swarmgrad.peer.manifest import load
+    from swarmgrad.peer.placement.cost import stage_costs
+    from pathlib import Path
+    m = load(Path(__file__).resolve().parent.parent / "examples" / "llama-cpu.toml").replace(
+        model={"boundary_subspace": 16})
+    model = from_manifest(m)
+    built = [sum(p.numel() for p in model.build_stage(s).parameters()) for s in range(2)]
+    assert [c.params for c in stage_costs(m)] == built

@@ -166,9 +166,12 @@ def llama_stage_params(m: Manifest, stage: int) -> int:
     """Parameters of stage ``stage`` of the llama kind (matches ``LlamaStage``: no biases)."""
     layers = m.layers_per_stage
     d, kv, f, v, _ = _llama_shape(m)
-    n = layers[stage] * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d)  # q, o; k, v; gate, up, down; two norms
+    # boundary_subspace: a stage before the last writes k values (o_proj, down_proj), embeds in k
+    k = m.model.boundary_subspace if stage < len(layers) - 1 else 0
+    out = k or d
+    n = layers[stage] * (d * d + out * d + 2 * d * kv + 2 * d * f + out * f + 2 * d)  # q, o; k, v; gate, up, down; norms
     if stage == 0:
-        n += v * d
+        n += v * (k or d)
     if stage == len(layers) - 1:
         n += d + (0 if m.model.tie_embeddings else d * v)  # norm, lm_head
     return n
