@@ -194,6 +194,10 @@ class AveragingConfig:
     link time: docs/placement.md, "Pacing backups"."""
 
 
+PIPELINE_ROUTINGS = ("measured", "announced")
+"""pipeline.routing's values."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     activation_codec: str = "fp16"
@@ -209,6 +213,12 @@ class PipelineConfig:
     on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
+    routing: str = "measured"
+    """Which replica of the next stage gets a microbatch (peer/pipeline/routing.py): "measured"
+    weighs each by the rate it can take as the sender measures it, the slower of its announced
+    compute and the link to it, and sends an inner step's last microbatches only where they come
+    back first; "announced" (SWARM's wiring, the rule before) by its announced compute alone,
+    over 1 + the sender's queue to it, so a fast replica behind a slow link gets its full share."""
     max_message_mb: float = 256.0
     """Incoming messages larger than this are refused before they are parsed."""
 

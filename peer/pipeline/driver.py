@@ -189,10 +189,11 @@ class Driver:
             self._window_changed.notify_all()
 
     async def _send(self, mb: int, attempt: int, h: torch.Tensor, targets: torch.Tensor, eval_only: bool,
-                    step: int) -> tuple[Hop, CallTiming]:
+                    step: int, remaining: int | None = None) -> tuple[Hop, CallTiming]:
         """Send through the send slot (module docstring): hold it until the request is written and,
         at the measured uplink rate, has had time to leave; then wait for the answer without it.
-        `step`: the inner step the microbatch trains in (the report's waits between steps)."""
+        `step`: the inner step the microbatch trains in (the report's waits between steps);
+        `remaining`: its step's microbatches not sent yet, this one included (routing)."""
         assert self.downstream is not None
         timing = CallTiming()
         encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
@@ -202,7 +203,7 @@ class Driver:
                 self.step_gaps.starting(step, round_no, time.monotonic())
             call = asyncio.ensure_future(self.downstream.forward(
                 1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
-                round_no, timing=timing, encoded=encoded))
+                round_no, timing=timing, encoded=encoded, remaining=remaining))
             sent = asyncio.ensure_future(timing.sent.wait())
             try:
                 await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)
@@ -289,7 +290,8 @@ class Driver:
             assert self.downstream is not None
             x, h = await self.worker.forward(inputs, train=not eval_only, slot=slot)
             started = time.monotonic()
-            hop, timing = await self._send(mb, attempt, h, targets, eval_only, slot.step)
+            hop, timing = await self._send(mb, attempt, h, targets, eval_only, slot.step,
+                                           self._remaining(slot, eval_only))
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)
@@ -302,6 +304,14 @@ class Driver:
                 self.worker.record_loss(hop.loss)
                 self._commit(hop.route, mb, attempt)
             return pb.OK, hop.loss, "", ""
+
+    def _remaining(self, slot: Slot, eval_only: bool) -> int | None:
+        """The microbatches of this one's inner step not sent yet, itself included: its place in
+        the step says how many went before. None where no step waits for it: an evaluation, or
+        lookahead, where the next step's microbatches keep the link busy through a step's end."""
+        if eval_only or self._lookahead:
+            return None
+        return max(1, self.m.inner.microbatches_per_step - slot.position)
 
     def _commit(self, route: str, mb: int, attempt: int) -> None:
         """The answer came back and our backward ran: let every replica of the route train on it

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
-from swarmgrad.peer.pipeline.routing import BanList, Candidate, choose_replica
+from swarmgrad.peer.pipeline.routing import MEASURED, BanList, Candidate, ReplicaMeter, choose_replica
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.errors import BestEffort
@@ -78,10 +78,14 @@ class Downstream:
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
                  gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
                  boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 signer: RoundSigner | None = None):
+                 signer: RoundSigner | None = None, routing: str = MEASURED):
         """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
-        float32, holding values of the compute dtype); default: the CPU in float32."""
+        float32, holding values of the compute dtype); default: the CPU in float32. `routing`:
+        pipeline.routing (peer/pipeline/routing.py)."""
         self.identity = identity
+        self.routing = routing
+        self.meter = ReplicaMeter()
+        """What our answered microbatches measured of each replica (the weights of `measured` routing)."""
         self.boundary = boundary or _fp32_on_cpu
         self.signer = signer
         """A driver's: signs the round ticket its own requests carry (peer/net/round_tickets.py).
@@ -130,12 +134,22 @@ class Downstream:
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
                       attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
                       timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None,
-                      round_ticket: bytes | None = None) -> Hop:
+                      round_ticket: bytes | None = None, remaining: int | None = None) -> Hop:
         """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
         already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
         paces its sends and estimates its link with it). `round_ticket`: the one the request
-        being relayed came with; None: our signer's for `round_no` (a driver's own requests)."""
-        peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
+        being relayed came with; None: our signer's for `round_no` (a driver's own requests).
+        `remaining`: the microbatches of the sender's inner step not sent yet, this one included
+        (None: not known); with `measured` routing a step's last ones go where they come back
+        first (routing.choose_replica)."""
+        now = time.monotonic()
+        candidates = await self.candidates(stage)
+        if self.routing == MEASURED:
+            candidates = self.meter.measured(candidates, now)
+        else:
+            remaining = None
+        peer = choose_replica(candidates, self.in_flight, self.bans.banned(now), self.rng, remaining=remaining,
+                              batch=int(output.shape[0]) if output.dim() else 1)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
         activations = encoded if encoded is not None else await self.encode(output)
@@ -145,6 +159,7 @@ class Downstream:
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
             activations=activations, targets=raw_from_tensor(narrow_integers(targets)), deadline=deadline, eval_only=eval_only,
             round=round_no, round_ticket=round_ticket)
+        timing = timing if timing is not None else CallTiming()
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
@@ -154,7 +169,21 @@ class Downstream:
             return Hop(pb.DOWNSTREAM_FAILED, str(e), failed_peer=peer)
         finally:
             self.in_flight[peer] -= 1
-        return self._check(peer, response, tuple(output.shape), eval_only)
+        hop = self._check(peer, response, tuple(output.shape), eval_only)
+        if hop.status == pb.OK and not eval_only:
+            self._measure(peer, hop, timing)
+        return hop
+
+    def _measure(self, peer: str, hop: Hop, timing: CallTiming) -> None:
+        """A training microbatch's answer: what it says of that replica's route (an evaluation's
+        answer carries no gradient, so its bytes say nothing of a training trip's)."""
+        if not (timing.started and timing.done):
+            return
+        self.meter.observe(peer, time.monotonic(), request_bytes=timing.request_bytes,
+                           response_bytes=timing.response_bytes, trip_s=timing.done - timing.started,
+                           request_s=hop.request_s, serve_s=hop.serve_s,
+                           response_s=timing.done - timing.first_byte if timing.first_byte else 0.0,
+                           answered_at=timing.first_byte or timing.done)
 
     async def commit(self, route: tuple[str, ...], first_stage: int, microbatch_id: int, attempt: int,
                      timeout: float) -> int:
