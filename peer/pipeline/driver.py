@@ -193,7 +193,8 @@ class Driver:
         """Send through the send slot (module docstring): hold it until the request is written and,
         at the measured uplink rate, has had time to leave; then wait for the answer without it.
         `step`: the inner step the microbatch trains in (the report's waits between steps);
-        `remaining`: its step's microbatches not sent yet, this one included (routing)."""
+        `remaining`: its step's microbatches not sent yet, this one included (routing; the first
+        of a step may probe a replica not measured yet)."""
         assert self.downstream is not None
         timing = CallTiming()
         encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
@@ -203,7 +204,8 @@ class Driver:
                 self.step_gaps.starting(step, round_no, time.monotonic())
             call = asyncio.ensure_future(self.downstream.forward(
                 1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
-                round_no, timing=timing, encoded=encoded, remaining=remaining))
+                round_no, timing=timing, encoded=encoded, remaining=remaining,
+                explore=remaining is None or remaining >= self.m.inner.microbatches_per_step))
             sent = asyncio.ensure_future(timing.sent.wait())
             try:
                 await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)

@@ -29,6 +29,10 @@ class Candidate:
     """Seconds one microbatch takes there and back through an idle route, as measured (transfers,
     latency, its service without queueing); 0: not measured."""
 
+    @property
+    def measured(self) -> bool:
+        return self.link_s > 0 or self.trip_s > 0
+
 
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
@@ -77,7 +81,8 @@ def completion_plan(candidates: Sequence[Candidate], in_flight: dict[str, int], 
 
 
 def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], banned: set[str],
-                   rng: random.Random, remaining: int | None = None, batch: int = 1) -> str | None:
+                   rng: random.Random, remaining: int | None = None, batch: int = 1,
+                   explore: bool = True) -> str | None:
     """SWARM's stochastic wiring: pick at random, weighted by rate / (1 + our queue to it), where
     the rate is 1 / `intervals` (the announced throughput while no link is measured).
 
@@ -86,11 +91,24 @@ def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], b
     a replica expected to return it no later than a faster one would (a slow replica must not
     hold up the whole step), and early in a step the plan gives each replica about its share.
     Random among the planned ones, so that drivers that cannot see each other's queues do not
-    all pick the same replica at once. Returns None when every candidate is banned.
+    all pick the same replica at once.
+
+    Once any candidate is measured, one that is not (new, or forgotten: `ReplicaMeter`) gets a
+    probe, one microbatch in flight at a time, from a caller that may `explore` (a driver: the
+    first microbatch of a step, which has the whole step to come back); it is not used otherwise
+    until its answer is in. Returns None when every candidate is banned.
     """
     usable = [c for c in candidates if c.peer_id not in banned]
     if not usable:
         return None
+    if any(c.measured for c in usable):
+        # a replica not measured yet (or forgotten) is probed with one microbatch at a time, and only
+        # by one that may take long without holding up its step; guessed like the others, it would
+        # get a full share of a step before its first answer said what it can take
+        probes = [c.peer_id for c in usable if not c.measured and not in_flight.get(c.peer_id, 0)]
+        if explore and probes:
+            return rng.choice(probes)
+        usable = [c for c in usable if c.measured]
     if remaining is not None:
         plan = completion_plan(usable, in_flight, remaining, batch)
         chosen = [c.peer_id for c in usable if plan[c.peer_id] > 0]
@@ -105,27 +123,35 @@ class ReplicaMeter:
     """What one caller measured of each replica of the next stage from its own answered
     microbatches (a `PipelineEstimator` per replica: link rates over busy time, latency, service
     at a low quantile), forgotten `horizon_s` after the last answer: a replica passed over that
-    long is tried again as if new, so a link that got faster is found out."""
+    long is probed again as if new (`choose_replica`), so a link that got faster is found out.
+    A slow one is kept longer, its trip / `probe_share`: a probe of a replica that is still slow
+    may hold up a step by about its trip, and this bounds that to a share of the time."""
     horizon_s: float = 30.0
+    probe_share: float = 0.03
     window: int = 16
     _replicas: dict[str, tuple[float, PipelineEstimator]] = field(default_factory=dict)
 
     def observe(self, peer_id: str, now: float, **trip: float) -> None:
         """One answered microbatch (`PipelineEstimator.observe_trip`'s arguments)."""
         held = self._replicas.get(peer_id)
-        estimator = held[1] if held is not None and now - held[0] <= self.horizon_s else PipelineEstimator(self.window)
+        fresh = held is not None and self._figures(held, now) is not None
+        estimator = held[1] if fresh else PipelineEstimator(self.window)  # type: ignore[index]
         estimator.observe_trip(**trip)  # type: ignore[arg-type]
         self._replicas[peer_id] = (now, estimator)
+
+    def _figures(self, held: tuple[float, PipelineEstimator], now: float) -> tuple[float, float] | None:
+        m = held[1].measure()
+        link, trip = max(m.up_s, m.down_s), m.up_s + m.latency + m.remote_compute + m.down_s
+        return (link, trip) if now - held[0] <= max(self.horizon_s, trip / self.probe_share) else None
 
     def figures(self, peer_id: str, now: float) -> tuple[float, float]:
         """(link_s, trip_s) for a `Candidate`; zeros when not measured or forgotten."""
         held = self._replicas.get(peer_id)
-        if held is None or now - held[0] > self.horizon_s:
+        found = self._figures(held, now) if held is not None else None
+        if found is None:
             self._replicas.pop(peer_id, None)
             return 0.0, 0.0
-        m = held[1].measure()
-        link = max(m.up_s, m.down_s)
-        return link, m.up_s + m.latency + m.remote_compute + m.down_s
+        return found
 
     def measured(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
         """`candidates` with what we measured of each."""

@@ -134,14 +134,16 @@ class Downstream:
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
                       attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
                       timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None,
-                      round_ticket: bytes | None = None, remaining: int | None = None) -> Hop:
+                      round_ticket: bytes | None = None, remaining: int | None = None,
+                      explore: bool = True) -> Hop:
         """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
         already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
         paces its sends and estimates its link with it). `round_ticket`: the one the request
         being relayed came with; None: our signer's for `round_no` (a driver's own requests).
         `remaining`: the microbatches of the sender's inner step not sent yet, this one included
         (None: not known); with `measured` routing a step's last ones go where they come back
-        first (routing.choose_replica)."""
+        first, and only a microbatch that may `explore` probes a replica not measured yet
+        (routing.choose_replica)."""
         now = time.monotonic()
         candidates = await self.candidates(stage)
         if self.routing == MEASURED:
@@ -149,7 +151,7 @@ class Downstream:
         else:
             remaining = None
         peer = choose_replica(candidates, self.in_flight, self.bans.banned(now), self.rng, remaining=remaining,
-                              batch=int(output.shape[0]) if output.dim() else 1)
+                              batch=int(output.shape[0]) if output.dim() else 1, explore=explore)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
         activations = encoded if encoded is not None else await self.encode(output)
