@@ -284,3 +284,15 @@ def test_measurements_are_forgotten_after_the_horizon() -> None:
                   serve_s=9.0, response_s=0.01, answered_at=0.0)
     assert meter.figures("slow", 30.0)[0] == pytest.approx(10.0)
     assert meter.figures("slow", 41.0) == (0.0, 0.0)
+
+
+if __name__ == "__main__":  # the table in docs/measurements.md, "Routing around a slow replica"
+    cases = [("20", {"fast": 20.0}), ("20 + 5", PAIR), ("20 + 1", {"fast": 20.0, "slow": 1.0}),
+             ("20 + 20", {"a": 20.0, "b": 20.0}), ("20 + 20 + 5", {"a": 20.0, "b": 20.0, "slow": 5.0}),
+             ("20 + 100", {"a": 20.0, "b": 100.0})]
+    print("| stage-1 links (Mbit/s) | routing | samples/s | shares |\n| --- | --- | --- | --- |")
+    for name, replicas in cases:
+        for routing in (ANNOUNCED, MEASURED):
+            r = simulate(replicas, routing=routing)
+            shares = ", ".join(f"{k} {v:.2f}" for k, v in r.shares.items())
+            print(f"| {name} | {routing} | {r.samples_per_s:.1f} | {shares} |")
