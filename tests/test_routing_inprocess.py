@@ -41,5 +41,11 @@ def test_the_driver_sends_a_replica_behind_a_slow_link_only_what_it_takes(inproc
             counts = Counter({k: len(v) for k, v in committed.items()})
             assert counts[slow.name] <= 6 and counts[slow.name] / len(every) < 0.1, (counts, history)
             assert not driver.events("lost"), history
+            # the driver's reports say where its microbatches went and what it measured of each
+            reports = [e["routes"] for e in driver.events("pipeline")]
+            assert reports and all(abs(sum(r["share"] for r in routes.values()) - 1) < 0.01 for routes in reports)
+            # its 8 kB messages arrive in one piece, so no link rate is measured, but its trips are 20× longer
+            both = [r for r in reports if slow.peer_id[-8:] in r and fast.peer_id[-8:] in r]
+            assert both and all(r[slow.peer_id[-8:]]["trip_s"] > 5 * r[fast.peer_id[-8:]]["trip_s"] for r in both), reports
 
     inprocess(scenario)

@@ -243,9 +243,13 @@ def test_the_plan_sends_a_steps_last_microbatches_where_they_come_back_first() -
     assert completion_plan([fast, slow], {"fast": 3}, 2) == {"fast": 1, "slow": 1}
     rng = random.Random(0)
     assert {choose_replica([fast, slow], {}, set(), rng, remaining=1) for _ in range(50)} == {"fast"}
-    # without a step's end to meet: weighted by rate / (1 + queue), 4 : 1
+    # without a step's end to meet: weighted by 1 / when a microbatch sent now is back, 1/2 : 1/5
     picks = Counter(choose_replica([fast, slow], {}, set(), rng) for _ in range(4000))
-    assert picks["slow"] / 4000 == pytest.approx(0.2, abs=0.03)
+    assert picks["slow"] / 4000 == pytest.approx(2 / 7, abs=0.03)
+    # trips no longer than the intervals (or not measured): rate / (1 + queue), SWARM's rule; 4 : 1
+    fast, slow = Candidate("fast", 100.0, link_s=1.0), Candidate("slow", 100.0, link_s=4.0)
+    picks = Counter(choose_replica([fast, slow], {"fast": 1}, set(), rng) for _ in range(4000))
+    assert picks["slow"] / 4000 == pytest.approx(1 / 3, abs=0.03)  # 1/(2·1) : 1/4
 
 
 def test_a_fast_gpu_behind_a_slow_link_is_as_slow_as_its_link() -> None:

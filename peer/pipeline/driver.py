@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -133,6 +134,7 @@ class Driver:
         self.step_gaps = StepGaps()
         """The uplink's waits between inner steps (the report's `step_gap_share`)."""
         self._report_mark = self._marks()
+        self._routes_mark: Counter[str] = Counter()
 
     @property
     def window(self) -> int:
@@ -268,7 +270,15 @@ class Driver:
                 "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0,
                 "step_gap_share": round(min(1.0, (now[6] - g0) / max(1e-9, now[0] - t0)), 3),
                 "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
-                if self.worker.device.type == "cpu" and now[8] > el0 else None}
+                if self.worker.device.type == "cpu" and now[8] > el0 else None,
+                "routes": self._routes()}
+
+    def _routes(self) -> dict[str, dict[str, float]]:
+        """Where this report's training microbatches went (Downstream.routes)."""
+        if self.downstream is None:
+            return {}
+        since, self._routes_mark = self._routes_mark, Counter(self.downstream.answered)
+        return self.downstream.routes(since)
 
     async def _draw(self, slot: Slot) -> Batch:
         """A training batch of the size of the slot's place in its step."""
@@ -309,9 +319,9 @@ class Driver:
 
     def _remaining(self, slot: Slot, eval_only: bool) -> int | None:
         """The microbatches of this one's inner step not sent yet, itself included: its place in
-        the step says how many went before. None where no step waits for it: an evaluation, or
-        lookahead, where the next step's microbatches keep the link busy through a step's end."""
-        if eval_only or self._lookahead:
+        its step (the next one's, for a microbatch admitted ahead) says how many went before.
+        None for an evaluation: no step waits for it."""
+        if eval_only:
             return None
         return max(1, self.m.inner.microbatches_per_step - slot.position)
 

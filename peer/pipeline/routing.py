@@ -54,6 +54,17 @@ def intervals(candidates: Sequence[Candidate], batch: int = 1) -> dict[str, floa
     return {p: v if v > 0 else 1.0 for p, v in out.items()}  # nothing known of anyone: all alike
 
 
+def next_back(candidates: Sequence[Candidate], in_flight: dict[str, int], every: dict[str, float]
+              ) -> dict[str, float]:
+    """Seconds until a microbatch sent now to each candidate is expected back: its trip (at least
+    its interval; a trip not measured yet is the median of the others') plus its interval for each
+    of our microbatches already queued there."""
+    trips = [c.trip_s for c in candidates if c.trip_s > 0]
+    trip_fallback = _median(trips) if trips else 0.0
+    return {c.peer_id: max(c.trip_s if c.trip_s > 0 else trip_fallback, every[c.peer_id])
+            + in_flight.get(c.peer_id, 0) * every[c.peer_id] for c in candidates}
+
+
 def completion_plan(candidates: Sequence[Candidate], in_flight: dict[str, int], remaining: int,
                     batch: int = 1) -> dict[str, int]:
     """How many of the step's `remaining` microbatches (this one included) each candidate gets
@@ -66,11 +77,8 @@ def completion_plan(candidates: Sequence[Candidate], in_flight: dict[str, int], 
     if remaining < 1:
         raise ValueError(f"remaining must be >= 1, got {remaining}")
     every = intervals(candidates, batch)
-    trips = [c.trip_s for c in candidates if c.trip_s > 0]
-    trip_fallback = _median(trips) if trips else 0.0
     # ties go to the earlier candidate in the caller's order, so the plan is a function of its inputs
-    nxt = {c.peer_id: max(c.trip_s if c.trip_s > 0 else trip_fallback, every[c.peer_id])
-           + in_flight.get(c.peer_id, 0) * every[c.peer_id] for c in candidates}
+    nxt = next_back(candidates, in_flight, every)
     plan = {c.peer_id: 0 for c in candidates}
     order = [c.peer_id for c in candidates]
     for _ in range(remaining):
@@ -83,8 +91,11 @@ def completion_plan(candidates: Sequence[Candidate], in_flight: dict[str, int], 
 def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], banned: set[str],
                    rng: random.Random, remaining: int | None = None, batch: int = 1,
                    explore: bool = True) -> str | None:
-    """SWARM's stochastic wiring: pick at random, weighted by rate / (1 + our queue to it), where
-    the rate is 1 / `intervals` (the announced throughput while no link is measured).
+    """SWARM's stochastic wiring: pick at random, weighted by 1 / the time until a microbatch sent
+    there is expected back (`next_back`): rate / (1 + our queue to it) where the trip is no longer
+    than the interval, the rate being 1 / `intervals` (the announced throughput while no link is
+    measured); a replica whose trips are long weighs less even where its link's rate could not be
+    measured (small messages arrive in one piece).
 
     With `remaining` (the microbatches of this inner step not sent yet, this one included), the
     weights are `completion_plan`'s counts instead: near a step's end a microbatch goes only to
@@ -113,9 +124,8 @@ def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], b
         plan = completion_plan(usable, in_flight, remaining, batch)
         chosen = [c.peer_id for c in usable if plan[c.peer_id] > 0]
         return rng.choices(chosen, weights=[plan[p] for p in chosen], k=1)[0]
-    every = intervals(usable, batch)
-    weights = [1.0 / every[c.peer_id] / (1 + in_flight.get(c.peer_id, 0)) for c in usable]
-    return rng.choices([c.peer_id for c in usable], weights=weights, k=1)[0]
+    back = next_back(usable, in_flight, intervals(usable, batch))
+    return rng.choices([c.peer_id for c in usable], weights=[1.0 / back[c.peer_id] for c in usable], k=1)[0]
 
 
 @dataclass

@@ -20,6 +20,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
@@ -86,6 +87,8 @@ class Downstream:
         self.routing = routing
         self.meter = ReplicaMeter()
         """What our answered microbatches measured of each replica (the weights of `measured` routing)."""
+        self.answered: Counter[str] = Counter()
+        """Training microbatches each replica answered, ever (the driver's `routes` report)."""
         self.boundary = boundary or _fp32_on_cpu
         self.signer = signer
         """A driver's: signs the round ticket its own requests carry (peer/net/round_tickets.py).
@@ -179,6 +182,7 @@ class Downstream:
     def _measure(self, peer: str, hop: Hop, timing: CallTiming) -> None:
         """A training microbatch's answer: what it says of that replica's route (an evaluation's
         answer carries no gradient, so its bytes say nothing of a training trip's)."""
+        self.answered[peer] += 1
         if not (timing.started and timing.done):
             return
         self.meter.observe(peer, time.monotonic(), request_bytes=timing.request_bytes,
@@ -206,6 +210,17 @@ class Downstream:
             return int(response.status == pb.OK and response.committed == 1)
         results = await asyncio.gather(*(one(first_stage + i, peer) for i, peer in enumerate(route)))
         return sum(results)
+
+    def routes(self, since: Counter[str]) -> dict[str, dict[str, float]]:
+        """Per replica (the last 8 characters of its id), the share of our training microbatches it
+        answered since `since` (a copy of `answered`), and its measured link_s and trip_s."""
+        now, answered = time.monotonic(), self.answered - since
+        total = sum(answered.values())
+        out = {}
+        for peer, count in sorted(answered.items()):
+            link, trip = self.meter.figures(peer, now)
+            out[peer[-8:]] = {"share": round(count / total, 3), "link_s": round(link, 4), "trip_s": round(trip, 4)}
+        return out
 
     def _rpc_for(self, stage: int) -> FramedRPC:
         """A client of `stage`'s handlers (commits go to every stage of a route, not only the next)."""
