@@ -290,6 +290,15 @@ def test_measurements_are_forgotten_after_the_horizon() -> None:
     assert meter.figures("slow", 41.0) == (0.0, 0.0)
 
 
+def test_replicas_that_left_are_not_kept_forever() -> None:
+    meter = ReplicaMeter(horizon_s=10.0)
+    for i in range(100):  # churn: every replica answers once, at one second intervals
+        meter.observe(f"p{i}", float(i), request_bytes=1000, response_bytes=1000, trip_s=0.1, request_s=0.01,
+                      serve_s=0.05, response_s=0.01, answered_at=float(i))
+    assert len(meter._replicas) <= 2 * 11
+    assert meter.figures("p99", 100.0) != (0.0, 0.0)
+
+
 if __name__ == "__main__":  # the table in docs/measurements.md, "Routing around a slow replica"
     cases = [("20", {"fast": 20.0}), ("20 + 5", PAIR), ("20 + 1", {"fast": 20.0, "slow": 1.0}),
              ("20 + 20", {"a": 20.0, "b": 20.0}), ("20 + 20 + 5", {"a": 20.0, "b": 20.0, "slow": 5.0}),

@@ -140,6 +140,8 @@ class ReplicaMeter:
     probe_share: float = 0.03
     window: int = 16
     _replicas: dict[str, tuple[float, PipelineEstimator]] = field(default_factory=dict)
+    _pruned: int = 8
+    """How many were kept at the last pruning (the next comes at twice as many)."""
 
     def observe(self, peer_id: str, now: float, **trip: float) -> None:
         """One answered microbatch (`PipelineEstimator.observe_trip`'s arguments)."""
@@ -148,6 +150,9 @@ class ReplicaMeter:
         estimator = held[1] if fresh else PipelineEstimator(self.window)  # type: ignore[index]
         estimator.observe_trip(**trip)  # type: ignore[arg-type]
         self._replicas[peer_id] = (now, estimator)
+        if len(self._replicas) > 2 * self._pruned:  # replicas that left: forgotten, not kept forever
+            self._replicas = {p: h for p, h in self._replicas.items() if self._figures(h, now) is not None}
+            self._pruned = max(8, len(self._replicas))
 
     def _figures(self, held: tuple[float, PipelineEstimator], now: float) -> tuple[float, float] | None:
         m = held[1].measure()
