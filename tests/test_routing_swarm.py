@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from swarmgrad.peer.pipeline.routing import ANNOUNCED, MEASURED, Candidate, DeadlineEstimator, ReplicaMeter, \
-    choose_replica, completion_plan, intervals
+    choose_replica, completion_plan, intervals, next_back, route_deadline
 
 MBIT = 1e6 / 8
 """Bytes/s of one Mbit/s."""
@@ -92,13 +92,15 @@ class Result:
     samples_per_s: float
     shares: dict[str, float]
     late: int
-    """Microbatches whose trip exceeded the deadline the driver gave them (DeadlineEstimator)."""
+    """Microbatches whose trip exceeded the deadline the driver gave them (DeadlineEstimator, and
+    route_deadline with measured routing, as Downstream.forward; timeouts' defaults: 5 s to 30 s)."""
 
 
 def simulate(replicas: dict[str, float], *, routing: str, drivers: int = 2, driver_mbit: float = 20.0,
              microbatches_per_step: int = 8, window: int = 8, batch: int = 8, request_bytes: float = 260e3,
              response_bytes: float = 260e3, replica_compute_s: float = 0.02, driver_compute_s: float = 0.01,
-             latency_s: float = 0.02, seconds: float = 150.0, warmup_s: float = 20.0, seed: int = 0) -> Result:
+             latency_s: float = 0.02, seconds: float = 150.0, warmup_s: float = 20.0, seed: int = 0,
+             min_deadline_s: float = 5.0) -> Result:
     """`replicas`: Mbit/s of each next-stage replica's link (both directions). Every replica
     announces the same compute rate (batch / replica_compute_s samples/s): a fast GPU behind a slow
     link looks as fast as the rest until its link is measured."""
@@ -116,7 +118,8 @@ def simulate(replicas: dict[str, float], *, routing: str, drivers: int = 2, driv
     class Driver:
         node: Node
         meter: ReplicaMeter = field(default_factory=ReplicaMeter)
-        deadlines: DeadlineEstimator = field(default_factory=lambda: DeadlineEstimator(minimum=5.0, maximum=60.0))
+        deadlines: DeadlineEstimator = field(default_factory=lambda: DeadlineEstimator(minimum=min_deadline_s,
+                                                                                        maximum=30.0))
         in_flight: dict[str, int] = field(default_factory=dict)
         admitted: int = 0
         """Microbatches of this step admitted so far (the next one's position)."""
@@ -159,8 +162,12 @@ def simulate(replicas: dict[str, float], *, routing: str, drivers: int = 2, driv
             r = choose_replica(candidates, d.in_flight, set(), rng, remaining=remaining, batch=batch,
                                explore=position == 0)
             assert r is not None
+            deadline = d.deadlines.deadline()
+            if routing == MEASURED and any(c.measured for c in candidates):  # as Downstream.forward does
+                back = next_back(candidates, d.in_flight, intervals(candidates, batch))[r]
+                deadline = route_deadline(deadline, 0.0, back, 4.0, d.deadlines.maximum)
             d.in_flight[r] = d.in_flight.get(r, 0) + 1
-            links.start(Flow(d.node, nodes[r], request_bytes, t, ("arrive", (d, r, t, d.deadlines.deadline()))))
+            links.start(Flow(d.node, nodes[r], request_bytes, t, ("arrive", (d, r, t, deadline))))
         elif kind == "arrive":
             d, r, sent, deadline, request_s = args
             at(nodes[r].run(t, replica_compute_s), "computed", d, r, sent, request_s, t, deadline)
@@ -288,6 +295,13 @@ def test_measurements_are_forgotten_after_the_horizon() -> None:
                   serve_s=9.0, response_s=0.01, answered_at=0.0)
     assert meter.figures("slow", 30.0)[0] == pytest.approx(10.0)
     assert meter.figures("slow", 41.0) == (0.0, 0.0)
+
+
+def test_a_slow_replica_gets_the_time_it_needs_within_the_cap() -> None:
+    # the shared deadline (from every replica's trips) is 5 s; this replica is expected back in 3 s
+    assert route_deadline(105.0, 100.0, 3.0, 4.0, 30.0) == 112.0
+    assert route_deadline(105.0, 100.0, 1.0, 4.0, 30.0) == 105.0  # never shortened
+    assert route_deadline(105.0, 100.0, 20.0, 4.0, 30.0) == 130.0  # at most timeouts.microbatch
 
 
 def test_replicas_that_left_are_not_kept_forever() -> None:

@@ -166,6 +166,7 @@ class Replica:
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id,
                                     boundary=precision.boundary, routing=m.pipeline.routing,
+                                    max_deadline_s=t.microbatch,
                                     signer=RoundSigner(ctx.key, m.run_id, m.hash) if stage == 0 and ctx.key else None)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,

@@ -128,6 +128,14 @@ def choose_replica(candidates: Sequence[Candidate], in_flight: dict[str, int], b
     return rng.choices([c.peer_id for c in usable], weights=[1.0 / back[c.peer_id] for c in usable], k=1)[0]
 
 
+def route_deadline(deadline: float, now: float, expected_back: float, factor: float, cap_s: float) -> float:
+    """A driver's deadline for a microbatch once its replica is chosen: the one its recent trips
+    gave (`DeadlineEstimator`, over every replica), or `factor` × when this replica is expected
+    to return it if that is later, at most `cap_s` from `now` (timeouts.microbatch). A slow
+    replica's trips are few among the fast ones' and the shared deadline would time them out."""
+    return max(deadline, min(now + factor * expected_back, now + cap_s))
+
+
 @dataclass
 class ReplicaMeter:
     """What one caller measured of each replica of the next stage from its own answered

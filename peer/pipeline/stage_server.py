@@ -31,7 +31,8 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
-from swarmgrad.peer.pipeline.routing import MEASURED, BanList, Candidate, ReplicaMeter, choose_replica
+from swarmgrad.peer.pipeline.routing import (MEASURED, BanList, Candidate, ReplicaMeter, choose_replica, intervals,
+                                             next_back, route_deadline)
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.errors import BestEffort
@@ -47,6 +48,10 @@ from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_t
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+
+DEADLINE_FACTOR = 4.0
+"""A driver's deadline for a microbatch is at least this × when its replica is expected to return it
+(DeadlineEstimator's factor over the recent p90 trip)."""
 
 NOT_READY_DEFER_SECONDS = 1.0
 """How long a replica that answered NOT_READY (between rounds) is passed over by routing."""
@@ -79,12 +84,14 @@ class Downstream:
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
                  gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
                  boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 signer: RoundSigner | None = None, routing: str = MEASURED):
+                 signer: RoundSigner | None = None, routing: str = MEASURED, max_deadline_s: float = 30.0):
         """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
         float32, holding values of the compute dtype); default: the CPU in float32. `routing`:
-        pipeline.routing (peer/pipeline/routing.py)."""
+        pipeline.routing (peer/pipeline/routing.py). `max_deadline_s`: timeouts.microbatch, the
+        most a driver's deadline is stretched to for a slow replica (routing.route_deadline)."""
         self.identity = identity
         self.routing = routing
+        self.max_deadline_s = max_deadline_s
         self.meter = ReplicaMeter()
         """What our answered microbatches measured of each replica (the weights of `measured` routing)."""
         self.answered: Counter[str] = Counter()
@@ -153,10 +160,15 @@ class Downstream:
             candidates = self.meter.measured(candidates, now)
         else:
             remaining = None
+        batch = int(output.shape[0]) if output.dim() else 1
         peer = choose_replica(candidates, self.in_flight, self.bans.banned(now), self.rng, remaining=remaining,
-                              batch=int(output.shape[0]) if output.dim() else 1, explore=explore)
+                              batch=batch, explore=explore)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
+        if self.routing == MEASURED and round_ticket is None and any(c.measured for c in candidates):
+            # our own request (a relayed one keeps its driver's deadline): give a slow replica its time
+            back = next_back(candidates, self.in_flight, intervals(candidates, batch))[peer]
+            deadline = route_deadline(deadline, get_dht_time(), back, DEADLINE_FACTOR, self.max_deadline_s)
         activations = encoded if encoded is not None else await self.encode(output)
         if round_ticket is None:
             round_ticket = self.signer.ticket(round_no) if self.signer is not None else b""
