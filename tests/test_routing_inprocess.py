@@ -45,7 +45,8 @@ def test_the_driver_sends_a_replica_behind_a_slow_link_only_what_it_takes(inproc
             reports = [e["routes"] for e in driver.events("pipeline")]
             assert reports and all(abs(sum(r["share"] for r in routes.values()) - 1) < 0.01 for routes in reports)
             # its 8 kB messages arrive in one piece, so no link rate is measured, but its trips are 20× longer
-            both = [r for r in reports if slow.peer_id[-8:] in r and fast.peer_id[-8:] in r]
-            assert both and all(r[slow.peer_id[-8:]]["trip_s"] > 5 * r[fast.peer_id[-8:]]["trip_s"] for r in both), reports
+            s, f = slow.peer_id[-8:], fast.peer_id[-8:]
+            both = [r for r in reports if s in r and f in r]
+            assert both and all(r[s]["trip_s"] > 5 * r[f]["trip_s"] for r in both), reports
 
     inprocess(scenario)
