@@ -3,14 +3,15 @@ process (tests/support's in-memory DHT and loopback transport), one driver and o
 replica over a shaped link.
 
     python -m benchmarks.compute_queue [--microbatches 4] [--size 16] [--max-in-flight 4] [--mbit 20]
-                                       [--delay-ms 25] [--rounds 4]
+                                       [--delay-ms 25] [--rounds 4] [--forward-first]
 
 Every call a replica submits to its compute thread (peer/compute/thread.py) is timed from its
 submission to its start; a call that waited more than 5 ms is counted under the kind of call that
 ran just before it. So it says whether a forward (what feeds the link) waits behind a backward, the
 wait an overlap of one microbatch's backward with the next one's forward and send would remove,
 and prints the driver's `pipeline` reports (link and compute use, the uplink's waits between inner
-steps). The model: 4 layers of d=128, 128 tokens. All peers share this machine's cores: read the
+steps) and the driver's samples/s after its first round. `--forward-first` sets
+pipeline.forward_first (forwards before waiting backwards). The model: 4 layers of d=128, 128 tokens. All peers share this machine's cores: read the
 waits as shares of the compute time (core_share in the reports).
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ class QueueProbe:
 async def measure(args: argparse.Namespace, probe: QueueProbe) -> None:
     m = step_manifest(5, model={"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
                       inner={"microbatch_size": args.size, "microbatches_per_step": args.microbatches},
-                      pipeline={"max_in_flight": args.max_in_flight},
+                      pipeline={"max_in_flight": args.max_in_flight, "forward_first": args.forward_first},
                       timeouts={"microbatch": 30.0, "min_microbatch": 5.0}, data={"eval_every": 100, "eval_batches": 1})
     link = LinkSpec(delay=args.delay_ms / 1e3, bandwidth=args.mbit * 1e6 / 8)
     async with InProcessSwarm(m, link=link) as swarm:
@@ -82,6 +83,10 @@ async def measure(args: argparse.Namespace, probe: QueueProbe) -> None:
         await swarm.wait_exit(600)
         for report in driver.events("pipeline")[1:]:
             print({k: report.get(k) for k in REPORT})
+        rounds = driver.events("round")
+        samples = sum(e["samples"] for e in rounds[1:])
+        print(f"driver: {samples} samples in rounds 2-{len(rounds)}, "
+              f"{samples / (rounds[-1]['time'] - rounds[0]['time']):.1f} samples/s")
 
 
 def main() -> None:
@@ -92,6 +97,7 @@ def main() -> None:
     p.add_argument("--mbit", type=float, default=20.0)
     p.add_argument("--delay-ms", type=float, default=25.0)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--forward-first", action="store_true")
     args = p.parse_args()
     probe = QueueProbe()
     probe.install()

@@ -219,6 +219,10 @@ class PipelineConfig:
     compute and the link to it, and sends an inner step's last microbatches only where they come
     back first; "announced" (SWARM's wiring, the rule before) by its announced compute alone,
     over 1 + the sender's queue to it, so a fast replica behind a slow link gets its full share."""
+    forward_first: bool = False
+    """A replica's compute thread runs a training forward before the backwards waiting for it, so
+    the next request goes on the link while the backward runs (peer/compute/thread.py). Off: calls
+    run in the order they came. Measured: docs/measurements.md, "What waits on the compute thread"."""
     max_message_mb: float = 256.0
     """Incoming messages larger than this are refused before they are parsed."""
 

@@ -39,8 +39,8 @@ PINNED = {
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
 # kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer,
-# and pipeline.routing
-PINNED_HASH = "26694fc72cd1ba2aa70c5dc876d5f8d9"
+# and pipeline.routing, pipeline.forward_first
+PINNED_HASH = "a36b9e38f14dee21870b6c3f06f81758"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

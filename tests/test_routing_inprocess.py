@@ -50,3 +50,26 @@ def test_the_driver_sends_a_replica_behind_a_slow_link_only_what_it_takes(inproc
             assert both and all(r[s]["trip_s"] > 5 * r[f]["trip_s"] for r in both), reports
 
     inprocess(scenario)
+
+
+def test_forward_first_trains_every_microbatch_once_and_replicas_agree(inprocess) -> None:
+    """pipeline.forward_first reorders each replica's compute thread (forwards before waiting
+    backwards): two drivers and two stage-1 replicas still train each microbatch once, and each
+    stage's replicas hold one θ_global after every round."""
+    manifest = step_manifest(3, inner={"microbatch_size": 4, "microbatches_per_step": 4},
+                             pipeline={"max_in_flight": 4, "forward_first": True})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(manifest, link=FAST) as swarm:
+            servers = [swarm.start(1, max_rounds=4) for _ in range(2)]
+            drivers = [swarm.start(0, max_rounds=4) for _ in range(2)]
+            await swarm.wait_exit(90)
+            history = swarm.history()
+            assert all(p.events("stopped") for p in swarm.peers), history
+            for stage in (0, 1):
+                assert_replicas_agree(swarm.peers, stage)
+            committed = [c for p in servers for e in p.events("round") for c in e["committed"]]
+            assert committed and len(committed) == len(set(committed)), "a microbatch trained twice"
+            assert not any(d.events("lost") for d in drivers), history
+
+    inprocess(scenario)
