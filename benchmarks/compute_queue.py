@@ -48,7 +48,7 @@ class QueueProbe:
         original = thread.ComputeThread.run
         probe = self
 
-        async def run(self: thread.ComputeThread, fn: Callable[..., Any], *args: Any) -> Any:
+        async def run(self: thread.ComputeThread, fn: Callable[..., Any], *args: Any, first: bool = False) -> Any:
             submitted, kind = time.perf_counter(), probe.kind(fn, args)
             name = probe.names.setdefault(id(self), f"replica {len(probe.names)}")
 
@@ -61,7 +61,7 @@ class QueueProbe:
                     return fn(*a)
                 finally:
                     probe.last[id(self)] = kind
-            return await original(self, timed, *args)
+            return await original(self, timed, *args, first=first)
         thread.ComputeThread.run = run  # type: ignore[method-assign]
 
     @staticmethod
