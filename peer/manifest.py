@@ -213,12 +213,13 @@ class PipelineConfig:
     on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
-    routing: str = "measured"
-    """Which replica of the next stage gets a microbatch (peer/pipeline/routing.py): "measured"
-    weighs each by the rate it can take as the sender measures it, the slower of its announced
-    compute and the link to it, and sends an inner step's last microbatches only where they come
-    back first; "announced" (SWARM's wiring, the rule before) by its announced compute alone,
-    over 1 + the sender's queue to it, so a fast replica behind a slow link gets its full share."""
+    routing: str = "announced"
+    """Which replica of the next stage gets a microbatch (peer/pipeline/routing.py): "announced"
+    (SWARM's wiring) by its announced compute over 1 + the sender's queue to it, so a fast replica
+    behind a slow link gets its full share; "measured" by the rate it can take as the sender
+    measures it, the slower of its announced compute and the link to it, an inner step's last
+    microbatches only where they come back first. The default changes once the four-peer benchmark
+    (benchmarks/pipeline_wan.py) shows the win (docs/measurements.md)."""
     forward_first: bool = False
     """A replica's compute thread runs a training forward before the backwards waiting for it, so
     the next request goes on the link while the backward runs (peer/compute/thread.py). Off: calls

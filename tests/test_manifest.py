@@ -40,7 +40,7 @@ PINNED = {
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
 # kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer,
 # and pipeline.routing, pipeline.forward_first
-PINNED_HASH = "a36b9e38f14dee21870b6c3f06f81758"
+PINNED_HASH = "7c33141c6f1c9501b568783ee61268fa"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -270,7 +270,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.codec": [{"codec": "fp16"}],
         "pipeline.activation_codec": [{"activation_codec": "bf16"}],
         "pipeline.gradient_codec": [{"gradient_codec": "bf16"}],
-        "pipeline.routing": [{"routing": "announced"}],
+        "pipeline.routing": [{"routing": "measured"}],
         "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
         "averaging.robust_min_members": [{"robust_min_members": 4}],

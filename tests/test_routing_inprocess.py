@@ -19,8 +19,7 @@ SLOW = LinkSpec(delay=0.005, bandwidth=40_000)
 
 def test_the_driver_sends_a_replica_behind_a_slow_link_only_what_it_takes(inprocess) -> None:
     manifest = step_manifest(4, inner={"microbatch_size": 4, "microbatches_per_step": 4},
-                             pipeline={"max_in_flight": 4})
-    assert manifest.pipeline.routing == "measured"
+                             pipeline={"max_in_flight": 4, "routing": "measured"})
 
     async def scenario() -> None:
         async with InProcessSwarm(manifest, link=FAST) as swarm:
@@ -57,7 +56,7 @@ def test_forward_first_trains_every_microbatch_once_and_replicas_agree(inprocess
     backwards): two drivers and two stage-1 replicas still train each microbatch once, and each
     stage's replicas hold one θ_global after every round."""
     manifest = step_manifest(3, inner={"microbatch_size": 4, "microbatches_per_step": 4},
-                             pipeline={"max_in_flight": 4, "forward_first": True})
+                             pipeline={"max_in_flight": 4, "forward_first": True, "routing": "measured"})
 
     async def scenario() -> None:
         async with InProcessSwarm(manifest, link=FAST) as swarm:

@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
-from swarmgrad.peer.pipeline.routing import (MEASURED, BanList, Candidate, ReplicaMeter, choose_replica, intervals,
+from swarmgrad.peer.pipeline.routing import (ANNOUNCED, MEASURED, BanList, Candidate, ReplicaMeter, choose_replica, intervals,
                                              next_back, route_deadline)
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
@@ -84,7 +84,7 @@ class Downstream:
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
                  gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
                  boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 signer: RoundSigner | None = None, routing: str = MEASURED, max_deadline_s: float = 30.0):
+                 signer: RoundSigner | None = None, routing: str = ANNOUNCED, max_deadline_s: float = 30.0):
         """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
         float32, holding values of the compute dtype); default: the CPU in float32. `routing`:
         pipeline.routing (peer/pipeline/routing.py). `max_deadline_s`: timeouts.microbatch, the
