@@ -177,24 +177,12 @@ class ReplicaMeter:
         return found
 
     def measured(self, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
-        """`candidates` with what we measured of each. A trip's latency (what is neither transfer
-        nor service: stream set-up, the event loops, propagation) is the median over the measured
-        replicas, not each one's own: it is mostly ours, and its noise must not send a step's
-        microbatches to whichever replica happened to answer sooner."""
-        figures = {c.peer_id: self.figures(c.peer_id, now) for c in candidates}
-        latencies = [self._latency(c.peer_id) for c in candidates if figures[c.peer_id][1] > 0]
-        common = _median(latencies) if latencies else 0.0
+        """`candidates` with what we measured of each."""
         out = []
         for c in candidates:
-            link, trip = figures[c.peer_id]
-            if trip > 0:
-                trip = trip - self._latency(c.peer_id) + common
+            link, trip = self.figures(c.peer_id, now)
             out.append(Candidate(c.peer_id, c.throughput, link, trip))
         return out
-
-    def _latency(self, peer_id: str) -> float:
-        held = self._replicas.get(peer_id)
-        return held[1].measure().latency if held is not None else 0.0
 
 
 @dataclass
