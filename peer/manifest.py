@@ -198,6 +198,10 @@ class AveragingConfig:
     link time: docs/placement.md, "Pacing backups"."""
 
 
+PIPELINE_ROUTINGS = ("measured", "announced")
+"""pipeline.routing's values."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     activation_codec: str = "fp16"
@@ -213,6 +217,17 @@ class PipelineConfig:
     on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
+    routing: str = "announced"
+    """Which replica of the next stage gets a microbatch (peer/pipeline/routing.py): "announced"
+    (SWARM's wiring) by its announced compute over 1 + the sender's queue to it, so a fast replica
+    behind a slow link gets its full share; "measured" by the rate it can take as the sender
+    measures it, the slower of its announced compute and the link to it, an inner step's last
+    microbatches only where they come back first. The default changes once the four-peer benchmark
+    (benchmarks/pipeline_wan.py) shows the win (docs/measurements.md)."""
+    forward_first: bool = False
+    """A replica's compute thread runs a training forward before the backwards waiting for it, so
+    the next request goes on the link while the backward runs (peer/compute/thread.py). Off: calls
+    run in the order they came. Measured: docs/measurements.md, "What waits on the compute thread"."""
     max_message_mb: float = 256.0
     """Incoming messages larger than this are refused before they are parsed."""
 

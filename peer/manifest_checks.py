@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 
-from swarmgrad.peer.manifest import Manifest, _fail
+from swarmgrad.peer.manifest import PIPELINE_ROUTINGS, Manifest, _fail
 
 MAX_SHARDS = 65536
 """data.shards at most: a driver's DHT record carries the done shards as a bitmap, 8 KiB at this
@@ -122,6 +122,8 @@ def check(m: Manifest) -> None:
         raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
     _positive("pipeline.max_retries", m.pipeline.max_retries)
+    if m.pipeline.routing not in PIPELINE_ROUTINGS:
+        raise _fail("pipeline.routing", f"must be one of {', '.join(PIPELINE_ROUTINGS)} (got {m.pipeline.routing!r})")
     if not 1 <= m.pipeline.max_message_mb <= 4096:
         raise _fail("pipeline.max_message_mb", f"must be in [1, 4096] MiB (got {m.pipeline.max_message_mb}): "
                                                "smaller cannot carry a microbatch, larger is a memory hazard")

@@ -233,6 +233,45 @@ def test_the_compute_thread_runs_calls_in_order_on_one_thread_and_refuses_after_
     asyncio.run(main())
 
 
+def test_forward_first_runs_forwards_before_waiting_backwards_and_refuses_after_close() -> None:
+    async def main() -> None:
+        thread = ComputeThread(forward_first=True)
+        started, release = threading.Event(), threading.Event()
+        seen: list[str] = []
+
+        def block() -> None:
+            started.set()
+            release.wait(5)
+
+        running = asyncio.ensure_future(thread.run(block))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)  # the thread is busy
+        calls = [asyncio.ensure_future(thread.run(seen.append, name, first=name.startswith("f")))
+                 for name in ("b1", "f1", "b2", "f2")]
+        await asyncio.sleep(0.05)  # all four wait
+        release.set()
+        await asyncio.gather(running, *calls)
+        assert seen == ["f1", "f2", "b1", "b2"]
+        with pytest.raises(ZeroDivisionError):  # an exception reaches its caller, the thread goes on
+            await thread.run(lambda: 1 / 0)
+        assert await thread.run(lambda: threading.current_thread().name) == "stage-compute"
+        # close: what waits is cancelled, the call running finishes, new calls are refused
+        started.clear()
+        release.clear()
+        running = asyncio.ensure_future(thread.run(block))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        waiting = asyncio.ensure_future(thread.run(seen.append, "never"))
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.get_running_loop().run_in_executor(None, thread.close)
+        await running
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert "never" not in seen
+        with pytest.raises(ProtocolError):
+            await thread.run(lambda: None)
+    asyncio.run(main())
+
+
 def test_an_inner_step_counts_as_compute_but_not_in_the_rate_and_the_rate_moves_only_at_update() -> None:
     def busy() -> None:
         end = time.perf_counter() + 0.02

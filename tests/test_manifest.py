@@ -38,8 +38,9 @@ PINNED = {
 # averaging.backup_link_share were added, and timeouts.between_rounds, and data.evaluators, and
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
-# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer
-PINNED_HASH = "ded7c6f0b661f5f3e167315965d20f74"
+# kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer,
+# and model.boundary_subspace, and pipeline.routing, pipeline.forward_first
+PINNED_HASH = "9ab5a738e08f3a7ab60e0bde773a6e64"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -153,6 +154,7 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("bad activation codec", with_section("pipeline", activation_codec=""), ["pipeline.activation_codec"]),
     ("bad gradient codec", with_section("pipeline", gradient_codec="nope"), ["pipeline.gradient_codec"]),
     ("max_in_flight 0", with_section("pipeline", max_in_flight=0), ["pipeline.max_in_flight"]),
+    ("unknown routing", with_section("pipeline", routing="fastest"), ["pipeline.routing", "measured, announced"]),
     ("heartbeat == ttl", with_section("timeouts", heartbeat=15.0, announce_ttl=15.0),
      ["timeouts.heartbeat", "timeouts.announce_ttl"]),
     ("heartbeat > ttl", with_section("timeouts", heartbeat=20.0), ["timeouts.heartbeat"]),
@@ -268,6 +270,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "averaging.codec": [{"codec": "fp16"}],
         "pipeline.activation_codec": [{"activation_codec": "bf16"}],
         "pipeline.gradient_codec": [{"gradient_codec": "bf16"}],
+        "pipeline.routing": [{"routing": "measured"}],
         "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
         "averaging.robust_min_members": [{"robust_min_members": 4}],

@@ -55,10 +55,12 @@ class StageWorker:
 
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device, loss_fn: LossFn | None,
                  clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0,
-                 rate_clock: str = "wall", precision: Precision | None = None):
+                 rate_clock: str = "wall", precision: Precision | None = None, forward_first: bool = False):
         """`slowdown`, `rate_clock`: testing aids (peer/compute/thread.py). `commit_timeout`:
         timeouts.commit, how long an answered microbatch's gradients wait for their commit.
-        `precision`: what the forwards compute in (default float32 on `device`)."""
+        `precision`: what the forwards compute in (default float32 on `device`). `forward_first`:
+        pipeline.forward_first (a training forward goes before the backwards waiting for the
+        compute thread)."""
         self.module = module.to(device)
         self.precision = precision or Precision(device)
         self.device = device
@@ -70,7 +72,7 @@ class StageWorker:
         self.evaluation = EvalCopy(self.module)
         self.passes = StagePasses(self.module, device, loss_fn, self.inner, self.lookahead, self.evaluation,
                                   self.precision)
-        self.thread = ComputeThread(slowdown, rate_clock)
+        self.thread = ComputeThread(slowdown, rate_clock, forward_first)
         self.tally = RoundTally()
         self.mean = MeanInFlight()
         self.gate = Gate(clock, self.tally, self.mean)
@@ -199,7 +201,9 @@ class StageWorker:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input as used, output). With train, both keep the graph for `backward`; a slot admitted
         ahead runs against its stash."""
-        return await self.thread.run(self.thread.timed, self.passes.forward, x, train, slot)
+        # a training forward feeds the link (its output is the next request): with forward_first it
+        # goes before waiting backwards, whose link work (the next request) is the forward's anyway
+        return await self.thread.run(self.thread.timed, self.passes.forward, x, train, slot, first=train)
 
     async def backward(self, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, batch: int,
                        slot: Slot = PLAIN) -> torch.Tensor | None:

@@ -146,7 +146,8 @@ class Replica:
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
                                            slowdown=ctx.slowdown, rate_clock=ctx.rate_clock,
-                                           commit_timeout=t.commit, precision=precision)
+                                           commit_timeout=t.commit, precision=precision,
+                                           forward_first=m.pipeline.forward_first)
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         worker.eval_weights = lambda: state.snapshot.params if state.snapshot is not None else None
@@ -165,7 +166,8 @@ class Replica:
             downstream = Downstream(ctx.identity, next_rpc, ctx.swarm, bans,
                                     parse_codec_spec(m.pipeline.activation_codec), ctx.max_numel,
                                     gradient_codecs=wire_codec_names(m.pipeline.gradient_codec), self_id=ctx.peer_id,
-                                    boundary=precision.boundary,
+                                    boundary=precision.boundary, routing=m.pipeline.routing,
+                                    max_deadline_s=t.microbatch,
                                     signer=RoundSigner(ctx.key, m.run_id, m.hash) if stage == 0 and ctx.key else None)
         averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,

@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -137,6 +138,7 @@ class Driver:
         self.step_gaps = StepGaps()
         """The uplink's waits between inner steps (the report's `step_gap_share`)."""
         self._report_mark = self._marks()
+        self._routes_mark: Counter[str] = Counter()
 
     @property
     def window(self) -> int:
@@ -193,10 +195,12 @@ class Driver:
             self._window_changed.notify_all()
 
     async def _send(self, mb: int, attempt: int, h: torch.Tensor, targets: torch.Tensor, eval_only: bool,
-                    step: int) -> tuple[Hop, CallTiming]:
+                    step: int, remaining: int | None = None) -> tuple[Hop, CallTiming]:
         """Send through the send slot (module docstring): hold it until the request is written and,
         at the measured uplink rate, has had time to leave; then wait for the answer without it.
-        `step`: the inner step the microbatch trains in (the report's waits between steps)."""
+        `step`: the inner step the microbatch trains in (the report's waits between steps);
+        `remaining`: its step's microbatches not sent yet, this one included (routing; the first
+        of a step may probe a replica not measured yet)."""
         assert self.downstream is not None
         timing = CallTiming()
         encoded = await self.downstream.encode(h)  # before the slot: the link need not wait for the codec
@@ -206,7 +210,8 @@ class Driver:
                 self.step_gaps.starting(step, round_no, time.monotonic())
             call = asyncio.ensure_future(self.downstream.forward(
                 1, h, targets, mb, attempt, self.peer_id, get_dht_time() + self.deadlines.deadline(), eval_only,
-                round_no, timing=timing, encoded=encoded))
+                round_no, timing=timing, encoded=encoded, remaining=remaining,
+                explore=remaining is None or remaining >= self.m.inner.microbatches_per_step))
             sent = asyncio.ensure_future(timing.sent.wait())
             try:
                 await asyncio.wait([call, sent], return_when=asyncio.FIRST_COMPLETED)
@@ -269,7 +274,15 @@ class Driver:
                 "ahead_share": round((now[5] - a0) / (now[4] - r0), 3) if now[4] > r0 else 0.0,
                 "step_gap_share": round(min(1.0, (now[6] - g0) / max(1e-9, now[0] - t0)), 3),
                 "core_share": round(min(1.0, (now[7] - cpu0) / (now[8] - el0)), 3)
-                if self.worker.device.type == "cpu" and now[8] > el0 else None}
+                if self.worker.device.type == "cpu" and now[8] > el0 else None,
+                "routes": self._routes()}
+
+    def _routes(self) -> dict[str, dict[str, float]]:
+        """Where this report's training microbatches went (Downstream.routes)."""
+        if self.downstream is None:
+            return {}
+        since, self._routes_mark = self._routes_mark, Counter(self.downstream.answered)
+        return self.downstream.routes(since)
 
     async def _draw(self, slot: Slot) -> Batch:
         """A training batch of the size of the slot's place in its step."""
@@ -294,7 +307,8 @@ class Driver:
             x, h = await self.worker.forward(inputs, train=not eval_only, slot=slot)
             started = time.monotonic()
             sent = targets if self.token_carry is None else self.token_carry.wire_targets(inputs, targets)
-            hop, timing = await self._send(mb, attempt, h, sent, eval_only, slot.step)
+            hop, timing = await self._send(mb, attempt, h, sent, eval_only, slot.step,
+                                           self._remaining(slot, eval_only))
             if hop.status != pb.OK:
                 return hop.status, math.nan, hop.reason, hop.failed_peer
             self.deadlines.observe(time.monotonic() - started)
@@ -307,6 +321,14 @@ class Driver:
                 self.worker.record_loss(hop.loss)
                 self._commit(hop.route, mb, attempt)
             return pb.OK, hop.loss, "", ""
+
+    def _remaining(self, slot: Slot, eval_only: bool) -> int | None:
+        """The microbatches of this one's inner step not sent yet, itself included: its place in
+        its step (the next one's, for a microbatch admitted ahead) says how many went before.
+        None for an evaluation: no step waits for it."""
+        if eval_only:
+            return None
+        return max(1, self.m.inner.microbatches_per_step - slot.position)
 
     def _commit(self, route: str, mb: int, attempt: int) -> None:
         """The answer came back and our backward ran: let every replica of the route train on it

@@ -20,6 +20,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
@@ -31,7 +32,8 @@ from swarmgrad.compression import Codec
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.compute.lookahead import Slot
 from swarmgrad.peer.model.subspace import TokenCarry
-from swarmgrad.peer.pipeline.routing import BanList, Candidate, choose_replica
+from swarmgrad.peer.pipeline.routing import (ANNOUNCED, MEASURED, BanList, Candidate, ReplicaMeter, choose_replica, intervals,
+                                             next_back, route_deadline)
 from swarmgrad.peer.net.rpc import REQUEST_READ_S, CallTiming, FramedRPC, RPCFailed, stage_namespace
 from swarmgrad.peer.net.dht_view import SwarmView
 from swarmgrad.peer.net.errors import BestEffort
@@ -47,6 +49,10 @@ from swarmgrad.protocol.validation import (RunIdentity, StageContract, encoded_t
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+
+DEADLINE_FACTOR = 4.0
+"""A driver's deadline for a microbatch is at least this × when its replica is expected to return it
+(DeadlineEstimator's factor over the recent p90 trip)."""
 
 NOT_READY_DEFER_SECONDS = 1.0
 """How long a replica that answered NOT_READY (between rounds) is passed over by routing."""
@@ -79,10 +85,18 @@ class Downstream:
                  activation_codec: Codec, max_numel: int, refresh_seconds: float = 1.0, seed: int | None = None,
                  gradient_codecs: frozenset[str] | None = None, self_id: str | None = None,
                  boundary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 signer: RoundSigner | None = None):
+                 signer: RoundSigner | None = None, routing: str = ANNOUNCED, max_deadline_s: float = 30.0):
         """`boundary`: what an activation becomes before its codec (Precision.boundary: the CPU,
-        float32, holding values of the compute dtype); default: the CPU in float32."""
+        float32, holding values of the compute dtype); default: the CPU in float32. `routing`:
+        pipeline.routing (peer/pipeline/routing.py). `max_deadline_s`: timeouts.microbatch, the
+        most a driver's deadline is stretched to for a slow replica (routing.route_deadline)."""
         self.identity = identity
+        self.routing = routing
+        self.max_deadline_s = max_deadline_s
+        self.meter = ReplicaMeter()
+        """What our answered microbatches measured of each replica (the weights of `measured` routing)."""
+        self.answered: Counter[str] = Counter()
+        """Training microbatches each replica answered, ever (the driver's `routes` report)."""
         self.boundary = boundary or _fp32_on_cpu
         self.signer = signer
         """A driver's: signs the round ticket its own requests carry (peer/net/round_tickets.py).
@@ -131,14 +145,31 @@ class Downstream:
     async def forward(self, stage: int, output: torch.Tensor, targets: torch.Tensor, microbatch_id: int,
                       attempt: int, driver: str, deadline: float, eval_only: bool, round_no: int,
                       timing: CallTiming | None = None, encoded: pb.EncodedTensor | None = None,
-                      round_ticket: bytes | None = None) -> Hop:
+                      round_ticket: bytes | None = None, remaining: int | None = None,
+                      explore: bool = True) -> Hop:
         """Send a microbatch to a replica of `stage` and wait for its answer. `encoded`: `output`
         already encoded (by `encode`); `timing`, if given, is filled in by the call (the driver
         paces its sends and estimates its link with it). `round_ticket`: the one the request
-        being relayed came with; None: our signer's for `round_no` (a driver's own requests)."""
-        peer = choose_replica(await self.candidates(stage), self.in_flight, self.bans.banned(time.monotonic()), self.rng)
+        being relayed came with; None: our signer's for `round_no` (a driver's own requests).
+        `remaining`: the microbatches of the sender's inner step not sent yet, this one included
+        (None: not known); with `measured` routing a step's last ones go where they come back
+        first, and only a microbatch that may `explore` probes a replica not measured yet
+        (routing.choose_replica)."""
+        now = time.monotonic()
+        candidates = await self.candidates(stage)
+        if self.routing == MEASURED:
+            candidates = self.meter.measured(candidates, now)
+        else:
+            remaining = None
+        batch = int(output.shape[0]) if output.dim() else 1
+        peer = choose_replica(candidates, self.in_flight, self.bans.banned(now), self.rng, remaining=remaining,
+                              batch=batch, explore=explore)
         if peer is None:
             return Hop(pb.NOT_READY, f"no reachable replica of stage {stage}", failed_peer="")
+        if self.routing == MEASURED and round_ticket is None and any(c.measured for c in candidates):
+            # our own request (a relayed one keeps its driver's deadline): give a slow replica its time
+            back = next_back(candidates, self.in_flight, intervals(candidates, batch))[peer]
+            deadline = route_deadline(deadline, get_dht_time(), back, DEADLINE_FACTOR, self.max_deadline_s)
         activations = encoded if encoded is not None else await self.encode(output)
         if round_ticket is None:
             round_ticket = self.signer.ticket(round_no) if self.signer is not None else b""
@@ -146,6 +177,7 @@ class Downstream:
             envelope=envelope(self.identity, stage), microbatch_id=microbatch_id, attempt=attempt, driver=driver,
             activations=activations, targets=raw_from_tensor(narrow_integers(targets)), deadline=deadline, eval_only=eval_only,
             round=round_no, round_ticket=round_ticket)
+        timing = timing if timing is not None else CallTiming()
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
         try:
             response = await self.rpc.call(peer, "forward", request, pb.ForwardResponse,
@@ -155,7 +187,22 @@ class Downstream:
             return Hop(pb.DOWNSTREAM_FAILED, str(e), failed_peer=peer)
         finally:
             self.in_flight[peer] -= 1
-        return self._check(peer, response, tuple(output.shape), eval_only)
+        hop = self._check(peer, response, tuple(output.shape), eval_only)
+        if hop.status == pb.OK and not eval_only:
+            self._measure(peer, hop, timing)
+        return hop
+
+    def _measure(self, peer: str, hop: Hop, timing: CallTiming) -> None:
+        """A training microbatch's answer: what it says of that replica's route (an evaluation's
+        answer carries no gradient, so its bytes say nothing of a training trip's)."""
+        self.answered[peer] += 1
+        if not (timing.started and timing.done):
+            return
+        self.meter.observe(peer, time.monotonic(), request_bytes=timing.request_bytes,
+                           response_bytes=timing.response_bytes, trip_s=timing.done - timing.started,
+                           request_s=hop.request_s, serve_s=hop.serve_s,
+                           response_s=timing.done - timing.first_byte if timing.first_byte else 0.0,
+                           answered_at=timing.first_byte or timing.done)
 
     async def commit(self, route: tuple[str, ...], first_stage: int, microbatch_id: int, attempt: int,
                      timeout: float) -> int:
@@ -176,6 +223,17 @@ class Downstream:
             return int(response.status == pb.OK and response.committed == 1)
         results = await asyncio.gather(*(one(first_stage + i, peer) for i, peer in enumerate(route)))
         return sum(results)
+
+    def routes(self, since: Counter[str]) -> dict[str, dict[str, float]]:
+        """Per replica (the last 8 characters of its id), the share of our training microbatches it
+        answered since `since` (a copy of `answered`), and its measured link_s and trip_s."""
+        now, answered = time.monotonic(), self.answered - since
+        total = sum(answered.values())
+        out = {}
+        for peer, count in sorted(answered.items()):
+            link, trip = self.meter.figures(peer, now)
+            out[peer[-8:]] = {"share": round(count / total, 3), "link_s": round(link, 4), "trip_s": round(trip, 4)}
+        return out
 
     def _rpc_for(self, stage: int) -> FramedRPC:
         """A client of `stage`'s handlers (commits go to every stage of a route, not only the next)."""
