@@ -146,7 +146,9 @@ class Replica:
         self.worker = worker = StageWorker(module, m.inner, torch.device(ctx.device),
                                            ctx.model.loss_fn if is_last else None, clock, progress,
                                            slowdown=ctx.slowdown, rate_clock=ctx.rate_clock,
-                                           commit_timeout=t.commit, precision=precision)
+                                           commit_timeout=t.commit, precision=precision,
+                                           stale_correction=(m.pipeline.stale_correction,
+                                                             m.pipeline.stale_correction_scale))
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         worker.eval_weights = lambda: state.snapshot.params if state.snapshot is not None else None
