@@ -139,3 +139,38 @@ def test_no_correction_and_no_moments_leave_the_stash_as_copied() -> None:
     for kind in ("none", "delay_comp"):
         StaleCorrection(kind, 1.0, [p], opt, lambda: 0.1).extrapolate(stash)
         assert torch.equal(stash[0], torch.tensor([1.0, -2.0]))
+
+
+@pytest.mark.timeout(120)
+def test_four_peers_with_a_correction_train_every_microbatch_once_and_stay_identical(inprocess) -> None:
+    """2 stages × 2 replicas, real peers in one event loop (tests/support/swarm.py), lookahead with
+    the stash extrapolated along Adam's momentum on every stage: microbatches run ahead, every
+    complete round leaves both replicas of a stage with one digest, every microbatch is committed
+    once at stage 1 and none is left uncommitted, and the loss falls."""
+    from support.swarm import InProcessSwarm, assert_replicas_agree, complete_rounds, step_manifest
+    m = step_manifest(4, pipeline={"lookahead": True, "stale_correction": "nesterov"}, inner={"microbatches_per_step": 2})
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            first = swarm.start(0, max_rounds=5, linger=60.0)
+            await swarm.wait_for(first, lambda e: e["event"] == "online", 30, "the first driver online")
+            for stage in (1, 0, 1):
+                swarm.start(stage, max_rounds=5, linger=60.0)
+            await swarm.wait_exit(60)
+            drivers = [p for p in swarm.peers if p.stage == 0]
+            assert any(r["ahead_share"] > 0 for p in drivers for r in p.events("pipeline")), swarm.history()
+            for stage in (0, 1):
+                assert_replicas_agree(swarm.peers, stage)
+                full = [r for r, events in complete_rounds(swarm.peers, stage).items()
+                        if len(events) == 2 and all(e["group_size"] == 2 for e in events)]
+                assert len(full) >= 2, f"stage {stage}: too few rounds of both replicas: {full}\n" + swarm.history()
+            for peer in (p for p in swarm.peers if p.stage == 1):
+                rounds = peer.events("round")
+                committed = [c for e in rounds for c in e["committed"]]
+                assert committed and len(committed) == len(set(committed)), f"{peer.name}: a microbatch trained twice"
+                assert rounds[-1]["uncommitted"] == 0, swarm.history()
+            evals = sorted((e for p in drivers for e in p.events("eval") if e["val_loss"] is not None),
+                           key=lambda e: e["time"])
+            assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+
+    inprocess(scenario)
