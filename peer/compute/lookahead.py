@@ -24,6 +24,10 @@ bits/byte at equal samples with half the microbatches ahead: off by default, exp
 is here so that the trade can be measured on other models (benchmarks/pipeline_link.py,
 benchmarks/lookahead_quality.py, benchmarks/wan.py's swarmgrad-pipe-la).
 
+`pipeline.stale_correction` (peer/compute/staleness.py) may move each new stash to where the
+ahead microbatches should run (`extrapolate`: along Adam's momentum, or to the predicted weights)
+or compensate their gradients as they join their step; `none` keeps the stash as copied.
+
 Pure tensor code: the gate owns the counts in flight (peer/compute/gate.py), the worker ties them
 together (peer/compute/worker.py).
 """
