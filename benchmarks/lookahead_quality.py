@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
 
@@ -131,6 +131,11 @@ def main() -> None:
         futures = {(a, c, seed): pool.submit(train, a, stale, steps, microbatches, size, warmup, val, args.trace,
                                              seed, c.split(":")[0], float(c.split(":")[1]) if ":" in c else args.scale)
                    for seed in seeds for a, c in variants}
+        done = {f: key for key, f in futures.items()}
+        for f in as_completed(done):  # each as it ends: a long run that is cut short still reports some
+            a, c, seed = done[f]
+            report.print(f"done: {a} ahead, {c}, seed {seed}: val bits/byte {f.result()[0]:.4f} "
+                         f"({f.result()[1]:.0f} s)")
         results = {key: f.result() for key, f in futures.items()}
     rows = []
     for a, c in variants:
