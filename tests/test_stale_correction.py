@@ -174,3 +174,18 @@ def test_four_peers_with_a_correction_train_every_microbatch_once_and_stay_ident
             assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
 
     inprocess(scenario)
+
+
+def test_swarm_adamw_moments_give_the_direction_too() -> None:
+    """inner.swarm_second_moment: the same d from SwarmAdamW's exp_avg and exp_avg_sq."""
+    from swarmgrad.peer.compute.swarm_adamw import SwarmAdamW
+    p = nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = SwarmAdamW([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+    p.grad = torch.tensor([0.5, -0.25])
+    opt.observe([p.grad])
+    opt.step()
+    state = opt.state[p]
+    stash = [p.detach().clone()]
+    StaleCorrection("nesterov", 1.0, [p], opt, lambda: 0.1).extrapolate(stash)
+    d = (state["exp_avg"] / 0.1) / ((state["exp_avg_sq"] / 0.05).sqrt() + 1e-8)
+    torch.testing.assert_close(stash[0], p.detach() - 0.1 * 0.9 * d)
