@@ -32,6 +32,11 @@ also takes the noise-corrected maximum; the prediction is then an approximation)
 applies `extrapolate` to each new stash (on the event loop, while no step can run) and
 `compensate` where an ahead gradient joins the accumulation (on the compute thread, after the
 step before its own: the live weights are then w_{t+1}). Pure tensor code.
+
+Measured (docs/measurements.md, "Correcting the stale gradients"): in one process on the reference
+task with half of every step's microbatches ahead, `nesterov` cut lookahead's cost from +16.1 % to
++9.4 % at equal samples and `predict` to +11.3 %; neither reaches 1 %, so the default is `none`.
+`delay_comp`'s term is ~10⁻⁵ of the gradient there at λ = 1.
 """
 from __future__ import annotations
 
