@@ -34,8 +34,9 @@ applies `extrapolate` to each new stash (on the event loop, while no step can ru
 step before its own: the live weights are then w_{t+1}). Pure tensor code.
 
 Measured (docs/measurements.md, "Correcting the stale gradients"): in one process on the reference
-task with half of every step's microbatches ahead, `nesterov` cut lookahead's cost from +16.1 % to
-+9.4 % at equal samples and `predict` to +11.3 %; neither reaches 1 %, so the default is `none`.
+task with half of every step's microbatches ahead, lookahead's cost at equal samples was +16.1 / +16.5 %
+(two seeds) without a correction, +9.4 / +11.7 % with `nesterov`, +11.3 / +8.1 % with `predict`:
+neither reaches 1 %, so the default is `none`.
 `delay_comp`'s term is ~10⁻⁵ of the gradient there at λ = 1.
 """
 from __future__ import annotations
