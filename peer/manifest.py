@@ -200,6 +200,8 @@ class AveragingConfig:
 
 PIPELINE_ROUTINGS = ("measured", "announced")
 """pipeline.routing's values."""
+STALE_CORRECTIONS = ("none", "nesterov", "predict", "delay_comp")
+"""pipeline.stale_correction's values (peer/compute/staleness.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +217,14 @@ class PipelineConfig:
     their weights (PipeDream-2BW): the link stays busier across steps, and those microbatches'
     gradients are one step stale (peer/compute/lookahead.py). Off: every gradient is exact. Experimental:
     on the reference task the staleness costs far more per sample than the speed gains (docs/measurements.md)."""
+    stale_correction: str = "none"
+    """With lookahead, how the one-step-stale gradients are corrected (peer/compute/staleness.py,
+    one of STALE_CORRECTIONS): "none", "nesterov" (the stash extrapolated along Adam's momentum,
+    Nesterov's look-ahead), "predict" (the stash moved to the weights predicted for the step the
+    gradient lands in) or "delay_comp" (DC-ASGD's g + λ·g⊙g⊙(w_now − w_stale))."""
+    stale_correction_scale: float = 1.0
+    """σ of the correction: the predicted updates the stash moves ("nesterov", "predict"; 1 = the
+    one step of delay) or λ ("delay_comp")."""
     max_retries: int = 5
     """Attempts per microbatch before the driver gives it up (and logs it)."""
     routing: str = "announced"

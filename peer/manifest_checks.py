@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 
-from swarmgrad.peer.manifest import PIPELINE_ROUTINGS, Manifest, _fail
+from swarmgrad.peer.manifest import PIPELINE_ROUTINGS, STALE_CORRECTIONS, Manifest, _fail
 
 MAX_SHARDS = 65536
 """data.shards at most: a driver's DHT record carries the done shards as a bitmap, 8 KiB at this
@@ -124,6 +124,7 @@ def check(m: Manifest) -> None:
     _positive("pipeline.max_retries", m.pipeline.max_retries)
     if m.pipeline.routing not in PIPELINE_ROUTINGS:
         raise _fail("pipeline.routing", f"must be one of {', '.join(PIPELINE_ROUTINGS)} (got {m.pipeline.routing!r})")
+    _check_stale_correction(m)
     if not 1 <= m.pipeline.max_message_mb <= 4096:
         raise _fail("pipeline.max_message_mb", f"must be in [1, 4096] MiB (got {m.pipeline.max_message_mb}): "
                                                "smaller cannot carry a microbatch, larger is a memory hazard")
@@ -244,6 +245,20 @@ def _check_boundary_subspace(m: Manifest) -> None:
     if md.vocab_size > 1 << 24:
         raise _fail("model.boundary_subspace", f"carries token ids in fp32, exact up to 2^24; vocab_size is "
                                                f"{md.vocab_size}")
+
+
+def _check_stale_correction(m: Manifest) -> None:
+    p = m.pipeline
+    if p.stale_correction not in STALE_CORRECTIONS:
+        raise _fail("pipeline.stale_correction", f"must be one of {', '.join(STALE_CORRECTIONS)} "
+                                                 f"(got {p.stale_correction!r})")
+    if p.stale_correction != "none" and not p.lookahead:
+        raise _fail("pipeline.stale_correction", "corrects the stale gradients of pipeline.lookahead: it needs "
+                                                 "pipeline.lookahead = true")
+    if not 0.0 <= p.stale_correction_scale < math.inf:
+        raise _fail("pipeline.stale_correction_scale", f"must be a finite number >= 0 (got "
+                                                       f"{p.stale_correction_scale}): the predicted steps the stash "
+                                                       "moves (1: the one step of delay), or λ with delay_comp")
 
 
 def _check_codec(name: str, spec: str) -> None:

@@ -261,8 +261,13 @@ def test_forward_first_runs_forwards_before_waiting_backwards_and_refuses_after_
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
         waiting = asyncio.ensure_future(thread.run(seen.append, "never"))
         await asyncio.sleep(0.05)
+        # close while the call still runs (released only after close began), so the waiting call
+        # cannot start in between: released first, a loaded machine's thread took it before close
+        closing = asyncio.get_running_loop().run_in_executor(None, thread.close)
+        while not thread.closed:
+            await asyncio.sleep(0.01)
         release.set()
-        await asyncio.get_running_loop().run_in_executor(None, thread.close)
+        await closing
         await running
         with pytest.raises(asyncio.CancelledError):
             await waiting

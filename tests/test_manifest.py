@@ -39,8 +39,9 @@ PINNED = {
 # inner.microbatch_sizes, and rounds.overlap_steps, and timeouts.join_hold, and data.text_field,
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
 # kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer,
-# and model.boundary_subspace, and pipeline.routing, pipeline.forward_first
-PINNED_HASH = "9ab5a738e08f3a7ab60e0bde773a6e64"
+# and model.boundary_subspace, and pipeline.routing, pipeline.forward_first, and
+# pipeline.stale_correction and pipeline.stale_correction_scale
+PINNED_HASH = "187432327751574a85e0b7edd989fd1c"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:
@@ -271,6 +272,7 @@ def _changes(section: str, f: dataclasses.Field, current: Any) -> list[dict[str,
         "pipeline.activation_codec": [{"activation_codec": "bf16"}],
         "pipeline.gradient_codec": [{"gradient_codec": "bf16"}],
         "pipeline.routing": [{"routing": "measured"}],
+        "pipeline.stale_correction": [{"lookahead": True, "stale_correction": "predict"}],
         "schedule.kind": [{"kind": "cosine", "total_samples": 1000}],
         "schedule.min_lr_ratio": [{"min_lr_ratio": 0.5}],
         "averaging.robust_min_members": [{"robust_min_members": 4}],
@@ -406,6 +408,11 @@ def test_replace_validates() -> None:
 @pytest.mark.parametrize("section, values, field", [
     ("pipeline", {"max_message_mb": float("inf")}, "pipeline.max_message_mb"),
     ("pipeline", {"max_message_mb": 0.001}, "pipeline.max_message_mb"),
+    ("pipeline", {"lookahead": True, "stale_correction": "nag"}, "pipeline.stale_correction"),
+    ("pipeline", {"stale_correction": "predict"}, "pipeline.stale_correction"),  # without lookahead
+    ("pipeline", {"lookahead": True, "stale_correction": "predict", "stale_correction_scale": -1.0},
+     "pipeline.stale_correction_scale"),
+    ("pipeline", {"lookahead": True, "stale_correction_scale": float("nan")}, "pipeline.stale_correction_scale"),
     ("outer", {"lr": float("inf")}, "outer.lr"),
     ("inner", {"lr": float("nan")}, "inner.lr"),
     ("data", {"max_bytes": 50}, "data.max_bytes"),

@@ -37,6 +37,8 @@ class Held:
     step: int
     """The worker's `steps_total` the gradients are for."""
     expiry: asyncio.TimerHandle
+    stash: dict[str, torch.Tensor] | None = None
+    """The weights the gradients were computed against if its microbatch ran ahead (lookahead)."""
 
 
 class HeldCommits:
@@ -62,13 +64,15 @@ class HeldCommits:
         """"driver:microbatch" of every microbatch committed since the last `take_committed`
         (round events carry them, so the chaos soak counts microbatches trained twice exactly)."""
 
-    def hold(self, key: HoldKey, batch: int, grads: list[torch.Tensor | None], loss: float | None, step: int) -> None:
-        """Hold a microbatch's gradients (for inner step `step`) until `pop` or the timeout."""
+    def hold(self, key: HoldKey, batch: int, grads: list[torch.Tensor | None], loss: float | None, step: int,
+             stash: dict[str, torch.Tensor] | None = None) -> None:
+        """Hold a microbatch's gradients (for inner step `step`, computed against `stash` if it ran
+        ahead) until `pop` or the timeout."""
         old = self._held.pop(key, None)
         if old is not None:  # the same attempt twice: keep the newer gradients only
             old.expiry.cancel()
         expiry = asyncio.get_running_loop().call_later(self.timeout, self._expire, key)
-        self._held[key] = Held(grads, batch, loss, step, expiry)
+        self._held[key] = Held(grads, batch, loss, step, expiry, stash)
 
     def _expire(self, key: HoldKey) -> None:
         if self._held.pop(key, None) is not None:

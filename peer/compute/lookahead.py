@@ -24,12 +24,17 @@ bits/byte at equal samples with half the microbatches ahead: off by default, exp
 is here so that the trade can be measured on other models (benchmarks/pipeline_link.py,
 benchmarks/lookahead_quality.py, benchmarks/wan.py's swarmgrad-pipe-la).
 
+`pipeline.stale_correction` (peer/compute/staleness.py) may move each new stash to where the
+ahead microbatches should run (`extrapolate`: along Adam's momentum, or to the predicted weights)
+or compensate their gradients as they join their step; `none` keeps the stash as copied.
+
 Pure tensor code: the gate owns the counts in flight (peer/compute/gate.py), the worker ties them
 together (peer/compute/worker.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -74,22 +79,29 @@ class Lookahead:
     """The stash the next step's microbatches run against, and their finished gradients until the
     current step is applied."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, extrapolate: Callable[[list[torch.Tensor]], None] | None = None):
+        """`extrapolate`: moves a fresh stash's trainable tensors in place, where the ahead
+        microbatches should run instead (pipeline.stale_correction, peer/compute/staleness.py)."""
         self.module = module
+        self.extrapolate = extrapolate
         # the Parameter objects themselves: `forward` (functional_call, on the compute thread)
         # swaps the module's attributes for the stash's tensors while it runs, and `stash` runs on
         # the event loop meanwhile, so reading them through the module could copy a stash
         self._params = dict(module.named_parameters())
         self._names = [n for n, p in self._params.items() if p.requires_grad]
         self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._held: list[tuple[Grads, int]] = []
+        self._held: list[tuple[Grads, int, dict[str, torch.Tensor]]] = []
 
     def stash(self, step: int) -> dict[str, torch.Tensor]:
         """The weights microbatches of inner step `step` run against, copied once per step (call
         only while the parameters cannot change: the worker's gate is open and no step runs)."""
         if self._stash is None or self._stash[0] != step:
             with torch.no_grad():
-                copy = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self._params.items()}
+                copy = {n: p.detach().clone() for n, p in self._params.items()}
+                if self.extrapolate is not None:
+                    self.extrapolate([copy[n] for n in self._names])
+            for n, p in self._params.items():
+                copy[n].requires_grad_(p.requires_grad)
             self._stash = (step, copy)
         return self._stash[1]
 
@@ -100,15 +112,15 @@ class Lookahead:
     def forward(self, stash: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.module, stash, (x,))
 
-    def hold(self, grads: Grads, batch: int) -> None:
-        """A microbatch of the next step finished before this step was applied."""
-        self._held.append((grads, batch))
+    def hold(self, grads: Grads, batch: int, stash: dict[str, torch.Tensor]) -> None:
+        """A microbatch of the next step, run against `stash`, finished before this step was applied."""
+        self._held.append((grads, batch, stash))
 
     @property
     def held(self) -> int:
         return len(self._held)
 
-    def take(self) -> list[tuple[Grads, int]]:
+    def take(self) -> list[tuple[Grads, int, dict[str, torch.Tensor]]]:
         """At the step: the held gradients (they join the next step) and the stash is let go
         (microbatches still in flight keep their own reference to it)."""
         held, self._held, self._stash = self._held, [], None

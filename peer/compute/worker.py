@@ -7,6 +7,8 @@ round runner call, composed of the parts it coordinates:
 - `RoundTally` (tally.py): microbatches, samples and steps of the step, the round, and ever;
 - `HeldCommits` (commits.py): a stage ≥ 1's gradients held until their driver commits them;
 - `Lookahead` (lookahead.py): the stash the next step's microbatches run against;
+- `StaleCorrection` (staleness.py): pipeline.stale_correction, applied to that stash or to the
+  stale gradients as they join their step;
 - `MeanInFlight` (mean_in_flight.py): an overlapped round's mean and the rebase it brings;
 - `EvalCopy` (evaluation.py): the committed weights evaluations run on;
 - `InnerOptimizer` (inner_optimizer.py): where gradients accumulate and what a step does.
@@ -34,12 +36,13 @@ from swarmgrad.peer.compute.commits import HeldCommits, HoldKey
 from swarmgrad.peer.compute.evaluation import EvalCopy, Weights
 from swarmgrad.peer.compute.gate import Gate, NotReady, place_in_quota
 from swarmgrad.peer.compute.inner_optimizer import InnerOptimizer
-from swarmgrad.peer.compute.lookahead import PLAIN, Lookahead, Slot
+from swarmgrad.peer.compute.lookahead import PLAIN, Grads, Lookahead, Slot
 from swarmgrad.peer.compute.mean_in_flight import MeanInFlight, Move
 from swarmgrad.peer.compute.passes import LossFn, NonFiniteLoss, StagePasses
 from swarmgrad.peer.compute.precision import Precision
 from swarmgrad.peer.compute.rate import RateMeter
 from swarmgrad.peer.compute.schedule import TrainingProgress
+from swarmgrad.peer.compute.staleness import StaleCorrection
 from swarmgrad.peer.compute.tally import RoundTally
 from swarmgrad.peer.compute.thread import ComputeThread
 from swarmgrad.peer.manifest import InnerOptConfig
@@ -55,12 +58,14 @@ class StageWorker:
 
     def __init__(self, module: nn.Module, inner: InnerOptConfig, device: torch.device, loss_fn: LossFn | None,
                  clock: RoundClock, progress: TrainingProgress, slowdown: float = 1.0, commit_timeout: float = 5.0,
-                 rate_clock: str = "wall", precision: Precision | None = None, forward_first: bool = False):
+                 rate_clock: str = "wall", precision: Precision | None = None, forward_first: bool = False,
+                 stale_correction: tuple[str, float] = ("none", 1.0)):
         """`slowdown`, `rate_clock`: testing aids (peer/compute/thread.py). `commit_timeout`:
         timeouts.commit, how long an answered microbatch's gradients wait for their commit.
         `precision`: what the forwards compute in (default float32 on `device`). `forward_first`:
         pipeline.forward_first (a training forward goes before the backwards waiting for the
-        compute thread)."""
+        compute thread). `stale_correction`: pipeline.stale_correction and its scale
+        (peer/compute/staleness.py)."""
         self.module = module.to(device)
         self.precision = precision or Precision(device)
         self.device = device
@@ -68,7 +73,9 @@ class StageWorker:
         self.clock = clock
         self.progress = progress
         self.inner = InnerOptimizer(self.module, inner, progress)
-        self.lookahead = Lookahead(self.module)
+        kind, scale = stale_correction
+        self.correction = StaleCorrection(kind, scale, self.inner.params(), self.inner.optimizer, lambda: self.inner.lr)
+        self.lookahead = Lookahead(self.module, self.correction.extrapolate if self.correction.moves_stash else None)
         self.evaluation = EvalCopy(self.module)
         self.passes = StagePasses(self.module, device, loss_fn, self.inner, self.lookahead, self.evaluation,
                                   self.precision)
@@ -223,9 +230,9 @@ class StageWorker:
             return grad_x
         grads, grad_x = await self.thread.run(self.thread.timed, self.passes.grads, x, y, grad_y, slot)
         if slot.step > self.tally.steps_total:  # checked after the compute: the step may have run meanwhile
-            self.lookahead.hold(grads, batch)
+            self.lookahead.hold(grads, batch, slot.stash)
         else:
-            await self.thread.run(self.inner.add, [grads], [batch])
+            await self.thread.run(self._add, [grads], [batch], [slot.stash])
             self._trained(batch)
         return grad_x
 
@@ -261,7 +268,7 @@ class StageWorker:
     async def _backward_then_hold(self, key: HoldKey, x: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor,
                                   batch: int, loss: float | None, slot: Slot) -> torch.Tensor | None:
         grads, grad_x = await self.thread.run(self.thread.timed, self.passes.grads, x, y, grad_y, slot)
-        self.commits.hold(key, batch, grads, loss, self._step_of(slot))
+        self.commits.hold(key, batch, grads, loss, self._step_of(slot), slot.stash)
         return grad_x
 
     async def forward_loss_held(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot = PLAIN
@@ -272,7 +279,7 @@ class StageWorker:
     async def _forward_loss_then_hold(self, key: HoldKey, x: torch.Tensor, targets: torch.Tensor, slot: Slot
                                       ) -> tuple[float, torch.Tensor | None]:
         loss, grads, grad_x = await self.thread.run(self.thread.timed, self.passes.forward_loss_grads, x, targets, slot)
-        self.commits.hold(key, x.shape[0], grads, loss, self._step_of(slot))
+        self.commits.hold(key, x.shape[0], grads, loss, self._step_of(slot), slot.stash)
         return loss, grad_x
 
     def _step_of(self, slot: Slot) -> int:
@@ -291,9 +298,10 @@ class StageWorker:
         now = [h for _, h in popped if h.step <= self.tally.steps_total]
         for _, h in popped:
             if h.step > self.tally.steps_total:  # ran ahead and this step is not applied yet: the next one's
-                self.lookahead.hold(h.grads, h.batch)
+                assert h.stash is not None, "only a microbatch that ran ahead is held for a later step"
+                self.lookahead.hold(h.grads, h.batch, h.stash)
         if now:  # after the holds above: a step that runs meanwhile promotes those
-            await self.thread.run(self.inner.add, [h.grads for h in now], [h.batch for h in now])
+            await self.thread.run(self._add, [h.grads for h in now], [h.batch for h in now], [h.stash for h in now])
         self.commits.record([k for k, _ in popped])
         for h in now:
             self._trained(h.batch)
@@ -357,9 +365,20 @@ class StageWorker:
         gate closed, after a step or at a boundary)."""
         ahead = self.lookahead.take()
         if ahead:
-            await self.thread.run(self.inner.add, [grads for grads, _ in ahead], [batch for _, batch in ahead])
-            for _, batch in ahead:
+            await self.thread.run(self._add, [grads for grads, _, _ in ahead], [batch for _, batch, _ in ahead],
+                                  [stash for _, _, stash in ahead])
+            for _, batch, _ in ahead:
                 self._trained(batch)
+
+    def _add(self, grads: list[Grads], batches: list[int], stashes: list[dict[str, torch.Tensor] | None]) -> None:
+        """On the compute thread: microbatches' gradients into the accumulation, those computed
+        against a stash (they ran ahead) first compensated for it (pipeline.stale_correction
+        "delay_comp"; call only once the step before theirs was applied)."""
+        if self.correction.compensates:
+            grads = [g if stash is None else
+                     self.correction.compensate(g, self.lookahead.leaves(stash), self.inner.weight(batch))
+                     for g, batch, stash in zip(grads, batches, stashes, strict=True)]
+        self.inner.add(grads, batches)
 
     async def pause(self) -> None:
         """Stop taking microbatches, let the in-flight ones finish, take a last (partial) inner step."""

@@ -147,7 +147,9 @@ class Replica:
                                            ctx.model.loss_fn if is_last else None, clock, progress,
                                            slowdown=ctx.slowdown, rate_clock=ctx.rate_clock,
                                            commit_timeout=t.commit, precision=precision,
-                                           forward_first=m.pipeline.forward_first)
+                                           forward_first=m.pipeline.forward_first,
+                                           stale_correction=(m.pipeline.stale_correction,
+                                                             m.pipeline.stale_correction_scale))
         worker.rate.rate = self.expected_rate
         self.state = state = StageState(module, m.outer)
         worker.eval_weights = lambda: state.snapshot.params if state.snapshot is not None else None
