@@ -10,7 +10,7 @@ links and with one replica behind 5 Mbit; one row per configuration (manifest ov
 on a bridge: benchmarks/harness/netns.py), started together on stages 0, 1, 0, 1 (2 drivers, 2
 replicas of the last stage), on the Llama CPU preset (examples/llama-cpu.toml: 4.9M parameters,
 d_model 256, 6 layers, seq_len 128, microbatches of 8, 2 per inner step, fp16 boundaries) with
-rounds of `--inner-steps` inner steps (default 8), the learning-rate schedule (linear warmup over
+rounds of `--inner-steps` inner steps (default 4: 3 rounds of 128 samples), the learning-rate schedule (linear warmup over
 10 % of `--samples`, cosine to 10 % at the last), and evaluations only at the start and the end.
 Every peer runs `--max-rounds` = `--samples` / (2 drivers x H x 16 samples), rounded up, so every
 row trains the same samples (the table says how many the drivers' round events counted). Each
@@ -87,6 +87,7 @@ from swarmgrad.peer.placement.cost import stage_costs
 PRESET = REPO / "examples" / "llama-cpu.toml"
 ROWS = ("exact-fp32:pipeline.activation_codec=fp32,pipeline.gradient_codec=fp32", "defaults:",
         "lookahead:pipeline.lookahead=true")
+QUICK_ROW = "defaults:"
 LINKS = ("unshaped", "100mbit", "20mbit", "slow-replica")
 RATES = {"unshaped": None, "100mbit": "100mbit", "20mbit": "20mbit", "slow-replica": "20mbit"}
 SLOW_RATE = "5mbit"
@@ -219,9 +220,10 @@ def run_swarm(m: Manifest, stages: list[int], rates: list[str | None], rounds: i
                     swarm.start(s, *extra)
                 drivers = [p for p in swarm.peers if p.stage == 0]
                 deadline = time.monotonic() + timeout_s
-                while not all(any(e.get("final") for e in d.events("eval")) for d in drivers):
+                evaluated = lambda d: any(e.get("final") for e in d.events("eval"))  # noqa: E731
+                while not all(evaluated(d) for d in drivers):
                     failed = [p for p in swarm.peers if not p.alive and p.proc.returncode != 0] + \
-                        [d for d in drivers if not d.alive]
+                        [d for d in drivers if not d.alive and not evaluated(d)]
                     if failed or time.monotonic() > deadline:
                         p = (failed or drivers)[0]
                         why = f"{p.name} exited {p.proc.returncode}" if failed else f"timeout {timeout_s:.0f}s"
@@ -276,10 +278,13 @@ def main_table(runs: list[Run], reference: str, fp32: int, target: float | None)
     for r in runs:
         if r.variant != "full":
             continue
+        if r.error:
+            out.append([r.row, r.link, r.seed] + [""] * 9 + [f"FAILED: {r.error[:200]}"])
+            continue
         f, base, ref = r.figures, _find(runs, r.row, "unshaped", r.seed), _find(runs, reference, r.link, r.seed)
         goal = target_for(runs, r, reference, target)
         loss = f"{fmt(f.val_loss, 3)}" + (f" ({100 * (f.val_loss / ref.figures.val_loss - 1):+.2f} %)" if ref else "")
-        notes = ([] if f.one_stage_each else ["a peer changed stage"]) + f.notes + ([f"FAILED: {r.error[:300]}"] if r.error else [])
+        notes = ([] if f.one_stage_each else ["a peer changed stage"]) + f.notes
         out.append([r.row, r.link, r.seed, f.samples, fmt(f.samples_per_s, 2),
                     fmt(f.samples_per_s / base.figures.samples_per_s, 2) if base else "",
                     _per_stage(f.link_util), _per_stage(f.compute_util),
@@ -357,15 +362,15 @@ def remove_stale() -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_common_args(p, quick="a smoke run of a few minutes: 192 samples, rows exact-fp32 and defaults",
+    add_common_args(p, quick="a smoke run of a few minutes: 192 samples (H = 3), the defaults row only",
                     seed="one seed (the manifest's seed: weights and data); --seeds for several")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds to run, each a full pass (default 0)")
     p.add_argument("--rows", nargs="+", default=None, metavar="NAME:KEY=VALUE,...",
                    help="rows as manifest overrides (default: " + " ".join(repr(r) for r in ROWS) + ")")
     p.add_argument("--reference", default=None, help="the row losses compare to (default: the first)")
     p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {','.join(LINKS)}")
-    p.add_argument("--samples", type=int, default=None, help="samples the drivers train per run (default 768; --quick 192)")
-    p.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per round (default 6; --quick 3)")
+    p.add_argument("--samples", type=int, default=None, help="samples the drivers train per run (default 384; --quick 192)")
+    p.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per round (default 4; --quick 3)")
     p.add_argument("--slow-stage", type=int, choices=(0, 1), default=1,
                    help="the stage of the replica behind 5 Mbit in the slow-replica link (default 1)")
     p.add_argument("--target-loss", type=float, default=None,
@@ -376,14 +381,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="keep every peer's log and events here")
     args = p.parse_args(argv)
     args.seeds = args.seeds or [0 if args.seed is None else args.seed]
-    args.samples = args.samples or (192 if args.quick else 768)
-    args.inner_steps = args.inner_steps or (3 if args.quick else 6)
+    args.samples = args.samples or (192 if args.quick else 384)
+    args.inner_steps = args.inner_steps or (3 if args.quick else 4)
     args.run_timeout = args.run_timeout or 300 + args.samples / 2
     args.links = args.links.split(",")
     if any(x not in LINKS for x in args.links):
         p.error(f"--links: choose from {','.join(LINKS)}")
     try:
-        args.rows = parse_rows(args.rows or (list(ROWS[:2]) if args.quick else list(ROWS)))
+        args.rows = parse_rows(args.rows or ([QUICK_ROW] if args.quick else list(ROWS)))
         args.manifests = {(r.name, s): apply(base_manifest(args.manifest, s, args.samples, args.inner_steps), r)
                           for r in args.rows for s in args.seeds}
         for m in args.manifests.values():

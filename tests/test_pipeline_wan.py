@@ -74,8 +74,11 @@ def test_the_command_refuses_a_bad_row_before_anything_starts(capsys) -> None:
     assert e.value.code == 2
     assert "row 'bad'" in capsys.readouterr().err
     args = pw.parse_args(["--quick"])
-    assert [r.name for r in args.rows] == ["exact-fp32", "defaults"] and args.reference == "exact-fp32"
+    assert [r.name for r in args.rows] == ["defaults"] and (args.samples, args.inner_steps) == (192, 3)
+    args = pw.parse_args([])
+    assert [r.name for r in args.rows] == ["exact-fp32", "defaults", "lookahead"] and args.reference == "exact-fp32"
     assert args.manifests[("exact-fp32", 0)].pipeline.activation_codec == "fp32"
+    assert args.links == list(pw.LINKS) and (args.samples, args.inner_steps) == (384, 4)
     args = pw.parse_args(["--rows", "a:", "b:pipeline.lookahead=true", "--reference", "b", "--seeds", "0", "1"])
     assert sorted(args.manifests) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)] and args.reference == "b"
 
