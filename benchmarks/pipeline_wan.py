@@ -12,8 +12,9 @@ replicas of the last stage), on the Llama CPU preset (examples/llama-cpu.toml: 4
 d_model 256, 6 layers, seq_len 128, microbatches of 8, 2 per inner step, fp16 boundaries) with
 rounds of `--inner-steps` inner steps (default 4: 3 rounds of 128 samples), the learning-rate schedule (linear warmup over
 10 % of `--samples`, cosine to 10 % at the last), and evaluations only at the start and the end.
-Every peer runs `--max-rounds` = `--samples` / (2 drivers x H x 16 samples), rounded up, so every
-row trains the same samples (the table says how many the drivers' round events counted). Each
+Every driver runs `--max-rounds` = `--samples` / (2 drivers x H x 16 samples), rounded up, so every
+row trains the same samples (the table says how many the drivers' round events counted); the stage
+servers serve until both drivers have evaluated, and the swarm is then stopped. Each
 peer offers `--max-memory` = 1.05 x placement's estimate of the largest stage (peer/placement/cost.py,
 fp32 on the CPU, for that row's manifest), checked to be below the estimate for the whole model as
 one stage: no peer could hold the model, data parallelism is impossible. The run checks from the
@@ -204,7 +205,9 @@ def run_swarm(m: Manifest, stages: list[int], rates: list[str | None], rounds: i
     (from the launch to the last driver's final evaluation)."""
     workdir.mkdir(parents=True)
     (workdir / "manifest.toml").write_text(dumps(m))
-    extra = ["--max-memory", str(memory), "--max-rounds", str(rounds), "--linger", "30"]
+    # the drivers decide the samples; a stage server that stopped after its own count of rounds left
+    # a driver that was a round behind with no route (seen with the slow replica): they serve until closed
+    extra = lambda stage: ["--max-memory", str(memory), "--max-rounds", str(rounds if stage == 0 else 0)]  # noqa: E731
     started = time.monotonic()
     with netns.WanNet(tag, len(stages), rates[0], subnet=subnet, name_prefix=NS_PREFIX) as net:
         for endpoint, rate in zip(net.endpoints, rates):
@@ -215,9 +218,9 @@ def run_swarm(m: Manifest, stages: list[int], rates: list[str | None], rounds: i
         try:
             with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, port=PORT) as swarm:
                 # every peer at once, as a launch script would: the others wait for the first (--bootstrap-wait)
-                swarm.start_first_at(f"/ip4/{net.endpoints[0].address}/tcp/{PORT}", stages[0], *extra)
+                swarm.start_first_at(f"/ip4/{net.endpoints[0].address}/tcp/{PORT}", stages[0], *extra(stages[0]))
                 for s in stages[1:]:
-                    swarm.start(s, *extra)
+                    swarm.start(s, *extra(s))
                 drivers = [p for p in swarm.peers if p.stage == 0]
                 deadline = time.monotonic() + timeout_s
                 evaluated = lambda d: any(e.get("final") for e in d.events("eval"))  # noqa: E731

@@ -142,6 +142,15 @@ def test_figures_of_a_run_from_its_events() -> None:
     assert time_to(f.losses, 4.11) == 22.0 and math.isnan(time_to(f.losses, 1.0))
 
 
+def test_incomplete_rounds_and_lost_microbatches_are_counted() -> None:
+    d = _driver(100.0, [5.0, 4.0], 2.0)
+    d.events[1]["complete"] = False
+    d.events[-1].update(lost=2, retries=5)
+    f = summarise([d, _server(100.0, 2)], lambda *_: math.nan)
+    assert (f.incomplete_rounds, f.lost, f.retries) == (1, 2, 5)
+    assert f.notes == ["1 incomplete round(s)", "2 microbatch(es) given up", "5 microbatch retries"]
+
+
 def test_a_peer_that_served_another_stage_is_flagged() -> None:
     moved = _server(100.0, 3)
     moved.events[-1]["stage"] = 0

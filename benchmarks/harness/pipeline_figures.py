@@ -73,6 +73,12 @@ class RunFigures:
     """(seconds since the first driver started driving, mean of the drivers' training loss) per round."""
     compute_rate: list[float] = field(default_factory=list)
     """Per peer (start order): mean over counted rounds of its announced compute rate (samples/s)."""
+    incomplete_rounds: int = 0
+    """Round events of any peer with `complete` false (a round that did not average as a group)."""
+    lost: int = 0
+    """Microbatches the drivers gave up on (their final `eval` events' `lost`)."""
+    retries: int = 0
+    """Microbatch attempts the drivers re-sent (their final `eval` events' `retries`)."""
     one_stage_each: bool = True
     """Every peer's round events were all of the stage it was started on, and none moved."""
     notes: list[str] = field(default_factory=list)
@@ -136,7 +142,15 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
     f.bottleneck = bottlenecks.most_common(1)[0][0] if bottlenecks else ""
     if samples_counted:
         f.up_bytes_per_sample, f.down_bytes_per_sample = up / samples_counted, down / samples_counted
-    finals = [e["val_loss"] for p in drivers for e in p.of("eval") if e.get("final") and e.get("val_loss") is not None]
+    f.incomplete_rounds = sum(1 for p in peers for e in p.of("round") if e.get("complete") is False)
+    final_evals = [e for p in drivers for e in p.of("eval") if e.get("final")]
+    f.lost = sum(e.get("lost", 0) for e in final_evals)
+    f.retries = sum(e.get("retries", 0) for e in final_evals)
+    for n, what in ((f.incomplete_rounds, "incomplete round(s)"), (f.lost, "microbatch(es) given up"),
+                    (f.retries, "microbatch retries")):
+        if n:
+            f.notes.append(f"{n} {what}")
+    finals = [e["val_loss"] for e in final_evals if e.get("val_loss") is not None]
     f.val_loss = _mean(finals)
     if len(finals) < len(drivers):
         f.notes.append(f"{len(drivers) - len(finals)} driver(s) without a final evaluation")
