@@ -151,6 +151,15 @@ def test_incomplete_rounds_and_lost_microbatches_are_counted() -> None:
     assert f.notes == ["1 incomplete round(s)", "2 microbatch(es) given up", "5 microbatch retries"]
 
 
+def test_boundary_bytes_pair_pipeline_events_with_the_rounds_between_them() -> None:
+    d = _driver(100.0, [5.0, 4.0, 3.0, 2.5], 2.0)
+    del d.events[4]  # round 1's pipeline event is missing (a resync): its bytes land in round 2's window
+    d.events[-2]["time"] += 0.01  # and a pipeline event a little after its round
+    f = summarise([d, _server(100.0, 4)], lambda *_: math.nan)
+    # windows (110, 130] and (130, 140.01]: 20 s then 10 s at 100 kB/s up, over rounds 1-3 (3 x 64)
+    assert f.up_bytes_per_sample == pytest.approx((20 * 100e3 + 10.01 * 100e3) / (3 * 64))
+
+
 def test_a_peer_that_served_another_stage_is_flagged() -> None:
     moved = _server(100.0, 3)
     moved.events[-1]["stage"] = 0

@@ -133,7 +133,8 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
             link_u.append(e["link_util"])
             comp_u.append(e["compute_util"])
             bottlenecks[e["bottleneck"]] += 1
-        samples_counted += sum(e["samples"] for e in rounds[1:len(pipe)])
+        if len(pipe) >= 2:  # a round's event comes just before its pipeline event: pair them by time
+            samples_counted += sum(e["samples"] for e in rounds if pipe[0]["time"] < e["time"] <= pipe[-1]["time"])
     f.samples_per_s = sum(rates) if rates and len(rates) == len(drivers) else math.nan
     f.link_util = {s: _mean(v) for s, v in sorted(stage_link.items())}
     f.up_mbps = {s: _mean(v) for s, v in sorted(stage_mbps.items())}
