@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -238,6 +239,8 @@ def run_swarm(m: Manifest, stages: list[int], rates: list[str | None], rounds: i
         finally:
             sampler.stop.set()
             sampler.join(5)
+            # the interface counters over time, beside the peers' events (--workdir keeps both)
+            (workdir / "tx.jsonl").write_text("".join(json.dumps([t, v]) + "\n" for t, v in sampler.samples))
     return summarise(peers, sampler.between), wall
 
 
