@@ -9,7 +9,7 @@ import pytest
 from benchmarks import pipeline_wan as pw
 from benchmarks.harness.overrides import OverrideError, Row, apply, parse_row, parse_rows
 from benchmarks.harness.pipeline_figures import (PeerEvents, RunFigures, fp32_boundary_bytes, loss_curve, rate_bytes,
-                                                 slow_share, summarise, time_to, within)
+                                                 slow_share, summarise, time_to, trained, within)
 from swarmgrad.peer.manifest import load
 from swarmgrad.peer.placement.cost import stage_costs
 
@@ -158,6 +158,18 @@ def test_boundary_bytes_pair_pipeline_events_with_the_rounds_between_them() -> N
     f = summarise([d, _server(100.0, 4)], lambda *_: math.nan)
     # windows (110, 130] and (130, 140.01]: 20 s then 10 s at 100 kB/s up, over rounds 1-3 (3 x 64)
     assert f.up_bytes_per_sample == pytest.approx((20 * 100e3 + 10.01 * 100e3) / (3 * 64))
+
+
+def test_an_incomplete_rounds_samples_carried_into_the_next_are_counted_once() -> None:
+    rounds = [{"time": 10.0, "samples": 48, "complete": False}, {"time": 20.0, "samples": 96, "complete": True},
+              {"time": 30.0, "samples": 48, "complete": False}, {"time": 40.0, "samples": 48, "complete": True}]
+    trained(rounds, resyncs=[35.0])  # the second incomplete round's work was dropped by a re-sync
+    assert [e["trained"] for e in rounds] == [48, 48, 48, 48]
+    d = _driver(100.0, [5.0, 4.0, 3.0], 2.0)
+    d.events[1]["complete"] = False
+    d.events[3]["samples"] = 128  # round 1 carries round 0's 64
+    f = summarise([d, _server(100.0, 3)], lambda *_: math.nan)
+    assert f.samples == 3 * 64 and f.samples_per_s == pytest.approx(2 * 64 / 20)
 
 
 def test_a_peer_that_served_another_stage_is_flagged() -> None:

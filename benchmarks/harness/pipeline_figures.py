@@ -119,11 +119,12 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
                 stage_link.setdefault(p.stage, []).append(sent / (t1 - t0) / p.rate)
         if p.stage != 0:
             continue
-        f.samples += sum(e["samples"] for e in rounds)
+        trained(rounds, [e["time"] for e in p.of("resynced")])
+        f.samples += sum(e["trained"] for e in rounds)
         if len(rounds) < 2:
             f.notes.append(f"driver {i} reported {len(rounds)} round(s): no rate")
             continue
-        rates.append(sum(e["samples"] for e in counted) / (rounds[-1]["time"] - rounds[0]["time"]))
+        rates.append(sum(e["trained"] for e in counted) / (rounds[-1]["time"] - rounds[0]["time"]))
         # the k-th pipeline event reports the trips since the (k-1)-th: skip the first, as the first round
         pipe = sorted(p.of("pipeline"), key=lambda e: e["time"])
         for prev, e in zip(pipe, pipe[1:]):
@@ -134,7 +135,7 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
             comp_u.append(e["compute_util"])
             bottlenecks[e["bottleneck"]] += 1
         if len(pipe) >= 2:  # a round's event comes just before its pipeline event: pair them by time
-            samples_counted += sum(e["samples"] for e in rounds if pipe[0]["time"] < e["time"] <= pipe[-1]["time"])
+            samples_counted += sum(e["trained"] for e in rounds if pipe[0]["time"] < e["time"] <= pipe[-1]["time"])
     f.samples_per_s = sum(rates) if rates and len(rates) == len(drivers) else math.nan
     f.link_util = {s: _mean(v) for s, v in sorted(stage_link.items())}
     f.up_mbps = {s: _mean(v) for s, v in sorted(stage_mbps.items())}
@@ -157,6 +158,20 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
         f.notes.append(f"{len(drivers) - len(finals)} driver(s) without a final evaluation")
     f.losses = loss_curve(drivers)
     return f
+
+
+def trained(rounds: list[dict[str, Any]], resyncs: Sequence[float]) -> None:
+    """Set each round event's `trained`: the samples trained in that round. A round that did not
+    complete carries its work (and its samples) into the next round's event unless the replica
+    re-synced in between (peer/rounds/runner.py: `_carried`), so such a next round trained its
+    `samples` less the carried ones. `rounds` sorted by time."""
+    carried, prev_t = 0, -math.inf
+    for e in rounds:
+        if carried and any(prev_t < t <= e["time"] for t in resyncs):
+            carried = 0
+        e["trained"] = max(0, e["samples"] - carried)
+        carried = e["samples"] if e.get("complete") is False else 0
+        prev_t = e["time"]
 
 
 def loss_curve(drivers: Sequence[PeerEvents]) -> list[tuple[float, float]]:
