@@ -163,7 +163,7 @@ def test_boundary_bytes_pair_pipeline_events_with_the_rounds_between_them() -> N
 def test_an_incomplete_rounds_samples_carried_into_the_next_are_counted_once() -> None:
     rounds = [{"time": 10.0, "samples": 48, "complete": False}, {"time": 20.0, "samples": 96, "complete": True},
               {"time": 30.0, "samples": 48, "complete": False}, {"time": 40.0, "samples": 48, "complete": True}]
-    trained(rounds, resyncs=[35.0])  # the second incomplete round's work was dropped by a re-sync
+    trained(rounds, resyncs=[29.0])  # the second incomplete round's work was dropped by a re-sync at its end
     assert [e["trained"] for e in rounds] == [48, 48, 48, 48]
     d = _driver(100.0, [5.0, 4.0, 3.0], 2.0)
     d.events[1]["complete"] = False

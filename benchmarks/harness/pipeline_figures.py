@@ -163,14 +163,14 @@ def summarise(peers: Sequence[PeerEvents], tx_between: Callable[[int, float, flo
 def trained(rounds: list[dict[str, Any]], resyncs: Sequence[float]) -> None:
     """Set each round event's `trained`: the samples trained in that round. A round that did not
     complete carries its work (and its samples) into the next round's event unless the replica
-    re-synced in between (peer/rounds/runner.py: `_carried`), so such a next round trained its
-    `samples` less the carried ones. `rounds` sorted by time."""
+    re-synced at its end (peer/rounds/runner.py: `_carried`; the `resynced` event comes before that
+    round's `round` event), so such a next round trained its `samples` less the carried ones.
+    `rounds` sorted by time."""
     carried, prev_t = 0, -math.inf
     for e in rounds:
-        if carried and any(prev_t < t <= e["time"] for t in resyncs):
-            carried = 0
         e["trained"] = max(0, e["samples"] - carried)
-        carried = e["samples"] if e.get("complete") is False else 0
+        resynced = any(prev_t < t <= e["time"] for t in resyncs)
+        carried = e["samples"] if e.get("complete") is False and not resynced else 0
         prev_t = e["time"]
 
 
