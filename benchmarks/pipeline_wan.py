@@ -46,7 +46,7 @@ utilisation per stage (egress bytes of its peers' interfaces, all traffic, over 
 compute utilisation per stage (the round events' `utilisation`: compute seconds over round
 seconds); the drivers' own view (their `pipeline` events: most frequent bottleneck, link and
 compute utilisation); boundary bytes per sample (the drivers' trips, request + answer, from the
-`pipeline` events' byte rates) and fp32's (2 x seq_len x d_model x 4 bytes) over it; validation
+`pipeline` events' byte rates, over the samples trained: a microbatch sent twice counts twice) and fp32's (2 x seq_len x d_model x 4 bytes) over it; validation
 loss (bits/byte, the drivers' final evaluations, equal samples) against the reference row on the
 same link and seed; seconds from the first driver's `driving` event to the first round whose
 training loss (mean of the drivers') is at most the target: `--target-loss`, or by default the
