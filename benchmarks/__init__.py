@@ -31,6 +31,9 @@ In network namespaces (root; each says why and exits 0 without):
                       (its baselines' trainers: wan_baselines)
   overlap             overlapped averaging against plain rounds over a slow link
   pipeline_link       whether the 2-stage pipeline fills its link
+  pipeline_wan        2 stages x 2 replicas of the Llama preset, no peer holding the model, over
+                      unshaped, 100 and 20 Mbit links and one 5 Mbit replica; rows are manifest
+                      overrides (issue 45's table)
   nat_probe           who can call whom behind NAT (bare hivemind DHT nodes)
   scale               state downloads, averaging, memory, codec and tokens/s at 20M-125M parameters
                       (shaped links where it can; loopback with --loopback)
