@@ -9,12 +9,17 @@ peers' own inner optimiser, schedule and model), network namespaces, and the rep
 
 In one process, no network:
   boundary_codecs     pipeline-boundary codecs, measured by training the reference model
-  lookahead_quality   what one-step-stale stage gradients (pipeline.lookahead) cost per sample
+  lookahead_quality   what one-step-stale stage gradients (pipeline.lookahead) cost per sample,
+                      and each pipeline.stale_correction
+  subspace_boundary   subspace-constrained boundaries (model.boundary_subspace) against the
+                      unconstrained Llama at equal samples
   sparse_rounds       pseudo-gradient codecs and overlapped rounds in exact DiLoCo rounds
   swarm_moment_step   what inner.swarm_second_moment costs per inner step
   codecs              swarmgrad's codecs against hivemind's on the same tensors
   simulate            the placement policy against its ablations in the simulator
   round_tickets       what signing and checking a driver's round ticket costs
+  compute_queue       what waits on a stage's compute thread, and behind what (in-process peers
+                      over a shaped loopback link; pipeline.forward_first)
 
 Real peer processes on 127.0.0.1:
   pipeline_overhead   one process alone against the demo swarm on the same model

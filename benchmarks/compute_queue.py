@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from support.swarm import InProcessSwarm, LinkSpec, step_manifest  # noqa: E402
 
+from benchmarks.harness.report import Report, add_common_args, seed_or  # noqa: E402
+
 from swarmgrad.peer.compute import thread  # noqa: E402
 
 WAITED_S = 0.005
@@ -71,8 +73,8 @@ class QueueProbe:
         return getattr(fn, "__name__", "?")
 
 
-async def measure(args: argparse.Namespace, probe: QueueProbe) -> None:
-    m = step_manifest(5, model={"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
+async def measure(args: argparse.Namespace, probe: QueueProbe, report: Report) -> None:
+    m = step_manifest(5, seed=seed_or(args, 0), model={"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
                       inner={"microbatch_size": args.size, "microbatches_per_step": args.microbatches},
                       pipeline={"max_in_flight": args.max_in_flight, "forward_first": args.forward_first},
                       timeouts={"microbatch": 30.0, "min_microbatch": 5.0}, data={"eval_every": 100, "eval_batches": 1})
@@ -81,11 +83,11 @@ async def measure(args: argparse.Namespace, probe: QueueProbe) -> None:
         swarm.start(1, max_rounds=args.rounds)
         driver = swarm.start(0, max_rounds=args.rounds)
         await swarm.wait_exit(600)
-        for report in driver.events("pipeline")[1:]:
-            print({k: report.get(k) for k in REPORT})
+        for report_ in driver.events("pipeline")[1:]:
+            report.print(str({k: report_.get(k) for k in REPORT}))
         rounds = driver.events("round")
         samples = sum(e["samples"] for e in rounds[1:])
-        print(f"driver: {samples} samples in rounds 2-{len(rounds)}, "
+        report.print(f"driver: {samples} samples in rounds 2-{len(rounds)}, "
               f"{samples / (rounds[-1]['time'] - rounds[0]['time']):.1f} samples/s")
 
 
@@ -98,20 +100,25 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=25.0)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--forward-first", action="store_true")
+    add_common_args(p, quick="two rounds instead of --rounds", seed="the manifest's seed (default 0)")
     args = p.parse_args()
+    if args.quick:
+        args.rounds = 2
+    report = Report("What waits on a stage's compute thread", args.out)
     probe = QueueProbe()
     probe.install()
-    asyncio.run(measure(args, probe))
-    print("| replica | call | calls | mean wait ms | p90 wait ms |\n| --- | --- | --- | --- | --- |")
+    asyncio.run(measure(args, probe, report))
+    rows = []
     roles = {name: "stage 1" if "forward_loss_grads" in kinds else "stage 0 (driver)"
              for name, kinds in probe.waits.items()}
     probe.behind = collections.Counter({(roles[n], k, b): c for (n, k, b), c in probe.behind.items()})
     for name, kinds in probe.waits.items():
         for kind, waits in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
             ordered = sorted(waits)
-            print(f"| {roles[name]} | {kind} | {len(waits)} | {1e3 * sum(waits) / len(waits):.1f} | "
-                  f"{1e3 * ordered[int(0.9 * len(ordered))]:.1f} |")
-    print(f"waited > {1e3 * WAITED_S:.0f} ms, (replica, call, behind): {dict(probe.behind.most_common())}")
+            rows.append((roles[name], kind, len(waits), f"{1e3 * sum(waits) / len(waits):.1f}",
+                         f"{1e3 * ordered[int(0.9 * len(ordered))]:.1f}"))
+    report.table(("replica", "call", "calls", "mean wait ms", "p90 wait ms"), rows)
+    report.print(f"waited > {1e3 * WAITED_S:.0f} ms, (replica, call, behind): {dict(probe.behind.most_common())}")
 
 
 if __name__ == "__main__":
