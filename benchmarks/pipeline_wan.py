@@ -139,7 +139,9 @@ def rounds_for(m: Manifest, samples: int, drivers: int = 2) -> int:
 def memory_offer(m: Manifest) -> int:
     """1.05 x placement's estimate of the largest stage; raises if that would hold the whole model."""
     per_stage = max(c.memory_bytes for c in stage_costs(m, None, compute_dtype="float32"))
-    whole = stage_costs(m.replace(stages={"count": 1, "layers": []}), None, compute_dtype="float32")[0].memory_bytes
+    # the whole model as one stage has no boundary to constrain (boundary_subspace needs two stages)
+    whole = stage_costs(m.replace(stages={"count": 1, "layers": []}, model={"boundary_subspace": 0}), None,
+                        compute_dtype="float32")[0].memory_bytes
     offer = int(per_stage * MEMORY_MARGIN)
     if offer >= whole:
         raise ValueError(f"{MEMORY_MARGIN} x the largest stage ({per_stage / 2**20:.0f} MiB) would hold the whole "
