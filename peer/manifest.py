@@ -187,6 +187,13 @@ class AveragingConfig:
     (one bad member moves the mean by a bounded amount; peer/averaging/aggregate.py); 0 disables it."""
     max_weight_ratio: float = 8.0
     """With the robust aggregate, a member's weight (samples) is capped at this × the median."""
+    verify: bool = False
+    """Every member signs each part it sends and checks every part it applies: the reducer forwards
+    the members' signed parts with its answer, and each member recomputes the aggregate from them
+    and refuses a mean that differs (and blames its reducer). What keeps one member of a group from
+    choosing the mean of the part it reduces; costs about a gather exchange's bytes on top of the
+    mean in groups that reduce-scatter, 64 bytes per part in those that gather. Needs a
+    deterministic reduce codec (no reducer_feedback, no stochastic rounding). docs/trust.md, "Reducers"."""
     backup_every: int = 1
     """Every this many complete rounds a stage's state is copied to peers of other stages, so the
     stage survives the death of its last replica (peer/state/backup.py); 0 disables backups."""

@@ -118,6 +118,12 @@ def check(m: Manifest) -> None:
     if not 0.0 < m.averaging.backup_link_share <= 1.0:
         raise _fail("averaging.backup_link_share", f"must be in (0, 1], 1 does not pace backups "
                                                    f"(got {m.averaging.backup_link_share})")
+    if m.averaging.verify and m.averaging.reducer_feedback:
+        raise _fail("averaging.verify", "cannot be checked with averaging.reducer_feedback: the reducer's mean then "
+                                        "carries its own error-feedback residual, which no other member can recompute")
+    if m.averaging.verify and _stochastic(m.averaging.codec):
+        raise _fail("averaging.verify", f"needs a deterministic reduce codec: {m.averaging.codec!r} rounds "
+                                        f"stochastically, so no member could recompute a reducer's mean")
     if not 1 <= m.averaging.max_weight_ratio < math.inf:
         raise _fail("averaging.max_weight_ratio", f"must be a finite number >= 1 (got {m.averaging.max_weight_ratio})")
     _positive("pipeline.max_in_flight", m.pipeline.max_in_flight)
@@ -268,3 +274,12 @@ def _check_codec(name: str, spec: str) -> None:
         parse_codec_spec(spec)
     except CodecError as e:
         raise _fail(name, f"is not a valid codec ({e})") from None
+
+
+def _stochastic(spec: str) -> bool:
+    """Whether the reduce codec of the averaging codec `spec` rounds stochastically (a reducer's
+    mean is then not a function of the parts alone). Called after _check_codec."""
+    from swarmgrad.compression import parse_codec_spec, reduce_codec
+    codec = reduce_codec(parse_codec_spec(spec))
+    return any(getattr(c, "stochastic", False) for c in (codec, getattr(codec, "small", None),
+                                                          getattr(codec, "large", None)))

@@ -174,7 +174,8 @@ class GatherResult:
 
 def validate_gather_response(resp: pb.AverageResponse, expected: Mapping[str, tuple[int, ...]],
                              members: Sequence[str], me: str, max_weights: Mapping[str, float], max_numel: int,
-                             allowed_codecs: Codecs = None, *, what: str = "gathered part") -> GatherResult:
+                             allowed_codecs: Codecs = None, *, what: str = "gathered part",
+                             with_mean: bool = False) -> GatherResult:
     """Check a reducer's answer in the gather exchange (averaging.gather_up_to): the other members'
     own encoded parts instead of a mean.
 
@@ -183,6 +184,8 @@ def validate_gather_response(resp: pb.AverageResponse, expected: Mapping[str, tu
         members: the round's group; `me` is the caller, whose own part is not sent back.
         max_weights: what each member registered for the round; a contribution may not claim more.
         allowed_codecs: the members' codecs (protocol.codecs.averaging_codecs(..., mean=False)).
+        with_mean: the answer also carries a mean in `tensors` (averaging.verify in a group that
+            reduces: the parts come so that the caller can check the mean); it is not checked here.
 
     Raises:
         ProtocolError(BAD_REQUEST): unknown status, contributors other than the group, others that
@@ -197,7 +200,7 @@ def validate_gather_response(resp: pb.AverageResponse, expected: Mapping[str, tu
     if sorted(contributors) != sorted(members) or len(set(contributors)) != len(contributors):
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: {len(contributors)} contributors that are not the group "
                                             f"of {len(members)}")
-    if len(resp.tensors):
+    if len(resp.tensors) and not with_mean:
         raise ProtocolError(pb.BAD_REQUEST, f"{what}: a mean in a gather answer")
     wanted = sorted(p for p in members if p != me)
     got = [c.member for c in resp.others]

@@ -40,8 +40,8 @@ PINNED = {
 # data.tokenizer_sha256, data.shard_mb (data.tokenizer and data.base_dir are not hashed), the llama
 # kind's model fields, and data.shards, data.lease_seconds, data.lease_settle, and timeouts.tokenizer,
 # and model.boundary_subspace, and pipeline.routing, pipeline.forward_first, and
-# pipeline.stale_correction and pipeline.stale_correction_scale
-PINNED_HASH = "187432327751574a85e0b7edd989fd1c"
+# pipeline.stale_correction and pipeline.stale_correction_scale, and averaging.verify
+PINNED_HASH = "7f5040529bbab9bb90a326cf23b45957"
 
 
 def with_section(section: str, **values: Any) -> dict[str, Any]:

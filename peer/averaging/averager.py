@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmgrad.compression import Encoded, ErrorFeedback, SizeAdaptive, decode, get_codec, parse_codec_spec
 from swarmgrad.peer.averaging.aggregate import bound_weights
@@ -54,7 +55,9 @@ from swarmgrad.peer.averaging import exclusion, outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.evidence import EvidenceLedger
 from swarmgrad.peer.net.deadline import within
-from swarmgrad.peer.averaging.gather import aggregate_gathered, gather_answer, gathers
+from swarmgrad.peer.averaging.aggregate import reduce_part
+from swarmgrad.peer.averaging.gather import aggregate_gathered, gathers, group_total
+from swarmgrad.peer.averaging.signed_parts import part_refusal, sign_part
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.averaging.matchmaking import matchmake
 from swarmgrad.peer.averaging.reducer import Reducer, RoundSlot
@@ -86,6 +89,9 @@ class RoundResult:
     """This member voted for the mean (or may have: its vote's write failed). A failed round with a
     digest vote may have been applied by members that read every vote; otherwise (we voted
     failed, or never voted) no member of our group applied it."""
+    forged: tuple[str, ...] = ()
+    """Reducers whose answer this member showed false itself (averaging.verify): a mean that is not
+    the aggregate of the signed parts they forwarded, or a part not signed by its member."""
     blamed: tuple[str, ...] = ()
     """Members this replica holds responsible for the round's failure, from what it observed
     itself (peer/averaging/exclusion.py `blame`): they sit out the next rounds' groups."""
@@ -99,8 +105,13 @@ class Averager:
     """Runs outer rounds for one stage replica (the member's side); its `reducer` serves the others' parts."""
 
     def __init__(self, manifest: Manifest, stage: int, peer_id: str, shapes: dict[str, tuple[int, ...]],
-                 rpc: FramedRPC, swarm: SwarmView, max_numel: int, clock: RoundClock):
+                 rpc: FramedRPC, swarm: SwarmView, max_numel: int, clock: RoundClock,
+                 key: Ed25519PrivateKey | None = None):
+        """`key`: this peer's identity key (its id's private half); averaging.verify signs parts with it."""
+        if manifest.averaging.verify and key is None:
+            raise ValueError("averaging.verify needs the peer's key to sign its parts")
         self.m = manifest
+        self.key = key
         self.stage = stage
         self.peer_id = peer_id
         self.shapes = shapes
@@ -119,6 +130,8 @@ class Averager:
         """The reducer's answers come in the reduce codec's names."""
         self.gather_up_to = avg.gather_up_to
         """Groups this small exchange the members' own parts instead of a mean (peer/averaging/gather.py)."""
+        self.verify = avg.verify
+        """Sign our parts, and check every part we apply against the signed parts it came from."""
         self.ledger = EvidenceLedger(stage)
         """Whose word counts in this stage (peer/evidence.py): fed by the round runner (rounds
         applied) and state sync (states verified); read by matchmaking, donors and re-syncs."""
@@ -250,30 +263,30 @@ class Averager:
         slot.my_part = my_part
         slot.part_names = {n: self.shapes[n] for n, p in parts.items() if p == my_part}
         slot.contributions[self.peer_id] = (float(weight), self._own_decoded(slot.part_names, encoded, decoded))
-        if gathers(len(group.members), self.gather_up_to):
+        if self.verify or gathers(len(group.members), self.gather_up_to):
             slot.encoded[self.peer_id] = [pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n]))
                                           for n in sorted(slot.part_names)]
+        if self.verify:
+            slot.signed[self.peer_id] = (float(weight), self._sign(round_no, group.hash, my_part, float(weight),
+                                                                   slot.encoded[self.peer_id]))
         slot.ready.set()
         self.reducer.maybe_reduce(slot)
 
         async def local() -> pb.AverageResponse:
             tensors, contributors, total = await within(asyncio.shield(slot.result),
                                                         self.patience + self.m.timeouts.allreduce)
-            if tensors is None:  # the gather exchange
-                return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors},
-                                     slot.encoded, self.peer_id)
-            return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
+            return self.reducer.answer(slot, tensors, contributors, total, self.peer_id)
 
         calls = [early[p] if p in early else asyncio.ensure_future(
                      local() if p == my_part else self._send_part(round_no, group, p, encoded, weight, digest))
                  for p in range(len(group.members))]
         results = await self._collect(round_no, group, calls)
-        mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if gathers(
+        mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if self.verify or gathers(
             len(group.members), self.gather_up_to) else None
         # in the gather exchange every member computes the mean itself: the same function of the
         # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
         # θ_global; the outcome vote below compares the digests in groups of 2 as well
-        result = self._combine(group, parts, results, weights, mine)
+        result = self._combine(group, parts, results, weights, mine, round_no)
         phases["exchange"] = time.monotonic() - started
         voted = None
         if len(group.members) > 1:
@@ -281,7 +294,7 @@ class Averager:
             result, voted = await self._vote(round_no, group, result)
             phases["vote"] = time.monotonic() - started
         if not result.complete:
-            result = dataclasses.replace(result, blamed=self._blame(group, slot, results, voted))
+            result = dataclasses.replace(result, blamed=self._blame(group, slot, results, voted, result.forged))
         if not result.complete and not slot.result.done():
             slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
@@ -294,9 +307,17 @@ class Averager:
             envelope=envelope(self.identity, self.stage), round=round_no, group_hash=group.hash,
             state_digest=digest, weight=float(weight), part=part,
             tensors=[pb.NamedTensor(name=n, tensor=encoded_to_proto(encoded[n])) for n in sorted(parts) if parts[n] == part])
+        if self.verify:
+            request.signature = self._sign(round_no, group.hash, part, float(weight), request.tensors)
         # the slowest member may still be in matchmaking (or computing, for a part sent early)
         return await self.rpc.call(group.members[part], "average", request, pb.AverageResponse,
                                    timeout=self.patience + self.m.timeouts.allreduce)
+
+    def _sign(self, round_no: int, group_hash: str, part: int, weight: float, tensors: Sequence[pb.NamedTensor]
+              ) -> bytes:
+        assert self.key is not None  # __init__ refuses verify without a key
+        return sign_part(self.key, self.identity.run_id, self.identity.manifest_hash, self.stage, round_no, group_hash,
+                         part, weight, tensors)
 
     async def _send_early(self, round_no: int, expected: Group, encoding: asyncio.Future, weight: float,
                           digest: str) -> dict[int, asyncio.Future]:
@@ -363,8 +384,9 @@ class Averager:
                 else (c.exception() or c.result()) for c in calls]
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any], weights: dict[str, float],
-                 mine: tuple[float, dict[str, torch.Tensor]] | None) -> RoundResult:
-        """`mine`: our weight and decoded parts in the gather exchange (None: reducers send means)."""
+                 mine: tuple[float, dict[str, torch.Tensor]] | None, round_no: int = -1) -> RoundResult:
+        """`mine`: our weight and decoded parts in the gather exchange or with averaging.verify
+        (None: reducers send means, taken as they come)."""
         # A reducer we could not reach at all (not one that timed out: it may be waiting on
         # someone else's part) is dead or cut off; a re-sync will not wait for it.
         unreachable = tuple(group.members[p] for p, res in enumerate(results)
@@ -390,7 +412,14 @@ class Averager:
                                    unreachable=unreachable)
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
-                if mine is not None:
+                if self.verify and mine is not None:
+                    checked = self._verified(res, expected, group, weights, mine, part, round_no)
+                    if isinstance(checked, Forged):
+                        logger.warning("stage %d round %d: reducer %s of part %d: %s", self.stage, round_no,
+                                       reducer, part, checked.why)
+                        return RoundResult(False, f"part {part} from {reducer}: {checked.why}", group.members, None,
+                                           unreachable=unreachable, forged=(group.members[part],))
+                elif mine is not None:
                     checked = self._gathered(res, expected, group, weights, mine, part)
                 else:
                     checked = validate_average_response(res, expected, group.members, self.max_numel,
@@ -421,6 +450,50 @@ class Averager:
                                             avg.max_weight_ratio)
         return AverageResult(pb.OK, "", tensors, got.contributors, total)
 
+    def _verified(self, res: pb.AverageResponse, expected: dict[str, tuple[int, ...]], group: Group,
+                  weights: dict[str, float], mine: tuple[float, dict[str, torch.Tensor]], part: int, round_no: int
+                  ) -> AverageResult | Forged:
+        """averaging.verify: one part's answer checked against the signed parts it forwards.
+
+        Every other member's part must carry that member's signature for this round, group and
+        part; the aggregate of those parts and ours (the reducer's code: aggregate.reduce_part at
+        the bounded weights, in sorted member order) is the part's value in the gather exchange,
+        and in the reduce-scatter, encoded with the reduce codec, must be the mean's bytes exactly.
+        Forged: the reducer answered something its members did not send (it is blamed)."""
+        reduces = not gathers(len(group.members), self.gather_up_to)
+        if reduces and group.members[part] == self.peer_id:  # our own mean: we computed it
+            return validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
+                                             what=f"mean of part {part}")
+        registered = self.reducer.slot(round_no).registered or weights
+        got = validate_gather_response(res, expected, group.members, self.peer_id, registered, self.max_numel,
+                                       self.reducer.allowed_codecs, what=f"part {part}", with_mean=reduces)
+        if not got.ok:
+            return AverageResult(got.status, got.reason)
+        for c in res.others:
+            refusal = part_refusal(c.member, c.signature, self.identity.run_id, self.identity.manifest_hash,
+                                   self.stage, round_no, group.hash, part, c.weight, c.tensors)
+            if refusal is not None:
+                return Forged(refusal)
+        # counted as the reducer counts them: at most the bounded weight (a part sent early carries
+        # the weight its member had before the group bounded it)
+        members = sorted([(p, min(w, weights.get(p, 0.0)), t) for p, w, t in got.others]
+                         + [(self.peer_id, mine[0], {n: mine[1][n] for n in expected})], key=lambda e: e[0])
+        total = group_total(w for _, w, _ in members)
+        if total != got.total_weight:
+            return Forged(f"its total weight {got.total_weight} is not the sum of the signed parts' ({total})")
+        avg = self.m.averaging
+        aggregate = reduce_part([(w, t) for _, w, t in members], avg.robust_min_members, avg.max_weight_ratio)
+        if not reduces:
+            return AverageResult(pb.OK, "", aggregate, got.contributors, total)
+        means = {named.name: named.tensor for named in res.tensors}
+        if sorted(means) != sorted(expected):
+            return Forged(f"its mean names {sorted(means)[:4]}, not the part's tensors")
+        for name in sorted(expected):
+            if encoded_to_proto(self.reducer.reduce_codec.encode(aggregate[name])) != means[name]:
+                return Forged(f"its mean of {name} is not the aggregate of the members' signed parts")
+        return validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
+                                         what=f"mean of part {part}")
+
     async def _vote(self, round_no: int, group: Group, result: RoundResult
                     ) -> tuple[RoundResult, outcome.Outcome]:
         """The outcome vote (peer/averaging/outcome.py): ours is the digest of the mean we decoded, or failed."""
@@ -433,7 +506,7 @@ class Averager:
                            voted_digest=out.voted_digest), out
 
     def _blame(self, group: Group, slot: RoundSlot, results: list[Any],
-               voted: outcome.Outcome | None) -> tuple[str, ...]:
+               voted: outcome.Outcome | None, forged: Sequence[str] = ()) -> tuple[str, ...]:
         """Who failed this round, as far as this replica saw it itself (exclusion.blame)."""
         abandoned_by = {p for res in results if isinstance(res, Abandoned) for p in res.by}
         vote_first = bool(abandoned_by)  # a failed vote made us abandon the parts still on the way
@@ -441,7 +514,7 @@ class Averager:
         silent = [group.members[p] for p, res in enumerate(results)
                   if isinstance(res, (RPCFailed, asyncio.TimeoutError))]
         blamed = exclusion.blame(
-            me=self.peer_id, members=group.members, contributed=set(slot.contributions) | slot.arrived,
+            me=self.peer_id, forged=forged, members=group.members, contributed=set(slot.contributions) | slot.arrived,
             part_failed=not answered and not vote_first, silent_reducers=silent,
             failed_votes=abandoned_by | set(voted.failed if voted else ()),
             missing_votes=voted.missing if voted is not None and answered else (),
@@ -464,6 +537,12 @@ class Abandoned:
     why: str
     by: tuple[str, ...] = ()
     """The members whose failed vote under our group's hash made us stop (none: a part failed)."""
+
+
+@dataclass(frozen=True)
+class Forged:
+    """A reducer's answer that is not what its members sent (averaging.verify)."""
+    why: str
 
 
 def _part_failed(call: asyncio.Future) -> bool:

@@ -52,7 +52,8 @@ class Standing:
 
 def blame(*, me: str, members: Collection[str], contributed: Collection[str], part_failed: bool,
           silent_reducers: Collection[str] = (), failed_votes: Collection[str] = (),
-          missing_votes: Collection[str] = (), wrong_round: bool = False) -> frozenset[str]:
+          missing_votes: Collection[str] = (), wrong_round: bool = False,
+          forged: Collection[str] = ()) -> frozenset[str]:
     """The members this replica holds responsible for a failed round, from what it observed itself
     (module docstring). `contributed`: the members whose contribution reached our part;
     `part_failed`: a part failed of itself (not abandoned because of a failed vote);
@@ -63,7 +64,12 @@ def blame(*, me: str, members: Collection[str], contributed: Collection[str], pa
     round, not because one withheld: a replica that fell behind (a joiner whose download took
     rounds) forms its group from registrations its peers wrote before they went on alone, and would
     otherwise exclude, for growing times, exactly the replicas it needs to catch up with. Clocks and
-    re-syncs settle a disagreement; nobody is blamed for it."""
+    re-syncs settle a disagreement; nobody is blamed for it. `forged` (averaging.verify): reducers
+    whose answer we showed false ourselves (a mean that is not the aggregate of the signed parts it
+    came with, a part its member did not sign): they alone are blamed, since the failed votes of the
+    others are their reaction to the same answer."""
+    if forged:
+        return frozenset((set(members) - {me}) & set(forged))
     if wrong_round:
         return frozenset()
     others = set(members) - {me}

@@ -46,12 +46,16 @@ def group_total(weights: Sequence[float]) -> float:
 
 
 def gather_answer(order: Sequence[str], weights: Mapping[str, float], parts: Mapping[str, Sequence[pb.NamedTensor]],
-                  caller: str) -> pb.AverageResponse:
+                  caller: str, signed: Mapping[str, tuple[float, bytes]] | None = None) -> pb.AverageResponse:
     """The reducer's answer to `caller`: every other member's encoded part, sorted by member.
 
-    `order`: the group's members, sorted; `weights` and `parts`: each member's declared weight and
-    encoded tensors for this reducer's part (the caller's own are left out: it has them)."""
-    others = [pb.Contribution(member=p, weight=float(weights[p]), tensors=list(parts[p])) for p in order if p != caller]
+    `order`: the group's members, sorted; `weights` and `parts`: each member's counted weight and
+    encoded tensors for this reducer's part (the caller's own are left out: it has them).
+    `signed` (averaging.verify): each member's weight as it signed it and its signature; the parts
+    then carry those, and the caller bounds the weights itself (peer/averaging/signed_parts.py)."""
+    others = [pb.Contribution(member=p, weight=float(signed[p][0] if signed else weights[p]), tensors=list(parts[p]),
+                              signature=signed[p][1] if signed else b"")
+              for p in order if p != caller]
     return pb.AverageResponse(status=pb.OK, contributors=list(order), others=others,
                               total_weight=group_total(weights[p] for p in order))
 

@@ -7,6 +7,9 @@ the parts sent early), is checked against the slot's group, digest and registere
 is answered once every member's part is in: with the weighted mean of the decoded contributions,
 encoded by the reduce codec (the same bytes to every member), or in a group of at most
 averaging.gather_up_to members with the others' encoded parts as they came (peer/averaging/gather.py).
+With averaging.verify every part must carry its sender's signature (peer/averaging/signed_parts.py),
+checked here before it counts, and the answer carries the signed parts beside the mean, so every
+member can recompute the mean and refuse one that is not the aggregate of those parts.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from swarmgrad.peer.averaging.group import Group
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.averaging.gather import gather_answer, gathers
+from swarmgrad.peer.averaging.signed_parts import part_refusal
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.codecs import averaging_codecs
@@ -50,7 +54,10 @@ class RoundSlot:
     formed another group (their exclusions differ from ours), they did not withhold it
     (peer/averaging/exclusion.py)."""
     encoded: dict[str, list[pb.NamedTensor]] = field(default_factory=dict)
-    """Each member's part as it encoded it: the gather exchange answers with these (peer/averaging/gather.py)."""
+    """Each member's part as it encoded it: the gather exchange answers with these (peer/averaging/gather.py),
+    and with averaging.verify every answer does."""
+    signed: dict[str, tuple[float, bytes]] = field(default_factory=dict)
+    """averaging.verify: each member's weight as it signed it, and its signature over its part."""
     result: asyncio.Future | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -76,6 +83,8 @@ class Reducer:
         """What this reducer's encodes of its part's mean dropped, added to its next mean."""
         self.gather_up_to = avg.gather_up_to
         """Groups this small exchange the members' own parts instead of a mean (peer/averaging/gather.py)."""
+        self.verify = avg.verify
+        """Parts must be signed by their members, and answers carry them (peer/averaging/signed_parts.py)."""
         self.patience = manifest.timeouts.matchmaking
         """The member's matchmaking patience (Averager.patience sets it): a request waits that long,
         plus timeouts.allreduce, for this replica to settle the round's group."""
@@ -122,9 +131,16 @@ class Reducer:
                                max_weight=slot.registered.get(sender, slot.weights.get(sender, 0.0)))
         if sender in slot.contributions:
             raise ProtocolError(pb.BAD_REQUEST, "a second contribution for the same round")
+        if self.verify:
+            refusal = part_refusal(sender, request.signature, self.identity.run_id, self.identity.manifest_hash,
+                                   self.stage, request.round, request.group_hash, request.part, request.weight,
+                                   request.tensors)
+            if refusal is not None:
+                raise ProtocolError(pb.UNAUTHORIZED, refusal)
+            slot.signed[sender] = (float(request.weight), bytes(request.signature))
         # counted at its bounded weight: what it claimed above that moves neither the mean nor the schedule
         slot.contributions[sender] = (min(inp.weight, slot.weights.get(sender, 0.0)), inp.tensors)
-        if gathers(len(group.members), self.gather_up_to):
+        if self.verify or gathers(len(group.members), self.gather_up_to):
             slot.encoded[sender] = list(request.tensors)
         self.maybe_reduce(slot)
         assert slot.result is not None
@@ -139,9 +155,21 @@ class Reducer:
             if slot.result.cancelled() and task is not None and not task.cancelling():
                 raise ProtocolError(pb.WRONG_ROUND, f"round {request.round} was abandoned here") from None
             raise
+        return self.answer(slot, tensors, contributors, total, sender)
+
+    def answer(self, slot: RoundSlot, tensors: list[pb.NamedTensor] | None, contributors: list[str], total: float,
+               caller: str) -> pb.AverageResponse:
+        """The answer to `caller` (a remote member, or our own): the mean, or (`tensors` None) the
+        gather exchange's other parts; with averaging.verify the others' signed parts in both."""
+        if self.verify:
+            answer = gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors}, slot.encoded,
+                                   caller, signed=slot.signed)
+            if tensors is not None:
+                answer.tensors.extend(tensors)
+            return answer
         if tensors is None:  # the gather exchange
             return gather_answer(contributors, {p: slot.contributions[p][0] for p in contributors}, slot.encoded,
-                                 sender)
+                                 caller)
         return pb.AverageResponse(status=pb.OK, tensors=tensors, contributors=contributors, total_weight=total)
 
     def maybe_reduce(self, slot: RoundSlot) -> None:

@@ -171,7 +171,7 @@ class Replica:
                                     boundary=precision.boundary, routing=m.pipeline.routing,
                                     max_deadline_s=t.microbatch,
                                     signer=RoundSigner(ctx.key, m.run_id, m.hash) if stage == 0 and ctx.key else None)
-        averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock)
+        averager = Averager(m, stage, ctx.peer_id, state.shapes, rpc, ctx.swarm, ctx.max_numel, clock, key=ctx.key)
         self.presence = presence = Presence(ctx.swarm, peer_id=ctx.peer_id, stage=stage, manifest_hash=m.hash,
                                             maddrs=ctx.maddrs, phase=self.phase, worker=worker, state=state,
                                             clock=clock, heartbeat=t.heartbeat, memory=ctx.memory,
