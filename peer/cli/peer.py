@@ -196,6 +196,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             if args.owner_key:  # the owner starts its public run: sign, and train as NAME@FINGERPRINT
                 published = sign_own_run(args.manifest, args.owner_key)
                 manifest = published.manifest
+                if not manifest.averaging.verify:
+                    print(f"warning: {args.manifest} has averaging.verify off: in a public run any id that joins a "
+                          f"round's group can write the values of the part it reduces into every replica; set "
+                          f"[averaging] verify = true (with gather_up_to >= the replicas per stage it costs 64 "
+                          f"bytes per part: docs/trust.md, \"Reducers\")", file=sys.stderr)
         except ManifestError as e:
             print(e, file=sys.stderr)
             return 2
