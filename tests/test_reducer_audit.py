@@ -26,7 +26,7 @@ from swarmgrad.protocol.validation import encoded_to_proto
 from conftest import small_manifest
 from support.dht import MemoryDHT, announce, swarm_view
 from support.rpc import LoopbackNetwork
-from support.swarm import peer_keys
+from support.swarm import InProcessSwarm, assert_replicas_agree, complete_rounds, peer_keys, step_manifest
 from swarmgrad.peer.net.identity import peer_id_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.inprocess]
@@ -200,3 +200,42 @@ def test_verify_needs_a_mean_others_can_recompute() -> None:
     with pytest.raises(ManifestError, match="averaging.verify"):
         small_manifest(averaging={"verify": True, "codec": "int8:stochastic=true"})
     assert small_manifest(averaging={"verify": True}).averaging.verify
+
+
+# a swarm ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_real_peers_train_on_past_a_hostile_reducer(inprocess, monkeypatch) -> None:
+    """Real peers (tests/support/swarm.py): one driver, three replicas of stage 1, one of which
+    reduces a chosen mean. The honest replicas never apply it, blame it, and complete rounds
+    without it, with one digest."""
+    m = step_manifest(4, averaging={"codec": "int8", "verify": True}, timeouts={"matchmaking": 2.0})
+    hostile: list[str] = []
+    answer = Reducer.answer
+
+    def forging(self: Reducer, slot: RoundSlot, tensors, contributors, total, caller):  # type: ignore[no-untyped-def]
+        if tensors is not None and slot.group is not None and slot.group.members[slot.my_part] in hostile:
+            tensors = [pb.NamedTensor(name=n, tensor=encoded_to_proto(self.reduce_codec.encode(
+                torch.full(slot.part_names[n], CHOSEN)))) for n in sorted(slot.part_names)]
+        return answer(self, slot, tensors, contributors, total, caller)
+    monkeypatch.setattr(Reducer, "answer", forging)
+
+    async def scenario() -> None:
+        async with InProcessSwarm(m) as swarm:
+            driver = swarm.start(0, max_rounds=4)
+            await swarm.wait_for(driver, lambda e: e["event"] == "online", 30, "the driver online")
+            replicas = [swarm.start(1, max_rounds=4) for _ in range(3)]
+            hostile.append(replicas[0].peer_id)
+            await swarm.wait_exit(90)
+            honest = replicas[1:]
+            refused = [e for p in honest for e in p.events("round") if not e["complete"]
+                       and "not the aggregate of the members' signed parts" in (e["reason"] or "")]
+            assert refused, "no honest replica saw the forged mean\n" + swarm.history()
+            for p in honest:
+                for e in p.events("round"):
+                    if e["complete"]:
+                        assert hostile[0] not in (e["group"] or ()), f"{p.name} applied a round with the forger: {e}"
+            assert_replicas_agree(honest, 1)
+            together = [r for r, events in complete_rounds(honest, 1).items() if len(events) == 2]
+            assert together, "the honest replicas did not train on together\n" + swarm.history()
+
+    inprocess(scenario, timeout=110)
