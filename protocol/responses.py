@@ -17,7 +17,7 @@ import torch
 
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import MAX_REASON_CHARS, ProtocolError, is_known_status
-from swarmgrad.protocol.validation import MAX_ID_CHARS, MAX_ROUND, Codecs, decode_named, decode_tensor
+from swarmgrad.protocol.validation import MAX_ID_CHARS, MAX_ROUND, PART_SIGNATURE_BYTES, Codecs, decode_named, decode_tensor
 
 MAX_LOSS = 1e6
 """A mean loss in nats above this is no loss a model of ours reports (ln(vocab) is ~10)."""
@@ -209,6 +209,9 @@ def validate_gather_response(resp: pb.AverageResponse, expected: Mapping[str, tu
                                             f"sorted")
     others = []
     for c in resp.others:
+        if len(c.signature) not in (0, PART_SIGNATURE_BYTES):
+            raise ProtocolError(pb.BAD_REQUEST, f"{what}: the signature of {c.member[-8:]}'s part is "
+                                                f"{len(c.signature)} bytes (not {PART_SIGNATURE_BYTES})")
         w = c.weight
         if not (math.isfinite(w) and 0.0 <= w <= max_weights.get(c.member, 0.0)):
             raise ProtocolError(pb.BAD_REQUEST, f"{what}: weight {w} of {c.member[-8:]} is not in "

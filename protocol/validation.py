@@ -32,6 +32,9 @@ MAX_ID_CHARS = 128
 """Peer ids, digests and hashes from the wire are at most this long (ours are 24-64 characters)."""
 ROUND_TICKET_BYTES = 64
 """A forward request's round ticket is an Ed25519 signature, or absent."""
+PART_SIGNATURE_BYTES = 64
+"""An averaging part's signature (averaging.verify: peer/averaging/signed_parts.py) is an Ed25519
+signature, or absent."""
 
 RAW_DTYPES = {"int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "float32": torch.float32}
 DTYPE_NAMES = {"float32", "float16", "bfloat16"}
@@ -293,6 +296,9 @@ def validate_average(req: pb.AverageRequest, identity: RunIdentity, stage: int,
         raise ProtocolError(pb.BAD_REQUEST, f"group_hash and state_digest are at most {MAX_ID_CHARS} characters")
     if req.round > MAX_ROUND:
         raise ProtocolError(pb.BAD_REQUEST, f"round {req.round} exceeds {MAX_ROUND}")
+    if len(req.signature) not in (0, PART_SIGNATURE_BYTES):
+        raise ProtocolError(pb.BAD_REQUEST, f"a part's signature is {PART_SIGNATURE_BYTES} bytes or absent "
+                                            f"(got {len(req.signature)} bytes)")
     expected = part_shapes(req.part)
     if expected is None:
         raise ProtocolError(pb.GROUP_MISMATCH, f"part {req.part} is not reduced by this peer")

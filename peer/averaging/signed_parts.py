@@ -29,11 +29,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmgrad.peer.net.identity import public_key_of
 from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.validation import PART_SIGNATURE_BYTES as SIGNATURE_BYTES
 
 DOMAIN = b"swarmgrad/average-part/v1\x00"
 """Prefix of every signed part, so these signatures mean nothing in another protocol (DHT records
 and round tickets sign under their own tags)."""
-SIGNATURE_BYTES = 64
 
 
 def tensors_digest(tensors: Sequence[pb.NamedTensor]) -> bytes:
