@@ -249,3 +249,10 @@ def test_a_signature_of_the_wrong_length_is_refused_at_the_boundary() -> None:
                             weight=1.0, part=0, signature=b"x" * 65)
     with pytest.raises(ProtocolError, match="signature"):
         validate_average(req, identity, STAGE, lambda part: {}, 1 << 20)
+
+
+def test_the_owner_of_a_public_run_is_warned_when_verify_is_off() -> None:
+    from swarmgrad.peer.cli.public import public_run_warnings
+    [warning] = public_run_warnings(manifest(verify=False), "run.toml")
+    assert "averaging.verify off" in warning and "run.toml" in warning
+    assert public_run_warnings(manifest(verify=True), "run.toml") == []

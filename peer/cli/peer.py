@@ -106,7 +106,7 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, missing_data, sign_own_run
+    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, missing_data, public_run_warnings, sign_own_run
     from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
@@ -196,11 +196,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
             if args.owner_key:  # the owner starts its public run: sign, and train as NAME@FINGERPRINT
                 published = sign_own_run(args.manifest, args.owner_key)
                 manifest = published.manifest
-                if not manifest.averaging.verify:
-                    print(f"warning: {args.manifest} has averaging.verify off: in a public run any id that joins a "
-                          f"round's group can write the values of the part it reduces into every replica; set "
-                          f"[averaging] verify = true (with gather_up_to >= the replicas per stage it costs 64 "
-                          f"bytes per part: docs/trust.md, \"Reducers\")", file=sys.stderr)
+                for warning in public_run_warnings(manifest, args.manifest):
+                    print(warning, file=sys.stderr)
         except ManifestError as e:
             print(e, file=sys.stderr)
             return 2

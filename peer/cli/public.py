@@ -42,6 +42,16 @@ def sign_own_run(manifest_path: str, key_path: str):
     return dataclasses.replace(published, manifest=dataclasses.replace(published.manifest, data=manifest.data))
 
 
+def public_run_warnings(manifest, path: str) -> list[str]:
+    """What the owner of a public run is told on start about its manifest (`manifest`, read from
+    `path`): the defences a public run needs that the manifest leaves off."""
+    if manifest.averaging.verify:
+        return []
+    return [f"warning: {path} has averaging.verify off: in a public run any id that joins a round's group can "
+            f"write the values of the part it reduces into every replica; set [averaging] verify = true (with "
+            f"gather_up_to >= the replicas per stage it costs 64 bytes per part: docs/trust.md, \"Reducers\")"]
+
+
 def fetch_run(run: str, peers: Sequence[str], cache_dir: str | None, bootstrap_wait: float):
     """The verified manifest `--run` names, fetched through a short-lived client node and cached;
     for a run with a tokenizer, its `data.tokenizer` is the verified file in the cache, fetched from
