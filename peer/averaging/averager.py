@@ -55,9 +55,9 @@ from swarmgrad.peer.averaging import exclusion, outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.evidence import EvidenceLedger
 from swarmgrad.peer.net.deadline import within
-from swarmgrad.peer.averaging.aggregate import reduce_part
-from swarmgrad.peer.averaging.gather import aggregate_gathered, gathers, group_total
-from swarmgrad.peer.averaging.signed_parts import part_refusal, sign_part
+from swarmgrad.peer.averaging.gather import aggregate_gathered, gathers
+from swarmgrad.peer.averaging.signed_parts import sign_part
+from swarmgrad.peer.averaging.verify import Forged, PartChecker
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.averaging.matchmaking import matchmake
 from swarmgrad.peer.averaging.reducer import Reducer, RoundSlot
@@ -132,6 +132,10 @@ class Averager:
         """Groups this small exchange the members' own parts instead of a mean (peer/averaging/gather.py)."""
         self.verify = avg.verify
         """Sign our parts, and check every part we apply against the signed parts it came from."""
+        self.checker = PartChecker(self.identity, stage, peer_id, max_numel, self.reducer.allowed_codecs,
+                                   self.mean_codecs, self.reducer.reduce_codec, avg.gather_up_to,
+                                   avg.robust_min_members, avg.max_weight_ratio)
+        """How that check is made (peer/averaging/verify.py)."""
         self.ledger = EvidenceLedger(stage)
         """Whose word counts in this stage (peer/evidence.py): fed by the round runner (rounds
         applied) and state sync (states verified); read by matchmaking, donors and re-syncs."""
@@ -413,7 +417,8 @@ class Averager:
             expected = {n: self.shapes[n] for n, p in parts.items() if p == part}
             try:
                 if self.verify and mine is not None:
-                    checked = self._verified(res, expected, group, weights, mine, part, round_no)
+                    checked = self.checker.check(res, expected, group, round_no, part, weights,
+                                                 self.reducer.slot(round_no).registered or weights, mine)
                     if isinstance(checked, Forged):
                         logger.warning("stage %d round %d: reducer %s of part %d: %s", self.stage, round_no,
                                        reducer, part, checked.why)
@@ -449,50 +454,6 @@ class Averager:
         tensors, total = aggregate_gathered(got, self.peer_id, mine[0], own, avg.robust_min_members,
                                             avg.max_weight_ratio)
         return AverageResult(pb.OK, "", tensors, got.contributors, total)
-
-    def _verified(self, res: pb.AverageResponse, expected: dict[str, tuple[int, ...]], group: Group,
-                  weights: dict[str, float], mine: tuple[float, dict[str, torch.Tensor]], part: int, round_no: int
-                  ) -> AverageResult | Forged:
-        """averaging.verify: one part's answer checked against the signed parts it forwards.
-
-        Every other member's part must carry that member's signature for this round, group and
-        part; the aggregate of those parts and ours (the reducer's code: aggregate.reduce_part at
-        the bounded weights, in sorted member order) is the part's value in the gather exchange,
-        and in the reduce-scatter, encoded with the reduce codec, must be the mean's bytes exactly.
-        Forged: the reducer answered something its members did not send (it is blamed)."""
-        reduces = not gathers(len(group.members), self.gather_up_to)
-        if reduces and group.members[part] == self.peer_id:  # our own mean: we computed it
-            return validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
-                                             what=f"mean of part {part}")
-        registered = self.reducer.slot(round_no).registered or weights
-        got = validate_gather_response(res, expected, group.members, self.peer_id, registered, self.max_numel,
-                                       self.reducer.allowed_codecs, what=f"part {part}", with_mean=reduces)
-        if not got.ok:
-            return AverageResult(got.status, got.reason)
-        for c in res.others:
-            refusal = part_refusal(c.member, c.signature, self.identity.run_id, self.identity.manifest_hash,
-                                   self.stage, round_no, group.hash, part, c.weight, c.tensors)
-            if refusal is not None:
-                return Forged(refusal)
-        # counted as the reducer counts them: at most the bounded weight (a part sent early carries
-        # the weight its member had before the group bounded it)
-        members = sorted([(p, min(w, weights.get(p, 0.0)), t) for p, w, t in got.others]
-                         + [(self.peer_id, mine[0], {n: mine[1][n] for n in expected})], key=lambda e: e[0])
-        total = group_total(w for _, w, _ in members)
-        if total != got.total_weight:
-            return Forged(f"its total weight {got.total_weight} is not the sum of the signed parts' ({total})")
-        avg = self.m.averaging
-        aggregate = reduce_part([(w, t) for _, w, t in members], avg.robust_min_members, avg.max_weight_ratio)
-        if not reduces:
-            return AverageResult(pb.OK, "", aggregate, got.contributors, total)
-        means = {named.name: named.tensor for named in res.tensors}
-        if sorted(means) != sorted(expected):
-            return Forged(f"its mean names {sorted(means)[:4]}, not the part's tensors")
-        for name in sorted(expected):
-            if encoded_to_proto(self.reducer.reduce_codec.encode(aggregate[name])) != means[name]:
-                return Forged(f"its mean of {name} is not the aggregate of the members' signed parts")
-        return validate_average_response(res, expected, group.members, self.max_numel, self.mean_codecs,
-                                         what=f"mean of part {part}")
 
     async def _vote(self, round_no: int, group: Group, result: RoundResult
                     ) -> tuple[RoundResult, outcome.Outcome]:
@@ -537,12 +498,6 @@ class Abandoned:
     why: str
     by: tuple[str, ...] = ()
     """The members whose failed vote under our group's hash made us stop (none: a part failed)."""
-
-
-@dataclass(frozen=True)
-class Forged:
-    """A reducer's answer that is not what its members sent (averaging.verify)."""
-    why: str
 
 
 def _part_failed(call: asyncio.Future) -> bool:
