@@ -20,7 +20,9 @@ A round r of stage s, on every replica:
    value it sent, not its own unrounded one), so θ_global ← OuterOpt(θ_global, mean Δ) is
    bit-identical on all members.
    (This file is the member's side; the reducer's, the slots and the `average` handler, is
-   peer/averaging/reducer.py.)
+   peer/averaging/reducer.py.) With averaging.verify every part is signed by its member, the
+   reducer forwards the signed parts with its answer, and every member recomputes each mean from
+   them before it counts it (peer/averaging/verify.py): a reducer cannot choose its part's mean.
 4. outcome vote (peer/averaging/outcome.py): every member posts its group's hash and the digest of the
    mean it decoded, or failed, and applies the round only once every member voted exactly that.
    A member that fails a part (a refusal, a reset stream, a timeout) votes failed at once and
