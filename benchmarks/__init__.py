@@ -18,6 +18,7 @@ In one process, no network:
   codecs              swarmgrad's codecs against hivemind's on the same tensors
   simulate            the placement policy against its ablations in the simulator
   round_tickets       what signing and checking a driver's round ticket costs
+  reducer_verify      what averaging.verify (signed parts, every mean recomputed) costs per round
   compute_queue       what waits on a stage's compute thread, and behind what (in-process peers
                       over a shaped loopback link; pipeline.forward_first)
 

@@ -28,6 +28,8 @@ from support.dht import MemoryDHT, announce, swarm_view  # noqa: E402
 from support.rpc import LoopbackNetwork, LoopbackRPC  # noqa: E402
 from support.swarm import peer_keys  # noqa: E402
 
+from benchmarks.harness.report import Report, add_common_args, seed_or  # noqa: E402
+
 from swarmgrad.peer.averaging.averager import Averager  # noqa: E402
 from swarmgrad.peer.cli.launcher import small_manifest  # noqa: E402
 from swarmgrad.peer.clock import RoundClock  # noqa: E402
@@ -56,7 +58,7 @@ def shapes(numel: int) -> dict[str, tuple[int, ...]]:
     return {"a": (side, side), "b": (side, side), "c": (side,)}
 
 
-async def measure(n: int, gather: bool, verify: bool, rounds: int, codec: str, numel: int) -> tuple[float, float]:
+async def measure(n: int, gather: bool, verify: bool, rounds: int, codec: str, numel: int, seed: int = 0) -> tuple[float, float]:
     """(bytes per member per round, median round seconds)."""
     m = small_manifest(averaging={"codec": codec, "error_feedback": False, "verify": verify,
                                   "gather_up_to": n if gather else 0},
@@ -76,7 +78,7 @@ async def measure(n: int, gather: bool, verify: bool, rounds: int, codec: str, n
             net.handlers[peer] = avg.reducer.handle
             avgs.append(avg)
             await announce(view, STAGE)
-        deltas = [{k: torch.randn(s, generator=torch.Generator().manual_seed(100 * r + i)) for k, s in
+        deltas = [{k: torch.randn(s, generator=torch.Generator().manual_seed(seed + 100 * r + i)) for k, s in
                    shapes(numel).items()} for i in range(n)]
         started = time.perf_counter()
         results = await asyncio.gather(*(a.run_round(0, d, 10.0, "digest", 0) for a, d in zip(avgs, deltas)))
@@ -91,19 +93,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--numel", type=int, default=1 << 20)
+    add_common_args(ap, quick="groups of 2 and 3, 2 rounds of 65,536 values",
+                    seed="offsets the seeds of the members' pseudo-gradients (default 0)")
     args = ap.parse_args()
-    print(f"codec {args.codec}, {sum(torch.Size(s).numel() for s in shapes(args.numel).values()):,} values "
-          f"per stage, {args.rounds} rounds each")
-    print("| members | exchange | verify | bytes / member / round | × off | round s | × off |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    if args.quick:
+        args.groups, args.rounds, args.numel = "2,3", 2, 1 << 16
+    seed = seed_or(args, 0)
+    report = Report("What averaging.verify costs", args.out)
+    report.print(f"codec {args.codec}, {sum(torch.Size(s).numel() for s in shapes(args.numel).values()):,} values "
+                 f"per stage, {args.rounds} rounds each")
+    rows = []
     for n in (int(x) for x in args.groups.split(",")):
         for gather in (False, True):
             off = None
             for verify in (False, True):
-                b, s = asyncio.run(measure(n, gather, verify, args.rounds, args.codec, args.numel))
+                b, s = asyncio.run(measure(n, gather, verify, args.rounds, args.codec, args.numel, seed))
                 off = off or (b, s)
-                print(f"| {n} | {'gather' if gather else 'reduce'} | {'on' if verify else 'off'} | {b:,.0f} | "
-                      f"{b / off[0]:.2f} | {s:.3f} | {s / off[1]:.2f} |", flush=True)
+                rows.append((n, "gather" if gather else "reduce", "on" if verify else "off", f"{b:,.0f}",
+                             f"{b / off[0]:.2f}", f"{s:.3f}", f"{s / off[1]:.2f}"))
+                print(rows[-1], flush=True)
+    report.table(("members", "exchange", "verify", "bytes / member / round", "× off", "round s", "× off"), rows)
+    report.write()
 
 
 if __name__ == "__main__":
