@@ -48,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,57 +112,6 @@ class Row:
         return bps / rate if rate else math.nan
 
 
-class TxSampler(threading.Thread):
-    """Reads both peers' `wan0` tx_bytes every SAMPLE_S seconds: (monotonic time, [tx per peer])."""
-
-    def __init__(self, net: netns.WanNet):
-        super().__init__(daemon=True)
-        self.net = net
-        self.samples: list[tuple[float, list[int]]] = []
-        self.stop = threading.Event()
-        self._paths = [f"/sys/class/net/{e.ifname}/statistics/tx_bytes" for e in net.endpoints]
-
-    def run(self) -> None:
-        # one long-lived reader per namespace: `ip netns exec cat` ten times a second would cost a core
-        readers = [subprocess.Popen([*e.exec_prefix(), sys.executable, "-u", "-c", _READER, p],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                   for e, p in zip(self.net.endpoints, self._paths)]
-        try:
-            while not self.stop.is_set():
-                values = []
-                for r in readers:
-                    assert r.stdin is not None and r.stdout is not None
-                    r.stdin.write("\n")
-                    r.stdin.flush()
-                    values.append(int(r.stdout.readline()))
-                self.samples.append((time.monotonic(), values))
-                self.stop.wait(SAMPLE_S)
-        finally:
-            for r in readers:
-                r.kill()
-                r.wait()
-
-    def at(self, t: float, peer: int) -> float:
-        """tx_bytes of `peer` at monotonic time t, linear between samples."""
-        s = self.samples
-        for (t0, v0), (t1, v1) in zip(s, s[1:]):
-            if t0 <= t <= t1:
-                return v0[peer] + (v1[peer] - v0[peer]) * (t - t0) / max(1e-9, t1 - t0)
-        return float(s[-1][1][peer] if t > s[-1][0] else s[0][1][peer])
-
-    def idle_share(self, t0: float, t1: float, peer: int, rate: float) -> float:
-        """Share of sampling intervals in [t0, t1] in which `peer` sent under 10 % of `rate`."""
-        quiet = total = 0
-        for (a, va), (b, vb) in zip(self.samples, self.samples[1:]):
-            if a >= t0 and b <= t1:
-                total += 1
-                quiet += (vb[peer] - va[peer]) / max(1e-9, b - a) < 0.1 * rate
-        return quiet / total if total else math.nan
-
-
-_READER = "import sys\nfor _ in sys.stdin:\n    print(open(sys.argv[1]).read().strip(), flush=True)\n"
-
-
 def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest, workdir: Path,
             subnet: int, timeout_s: float) -> Row:
     row = Row(variant, link)
@@ -174,7 +122,7 @@ def run_one(variant: str, link: str, code: Path | None, rounds: int, m: Manifest
             netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints) as swarm:
         if code is not None:  # the `before` snapshot first on the path, ahead of the editable install
             swarm.env["PYTHONPATH"] = str(code)
-        sampler = TxSampler(net)
+        sampler = netns.TxSampler(net, SAMPLE_S)
         sampler.start()
         try:
             driver = swarm.start_first(0)

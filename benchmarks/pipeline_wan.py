@@ -71,7 +71,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -150,52 +149,6 @@ def memory_offer(m: Manifest) -> int:
 
 
 # --- one swarm --------------------------------------------------------------------------------------
-_READER = "import sys\nfor _ in sys.stdin:\n    print(open(sys.argv[1]).read().strip(), flush=True)\n"
-
-
-class TxSampler(threading.Thread):
-    """Every peer's `wan0` tx_bytes once a second, against wall-clock time (events' clock), through
-    one long-lived reader per namespace (an `ip netns exec` per read would cost a core)."""
-
-    def __init__(self, net: netns.WanNet, period_s: float = 1.0):
-        super().__init__(daemon=True)
-        self.net, self.period_s = net, period_s
-        self.samples: list[tuple[float, list[int]]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        readers = [subprocess.Popen([*e.exec_prefix(), sys.executable, "-u", "-c", _READER,
-                                     f"/sys/class/net/{e.ifname}/statistics/tx_bytes"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                   for e in self.net.endpoints]
-        try:
-            while not self.stop.is_set():
-                values = []
-                for r in readers:
-                    assert r.stdin is not None and r.stdout is not None
-                    r.stdin.write("\n")
-                    r.stdin.flush()
-                    values.append(int(r.stdout.readline()))
-                self.samples.append((time.time(), values))
-                self.stop.wait(self.period_s)
-        except (OSError, ValueError):  # a namespace went away under us: the samples so far stand
-            pass
-        finally:
-            for r in readers:
-                r.kill()
-                r.wait()
-
-    def between(self, peer: int, t0: float, t1: float) -> float:
-        return self._at(peer, t1) - self._at(peer, t0) if len(self.samples) >= 2 else math.nan
-
-    def _at(self, peer: int, t: float) -> float:
-        s = self.samples
-        for (a, va), (b, vb) in zip(s, s[1:]):
-            if a <= t <= b:
-                return va[peer] + (vb[peer] - va[peer]) * (t - a) / max(1e-9, b - a)
-        return float(s[-1][1][peer] if t > s[-1][0] else s[0][1][peer])
-
-
 def set_rate(endpoint: netns.Endpoint, rate: str) -> None:
     """Change one peer's egress tbf rate (the net was built with one rate for all)."""
     subprocess.run([*endpoint.exec_prefix(), "tc", "qdisc", "replace", "dev", endpoint.ifname, "root", "tbf",
@@ -216,7 +169,7 @@ def run_swarm(m: Manifest, stages: list[int], rates: list[str | None], rounds: i
         for endpoint, rate in zip(net.endpoints, rates):
             if rate != rates[0]:
                 set_rate(endpoint, rate or "10gbit")
-        sampler = TxSampler(net)
+        sampler = netns.TxSampler(net, 1.0, time.time)  # the events' clock
         sampler.start()
         try:
             with netns.NetnsSwarm(workdir / "manifest.toml", workdir, net.endpoints, port=PORT) as swarm:

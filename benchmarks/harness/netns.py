@@ -13,12 +13,16 @@ everything a peer sent, headers and DHT traffic included.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from swarmgrad.peer.cli.launcher import LocalSwarm
 
@@ -186,6 +190,64 @@ class WanNet:
         while self._namespaces:
             _run("ip", "netns", "del", self._namespaces.pop(), check=False)
         self.endpoints.clear()
+
+
+_READER = "import sys\nfor _ in sys.stdin:\n    print(open(sys.argv[1]).read().strip(), flush=True)\n"
+
+
+class TxSampler(threading.Thread):
+    """Every peer's `wan0` tx_bytes each `period_s` seconds, as (clock(), [tx per peer]), through one
+    long-lived reader per namespace (an `ip netns exec cat` ten times a second would cost a core).
+    `clock`: time.monotonic, or time.time to line the samples up with the peers' events."""
+
+    def __init__(self, net: WanNet, period_s: float, clock: Callable[[], float] = time.monotonic):
+        super().__init__(daemon=True)
+        self.net, self.period_s, self.clock = net, period_s, clock
+        self.samples: list[tuple[float, list[int]]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        readers = [subprocess.Popen([*e.exec_prefix(), sys.executable, "-u", "-c", _READER,
+                                     f"/sys/class/net/{e.ifname}/statistics/tx_bytes"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                   for e in self.net.endpoints]
+        try:
+            while not self.stop.is_set():
+                values = []
+                for r in readers:
+                    assert r.stdin is not None and r.stdout is not None
+                    r.stdin.write("\n")
+                    r.stdin.flush()
+                    values.append(int(r.stdout.readline()))
+                self.samples.append((self.clock(), values))
+                self.stop.wait(self.period_s)
+        except (OSError, ValueError):  # a namespace went away under us: the samples so far stand
+            pass
+        finally:
+            for r in readers:
+                r.kill()
+                r.wait()
+
+    def at(self, t: float, peer: int) -> float:
+        """tx_bytes of `peer` at time t (the sampler's clock), linear between samples."""
+        s = self.samples
+        for (t0, v0), (t1, v1) in zip(s, s[1:]):
+            if t0 <= t <= t1:
+                return v0[peer] + (v1[peer] - v0[peer]) * (t - t0) / max(1e-9, t1 - t0)
+        return float(s[-1][1][peer] if t > s[-1][0] else s[0][1][peer])
+
+    def between(self, peer: int, t0: float, t1: float) -> float:
+        """Bytes `peer` sent between t0 and t1 (nan before two samples)."""
+        return self.at(t1, peer) - self.at(t0, peer) if len(self.samples) >= 2 else math.nan
+
+    def idle_share(self, t0: float, t1: float, peer: int, rate: float) -> float:
+        """Share of sampling intervals in [t0, t1] in which `peer` sent under 10 % of `rate`."""
+        quiet = total = 0
+        for (a, va), (b, vb) in zip(self.samples, self.samples[1:]):
+            if a >= t0 and b <= t1:
+                total += 1
+                quiet += (vb[peer] - va[peer]) / max(1e-9, b - a) < 0.1 * rate
+        return quiet / total if total else math.nan
 
 
 class NetnsSwarm(LocalSwarm):
