@@ -15,33 +15,16 @@ from swarmgrad.peer.manifest import dumps
 from swarmgrad.peer.model import from_manifest
 from swarmgrad.peer.state.stage_state import load_checkpoint
 
-from conftest import small_manifest
-from support.swarm import InProcessSwarm
+from support.swarm import exact_round_manifest, one_saved_round
 
 DATA_SEED = 99
 
 
 @pytest.mark.timeout(120)
 def test_a_llama_round_equals_one_whole_model_step_and_exports(inprocess, tmp_path: Path, capsys) -> None:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
-    m = small_manifest(
-        model={"kind": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32},
-        inner={"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 2},
-        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
-        rounds={"inner_steps": 1, "round_seconds": 0.0},
-        averaging={"codec": "fp32"},
-        pipeline={"activation_codec": "fp32", "gradient_codec": "fp32", "max_in_flight": 2},
-        data={"source": "files", "paths": [str(corpus)], "max_bytes": 0, "eval_batches": 1, "eval_every": 0},
-    )
-
-    async def scenario() -> list[Path]:
-        async with InProcessSwarm(m, tmp_path=tmp_path) as swarm:
-            peers = [swarm.start(s, max_rounds=1, data_seed=DATA_SEED, save=True, linger=5.0) for s in (0, 1)]
-            await swarm.wait_exit(60)
-            return [Path(p.peer.opt.save_dir) for p in peers]  # type: ignore[union-attr,arg-type]
-
-    saves = inprocess(scenario)
+    m = exact_round_manifest(
+        tmp_path, model={"kind": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32})
+    saves = inprocess(lambda: one_saved_round(m, tmp_path, DATA_SEED))
 
     model = from_manifest(m)
     stages = [model.build_stage(s) for s in range(model.n_stages)]

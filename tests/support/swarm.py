@@ -23,6 +23,7 @@ import itertools
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmgrad.peer.cli.launcher import small_manifest
@@ -244,3 +245,32 @@ def assert_replicas_agree(peers: list[InProcessPeer], stage: int) -> None:
     for rnd, events in complete_rounds(peers, stage).items():
         digests = {e["digest"] for e in events}
         assert len(digests) == 1, f"stage {stage} round {rnd}: replicas disagree: {digests}"
+
+
+def exact_round_manifest(tmp_path: Path, **sections: dict[str, Any]) -> Manifest:
+    """The manifest of a one-round exactness test: fp32 on every wire, one inner step per round, a
+    plain-mean outer step (lr 1, no momentum), no gradient clipping, evaluations off, trained on a
+    corpus of torch's own sources written under `tmp_path`; so one round of the swarm is one AdamW
+    step of the whole model. `sections` extend each section (small_manifest's keyword arguments)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(torch.__file__).parent.glob("*.py"))[:20]))
+    raw: dict[str, dict[str, Any]] = {
+        "model": {},
+        "inner": {"lr": 1e-3, "grad_clip": 0.0, "weight_decay": 0.1, "microbatch_size": 4, "microbatches_per_step": 2},
+        "outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        "rounds": {"inner_steps": 1, "round_seconds": 0.0},
+        "averaging": {"codec": "fp32"},
+        "pipeline": {"activation_codec": "fp32", "gradient_codec": "fp32", "max_in_flight": 2},
+        "data": {"source": "files", "paths": [str(corpus)], "max_bytes": 0, "eval_batches": 1, "eval_every": 0},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return small_manifest(**raw)
+
+
+async def one_saved_round(m: Manifest, tmp_path: Path, data_seed: int) -> list[Path]:
+    """Stage 0 and stage 1, one peer each, train one round and save it: their save dirs."""
+    async with InProcessSwarm(m, tmp_path=tmp_path) as swarm:
+        peers = [swarm.start(s, max_rounds=1, data_seed=data_seed, save=True, linger=5.0) for s in (0, 1)]
+        await swarm.wait_exit(60)
+        return [Path(p.peer.opt.save_dir) for p in peers]  # type: ignore[union-attr,arg-type]
