@@ -158,6 +158,23 @@ def _honest_rounds(peer, after: float = 0.0) -> list[dict]:
     return [e for e in peer.events("round") if e["complete"] and e["time"] > after]
 
 
+async def _three_pair_rounds_under(swarm, pair, since: float, attack_step, pause: float, what: str) -> None:
+    """Repeat `attack_step()` every `pause` seconds until each of `pair` completed three more rounds
+    of two after `since` (60 s at most, `what` naming the wait); the attack stops either way."""
+    async def attack() -> None:
+        while True:
+            await attack_step()
+            await asyncio.sleep(pause)
+
+    attacking = asyncio.create_task(attack())
+    try:
+        await swarm.until(lambda: min(len([e for e in _honest_rounds(p, since) if e["group_size"] == 2])
+                                      for p in pair) >= 3, 60, what)
+    finally:
+        attacking.cancel()
+        await asyncio.gather(attacking, return_exceptions=True)
+
+
 @pytest.mark.timeout(120)
 def test_point1_takeover_by_a_claimed_round_does_not_replace_the_stage(inprocess) -> None:
     """A stranger announces and registers the stage's applied rounds + 1 every round, and serves a
@@ -179,22 +196,16 @@ def test_point1_takeover_by_a_claimed_round_does_not_replace_the_stage(inprocess
             attack_started = max(e["time"] for e in a.events("round"))
 
             async def attack() -> None:
-                while True:
-                    last = a.events("round")[-1]
-                    claim = last["applied_rounds"] + 1
-                    await forger.announce(0, applied_rounds=claim, digest=evil.digest, round_no=last["round"] + 1)
-                    await forger.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim,
-                                          digest=evil.digest, weight=1e9)
-                    await asyncio.sleep(0.05)
+                last = a.events("round")[-1]
+                claim = last["applied_rounds"] + 1
+                await forger.announce(0, applied_rounds=claim, digest=evil.digest, round_no=last["round"] + 1)
+                await forger.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim,
+                                      digest=evil.digest, weight=1e9)
 
-            attacking = asyncio.create_task(attack())
             try:
-                await swarm.until(lambda: min(len([e for e in _honest_rounds(p, attack_started)
-                                                   if e["group_size"] == 2]) for p in (a, b)) >= 3, 60,
-                                  "three more complete rounds of the honest pair under attack")
+                await _three_pair_rounds_under(swarm, (a, b), attack_started, attack, 0.05,
+                                               "three more complete rounds of the honest pair under attack")
             finally:
-                attacking.cancel()
-                await asyncio.gather(attacking, return_exceptions=True)
                 await forger.close()
             assert asyncio.get_running_loop().time() - start < 60
             for p in (a, b):
@@ -226,25 +237,17 @@ def test_sybil_ids_forging_records_registrations_and_votes_change_nothing(inproc
             attack_started = max(e["time"] for e in a.events("round"))
 
             async def flood() -> None:
-                while True:
-                    last = a.events("round")[-1]
-                    claim = last["applied_rounds"] + 1
-                    await sybils.announce(0, applied_rounds=claim, digest="5" * 24, round_no=2 ** 30)
-                    await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim,
-                                          digest="5" * 24, weight=1e9, ids=sybils.ids[:10])
-                    # and at the honest position: ten registrants of a digest of their own against two
-                    await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim - 1,
-                                          digest="6" * 24, weight=1e9, ids=sybils.ids[10:])
-                    await asyncio.sleep(0.1)
+                last = a.events("round")[-1]
+                claim = last["applied_rounds"] + 1
+                await sybils.announce(0, applied_rounds=claim, digest="5" * 24, round_no=2 ** 30)
+                await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim,
+                                      digest="5" * 24, weight=1e9, ids=sybils.ids[:10])
+                # and at the honest position: ten registrants of a digest of their own against two
+                await sybils.register(0, range(last["round"] + 1, last["round"] + 4), applied_rounds=claim - 1,
+                                      digest="6" * 24, weight=1e9, ids=sybils.ids[10:])
 
-            flooding = asyncio.create_task(flood())
-            try:
-                await swarm.until(lambda: min(len([e for e in _honest_rounds(p, attack_started)
-                                                   if e["group_size"] == 2]) for p in (a, b)) >= 3, 60,
-                                  "three more complete rounds of the honest pair among twenty forged ids")
-            finally:
-                flooding.cancel()
-                await asyncio.gather(flooding, return_exceptions=True)
+            await _three_pair_rounds_under(swarm, (a, b), attack_started, flood, 0.1,
+                                           "three more complete rounds of the honest pair among twenty forged ids")
             per_round = m.inner.microbatch_size * m.inner.microbatches_per_step * 2 * 2  # H=2 steps, two drivers
             for p in (a, b):
                 assert not p.events("resynced")
