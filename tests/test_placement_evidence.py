@@ -4,6 +4,8 @@ away. Pure functions and the daemon's Rebalancer over a scripted view, no networ
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 from types import SimpleNamespace
 
 from swarmgrad.peer.averaging.group import group_hash
@@ -83,7 +85,9 @@ def test_a_forged_top_throughput_does_not_plan_a_stages_one_real_replica_away() 
     view = {0: [rec("a", 0), rec("b", 0)], 1: [rec("real", 1), rec("forged", 1, rate=1e6)]}
     snap, decision = decide(ScriptedSwarm(view, {0: completed("a", "b")}), "real", 1, 2)
     assert decision is None
-    assert snap.capacities == (2.0, 2.0)  # the claim bounded by the largest proven rate (1.0)
+    # the claim bounded by the largest proven rate (1.0), and the stage's unproven records (the lone
+    # real replica's and the claim) together by one such replica
+    assert snap.capacities == (2.0, 1.0)
     assert snap.move_plan(ROUND) == {}
 
 
@@ -143,6 +147,48 @@ def test_bound_claims_caps_unproven_rates_by_the_largest_proven_one() -> None:
     assert [r.rate for r in b.stages[0]] == [2.0, 2.0] and [r.rate for r in b.stages[1]] == [1.0]
     unproven = Snapshot(((SnapshotReplica("f", ONLINE, 50.0, proven=False),),), (1.0,))
     assert bound_claims(unproven) == unproven  # nothing shown: nothing to bound by
+
+
+def test_bound_claims_per_stage_keeps_a_flood_of_records_to_one_top_replica() -> None:
+    """Per record, n forged records add n top replicas to a stage; per stage, they share one."""
+    flood = tuple(SnapshotReplica(f"f{i}", ONLINE, 50.0, proven=False) for i in range(10))
+    s = Snapshot(((SnapshotReplica("a", ONLINE, 2.0), SnapshotReplica("b", ONLINE, 1.0)) + flood,
+                  (SnapshotReplica("c", ONLINE, 1.0), SnapshotReplica("j", JOINING, 0.5, proven=False))), (1.0, 1.0))
+    assert bound_claims(s).capacities == (3.0 + 10 * 2.0, 1.5)
+    per_stage = bound_claims(s, stage_share=0.0)
+    assert per_stage.capacities == pytest.approx((3.0 + 2.0, 1.5))  # a joiner below the bound is untouched
+    assert all(r.rate == pytest.approx(0.2) for r in per_stage.stages[0][2:])  # scaled alike
+    assert bound_claims(s, stage_share=1.0).capacities == pytest.approx((3.0 + 3.0, 1.5))  # or k x proven
+
+
+def test_forged_records_beside_a_served_stage_do_not_plan_its_replicas_away() -> None:
+    """Issue 43's "where peers move": stage 1 has two proven replicas and ten fresh ids claiming a
+    huge rate beside them. Bounded per record, stage 1 looks six times better served than stage 0
+    and the rebalancer's plan sends one of its real replicas to stage 0; bounded per stage (the
+    daemon's ``snapshot_from_view``) it looks a replica better served, and nobody moves."""
+    view = {0: [rec("a", 0), rec("b", 0)], 1: [rec("c", 1), rec("d", 1)] + [rec(f"f{i}", 1, rate=1e6) for i in range(10)]}
+    swarm = ScriptedSwarm(view, {0: completed("a", "b"), 1: completed("c", "d")})
+    costs = [SimpleNamespace(cost=1.0, memory_bytes=0, state_bytes=0)] * 2
+    work = WorkSeen()
+    asyncio.run(R.read_work(swarm, work, 2, ROUND))
+    snap = R.snapshot_from_view(view, costs, work, ROUND)
+    assert snap.capacities == pytest.approx((2.0, 3.0))
+    assert snap.move_plan(salt=0) == {}
+    per_record = bound_claims(Snapshot.from_records(view, costs, proven=work.proven(ROUND)))
+    assert per_record.capacities == pytest.approx((2.0, 12.0))
+    assert set(per_record.move_plan(salt=0)) <= {"c", "d"} and per_record.move_plan(salt=0)
+
+
+def test_a_forged_record_is_never_planned_to_fill_an_empty_stage() -> None:
+    """A plan naming a fresh id's record as the mover moves nobody: forged records rated at the
+    bound, beside a served stage, would win the fill of an empty stage on paper for some salts, and
+    that stage would stay empty. Only proven replicas are candidates (``Snapshot.candidates``)."""
+    served = tuple(SnapshotReplica(p, ONLINE, 1.0) for p in ("a", "b", "c"))
+    forged = tuple(SnapshotReplica(f"f{i}", ONLINE, 1e6, proven=False) for i in range(5))
+    snap = bound_claims(Snapshot((served + forged, ()), (1.0, 1.0)), stage_share=0.0)
+    for salt in range(50):
+        assert set(snap.fill_plan(salt)) <= {"a", "b", "c"} and snap.fill_plan(salt)
+        assert set(snap.move_plan(salt)) <= {"a", "b", "c"}
 
 
 def test_a_newcomer_is_not_steered_away_by_a_forged_throughput() -> None:

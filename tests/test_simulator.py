@@ -226,6 +226,40 @@ def test_bad_pinned_settings_are_refused() -> None:
         simulate(small(pinned_share=0.1, pinned_stage=99))
 
 
+def test_bad_claims_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="claims must be"):
+        small(claims="believe")
+    with pytest.raises(ValueError, match="forged_records"):
+        small(forged_records=-1)
+
+
+def test_evidence_rules_mark_newcomers_unproven_until_a_round_boundary() -> None:
+    """--claims record/stage: before the first boundary every record counts (nothing proven yet);
+    after it, a peer proven is one that served through a boundary, and forged records never are."""
+    sim = Simulation(small(claims="stage", forged_records=3, forged_stage=1), stage_costs(sim_manifest()))
+    sim.run()
+    snap = sim._snapshot()
+    forged = [r for r in snap.stages[1] if r.peer_id.startswith("forged")]
+    assert len(forged) == 3 and not any(r.proven for r in forged)
+    proven = [r for reps in snap.stages for r in reps if r.proven]
+    assert proven and all(sim.peers[r.peer_id].since // sim.cfg.round_s < sim.now // sim.cfg.round_s for r in proven)
+    top = max(r.rate * snap.costs[s] for s, reps in enumerate(snap.stages) for r in reps if r.proven)
+    assert sum(r.rate for r in forged) * snap.costs[1] <= top * (1 + 1e-9)  # together one top replica
+    sim = Simulation(small(claims="stage"), stage_costs(sim_manifest()))
+    assert all(r.proven for reps in sim._snapshot().stages for r in reps)  # t = 0: nothing proven yet
+
+
+def test_forged_records_cost_far_less_bounded_per_stage_than_per_record() -> None:
+    """The attack the per-stage bound is for (docs/trust.md, "Placement capacity"): ten fresh ids
+    claiming a huge rate under one stage of a small swarm, played by the daemon's rules."""
+    def ratio(claims: str, forged: int) -> float:
+        return simulate(SimConfig(peers=80, hours=3.0, seed=0, claims=claims, forged_records=forged,
+                                  forged_stage=2)).throughput_ratio
+    per_record, per_stage = ratio("record", 10), ratio("stage", 10)
+    assert per_record < 0.5 * ratio("record", 0)  # the rebalancer plans the stage's replicas away
+    assert per_stage > 3 * per_record
+
+
 def test_the_benchmark_pairs_variants_seed_by_seed_and_says_when_the_seeds_cannot_tell() -> None:
     from benchmarks import simulate as bench
     d, se = bench.paired([0.970, 0.965, 0.975], [0.972, 0.966, 0.978])
@@ -257,7 +291,8 @@ def test_the_cli_refuses_bad_values_in_one_line(capsys) -> None:
             main(["simulate", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
     for flags, says in ((["--pinned-share", "0.5", "--pinned-stage", "9"], "pinned_stage 9 is outside 0..7"),
-                        (["--hours", "0"], "hours > 0")):
+                        (["--hours", "0"], "hours > 0"),
+                        (["--forged-records", "3", "--forged-stage", "9"], "forged_stage 9 is outside 0..7")):
         assert main(["simulate", "--peers", "20", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("swarmgrad simulate: error: ") and says in err and "Traceback" not in err

@@ -68,7 +68,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swarmgrad.peer.sim.report import run_cli
     return run_cli(peers=args.peers, hours=args.hours, seed=args.seed, policy=args.policy, as_json=args.json,
                    plot=args.plot, link_mbit=args.link_mbit, hosted_link_mbit=args.hosted_link_mbit,
-                   pinned_share=args.pinned_share, pinned_stage=args.pinned_stage)
+                   pinned_share=args.pinned_share, pinned_stage=args.pinned_stage, claims=args.claims,
+                   claims_stage_share=args.claims_stage_share, forged_records=args.forged_records,
+                   forged_stage=args.forged_stage)
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
@@ -223,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of peers that never move (--stage N, NAT clients): what pinning costs")
     m.add_argument("--pinned-stage", type=nonneg_int, default=None, metavar="N",
                    help="the stage pinned peers serve (default: a newcomer's choice on arrival; 0: NAT clients)")
+    m.add_argument("--claims", choices=("trusted", "record", "stage"), default="trusted",
+                   help="how placement counts records: as they come, the daemon's bound per record, or also "
+                        "per stage (docs/trust.md, \"Placement capacity\")")
+    m.add_argument("--claims-stage-share", type=nonneg_float, default=0.0, metavar="K",
+                   help="with --claims stage: unproven records of a stage count together for at most "
+                        "max(one top replica, K x its proven capacity); the daemon's is 0")
+    m.add_argument("--forged-records", type=nonneg_int, default=0, metavar="N",
+                   help="an attack: N fresh ids with ONLINE records claiming 100x the fastest rate")
+    m.add_argument("--forged-stage", type=nonneg_int, default=0, metavar="S", help="the stage they write under")
     m.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     m.add_argument("--plot", default=None, metavar="PNG", help="write throughput and optimum over time here")
     m.set_defaults(fn=cmd_simulate)

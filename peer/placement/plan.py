@@ -165,10 +165,15 @@ class Snapshot:
         return optimum(work, self.costs, mem, self.memory_need, fixed=fixed)
 
     def candidates(self, stage: int, target: int) -> list[SnapshotReplica]:
-        """ONLINE, not moving, not pinned, memory fits ``target``; sorted by peer id."""
+        """ONLINE, not moving, not pinned, proven, memory fits ``target``; sorted by peer id.
+
+        Proven: a plan that names an unproven record (a fresh id's claim) as the mover moves
+        nobody, and it takes the stage's one mover slot and the target's repair: forged records
+        rated at the bound would be chosen to fill an empty stage on paper, and it would stay
+        empty. So a real replica moves only after its first completed round there."""
         need = self.need(target)
         return sorted((r for r in self.stages[stage]
-                       if r.state == ONLINE and not r.moving and not r.pinned and fits(r.memory, need)),
+                       if r.state == ONLINE and not r.moving and not r.pinned and r.proven and fits(r.memory, need)),
                       key=lambda r: r.peer_id)
 
     def _best(self, scored: list[tuple[float, SnapshotReplica]], base: float, salt: int, target: int) -> SnapshotReplica | None:

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, Confirmation, EmptyStageChecks, MoveDecision,
                                       PeerFigures, PlacementPolicy, check_interval, estimate_rates, expected_tenure,
                                       should_move)
-from swarmgrad.peer.placement.evidence import (StageService, WorkSeen, bound_claims, completed_voters, evidenced)
+from swarmgrad.peer.placement.evidence import (UNPROVEN_STAGE_SHARE, StageService, WorkSeen, bound_claims, completed_voters,
+                                               evidenced)
 from swarmgrad.peer.placement.plan import LIVE, Snapshot
 from swarmgrad.peer.placement.cost import StageCost
 from swarmgrad.peer.decisions import majority_digest
@@ -56,7 +57,7 @@ def snapshot_from_view(view: dict[int, list[PeerRecord]], costs: Sequence[StageC
     snap = Snapshot.from_records(view, costs, memory={r.peer_id: r.memory for rs in view.values() for r in rs},
                                  moving={r.peer_id for rs in view.values() for r in rs if r.moving},
                                  current=current_rounds(view), proven=proven)
-    return snap if proven is None else bound_claims(snap)
+    return snap if proven is None else bound_claims(snap, UNPROVEN_STAGE_SHARE)
 
 
 async def read_work(swarm: SwarmView, work: WorkSeen, n_stages: int, round_no: int) -> None:

@@ -112,6 +112,21 @@ class SimConfig:
     if it applied each round's averaged update as a listening member of the stage's group
     (docs/placement.md, "not built"). Measures what such holders would be worth."""
 
+    claims: str = "trusted"
+    """How placement counts the records it reads (docs/trust.md, "Placement capacity"): "trusted",
+    every record as it comes (placement before evidence); "record", the daemon's rule: a replica is
+    proven once it served through a round boundary in a stage of two or more (its first completed
+    round), and an unproven record's rate counts at most as the top proven one (``bound_claims``);
+    "stage", that and the unproven records of a stage together at most ``claims_stage_share``
+    × its proven capacity or one top replica, whichever is larger. Before the first boundary every
+    record counts (nothing has been proven yet, as ``WorkSeen.seen_any``)."""
+    claims_stage_share: float = 0.0
+    forged_records: int = 0
+    """Forged ONLINE records (fresh ids serving nothing) under ``forged_stage``, in every view."""
+    forged_stage: int = 0
+    forged_claim: float = 100.0
+    """What each forged record claims: this many times the fastest device's rate on that stage."""
+
     def link_law(self, device: Device) -> tuple[float, float]:
         """(median, cap) in Mbit/s of the links `device`'s peers draw (log-normal, ``bandwidth_sigma``)."""
         if device.hosted and self.hosted_bandwidth_median_mbit:
@@ -131,6 +146,10 @@ class SimConfig:
             raise ValueError("SimConfig.backup_link_share must be in (0, 1]")
         if not 0 <= self.pinned_share <= 1:
             raise ValueError("SimConfig.pinned_share must be in [0, 1]")
+        if self.claims not in ("trusted", "record", "stage"):
+            raise ValueError(f"SimConfig.claims must be 'trusted', 'record' or 'stage' (got {self.claims!r})")
+        if self.forged_records < 0 or self.claims_stage_share < 0:
+            raise ValueError("SimConfig.forged_records and claims_stage_share must be >= 0")
 
 
 @dataclass

@@ -50,13 +50,16 @@ def format_line(r: SimResult) -> str:
 
 def run_cli(peers: int, hours: float, seed: int, policy: str, as_json: bool, plot: str | None,
             link_mbit: float, hosted_link_mbit: float, pinned_share: float = 0.0,
-            pinned_stage: int | None = None) -> int:
+            pinned_stage: int | None = None, claims: str = "trusted", claims_stage_share: float = 0.0,
+            forged_records: int = 0, forged_stage: int = 0) -> int:
     """`swarmgrad simulate`: one run; the last line (or the JSON) carries throughput_ratio and
     moves_per_peer_hour."""
     try:  # what only the configuration can check (hours > 0, a stage that exists) is one line, not a traceback
         sim = Simulation(SimConfig(peers=peers, hours=hours, seed=seed, policy=policy, bandwidth_median_mbit=link_mbit,
                                    hosted_bandwidth_median_mbit=hosted_link_mbit, pinned_share=pinned_share,
-                                   pinned_stage=pinned_stage), stage_costs(sim_manifest()))
+                                   pinned_stage=pinned_stage, claims=claims, claims_stage_share=claims_stage_share,
+                                   forged_records=forged_records, forged_stage=forged_stage),
+                         stage_costs(sim_manifest()))
     except ValueError as e:
         print(f"swarmgrad simulate: error: {e}", file=sys.stderr)
         return 2

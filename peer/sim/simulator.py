@@ -63,6 +63,7 @@ from swarmgrad.peer.placement.rules import (EMPTY_CHECK_SHARE, NO_MARGIN, SWARM_
                                       PeerFigures, PlacementPolicy, check_interval, choose_stage_for_newcomer,
                                       expected_tenure, should_move, switch_time)
 from swarmgrad.peer.placement.optimum import fits, fluid_bound
+from swarmgrad.peer.placement.evidence import bound_claims
 from swarmgrad.peer.placement.plan import JOINING, LEAVING, ONLINE, SnapshotReplica, Snapshot
 from swarmgrad.peer.decisions import next_push_at
 from swarmgrad.peer.sim.config import DEVICES, SimConfig, SimResult, sim_manifest
@@ -71,7 +72,7 @@ from swarmgrad.peer.placement.cost import StageCost, stage_costs
 
 class _Peer:
     __slots__ = ("id", "speed", "bench", "memory", "bandwidth", "joined", "stage", "target", "phase", "token", "conf",
-                 "copies", "pinned", "empties")
+                 "copies", "pinned", "empties", "since")
 
     def __init__(self, pid: str, speed: float, bench: float, memory: int, bandwidth: float, joined: float,
                  confirmations: int, pinned: bool = False) -> None:
@@ -82,6 +83,8 @@ class _Peer:
         self.empties = EmptyStageChecks()
         """When its next check comes soon, as the daemon's rebalancer decides it."""
         self.stage = self.target = -1
+        self.since = 0.0
+        """When it began serving its current stage (its first completed round there proves it)."""
         self.phase = "join"  # join (first fetch) | online | fetch (move download) | warm (move warm-up)
         self.token = 0
         self.conf = Confirmation(confirmations)
@@ -99,6 +102,8 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         if cfg.pinned_stage is not None and not 0 <= cfg.pinned_stage < len(costs):
             raise ValueError(f"SimConfig.pinned_stage {cfg.pinned_stage} is outside 0..{len(costs) - 1}")
+        if cfg.forged_records and not 0 <= cfg.forged_stage < len(costs):
+            raise ValueError(f"SimConfig.forged_stage {cfg.forged_stage} is outside 0..{len(costs) - 1}")
         self.c = tuple(sc.cost for sc in costs)
         self.flops = tuple(sc.flops_per_sample for sc in costs)
         self.need = tuple(sc.memory_bytes for sc in costs)
@@ -181,6 +186,7 @@ class Simulation:
             self._push(self.now + check_interval(self.cfg.check_s, self.rng), "check", p.id)
         if online:
             p.phase = "online"
+            p.since = self.now
         else:
             self.joins += 1
             ready = switch_time(self.state_bytes[stage], p.bandwidth, self.cfg.warmup_s)
@@ -192,22 +198,49 @@ class Simulation:
         stages: list[list[SnapshotReplica]] = [[] for _ in self.c]
         gauss, noise = self.rng.gauss, self.cfg.noise
         self.measured = {}
+        proven = self._proven()
         for p in self.peers.values():
             if p.phase == "join":
                 stages[p.stage].append(SnapshotReplica(p.id, JOINING, p.bench / self.flops[p.stage], p.memory,
-                                               pinned=p.pinned))
+                                               pinned=p.pinned, proven=proven is None))
                 continue
             if p.phase == "warm":
-                stages[p.target].append(SnapshotReplica(p.id, JOINING, p.bench / self.flops[p.target], p.memory))
+                stages[p.target].append(SnapshotReplica(p.id, JOINING, p.bench / self.flops[p.target], p.memory,
+                                                        proven=proven is None))
                 continue
             rate = p.speed / self.flops[p.stage] * math.exp(gauss(0.0, noise))
             self.measured[p.id] = rate
+            shown = proven is None or p.id in proven
             if p.phase == "online":
-                stages[p.stage].append(SnapshotReplica(p.id, ONLINE, rate, p.memory, fresh=self._fresh(p), pinned=p.pinned))
+                stages[p.stage].append(SnapshotReplica(p.id, ONLINE, rate, p.memory, fresh=self._fresh(p), pinned=p.pinned,
+                                                       proven=shown))
             else:  # fetch: still serving its stage, announced as moving, JOINING on the target
-                stages[p.stage].append(SnapshotReplica(p.id, LEAVING, rate, p.memory, moving=True))
-                stages[p.target].append(SnapshotReplica(p.id, JOINING, rate * self.c[p.stage] / self.c[p.target], p.memory))
-        return Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
+                stages[p.stage].append(SnapshotReplica(p.id, LEAVING, rate, p.memory, moving=True, proven=shown))
+                stages[p.target].append(SnapshotReplica(p.id, JOINING, rate * self.c[p.stage] / self.c[p.target], p.memory,
+                                                        proven=proven is None))
+        if self.cfg.forged_records:
+            claim = self.cfg.forged_claim * max(d.tflops for d in DEVICES) * 1e12 * self.cfg.mfu
+            stages[self.cfg.forged_stage].extend(
+                SnapshotReplica(f"forged{i:04d}", ONLINE, claim / self.flops[self.cfg.forged_stage], 0,
+                                proven=proven is None) for i in range(self.cfg.forged_records))
+        snap = Snapshot(tuple(tuple(s) for s in stages), self.c, self.need, self.state_bytes)
+        if proven is None:
+            return snap
+        return bound_claims(snap, self.cfg.claims_stage_share if self.cfg.claims == "stage" else None)
+
+    def _proven(self) -> set[str] | None:
+        """Who placement counts as proven (``SimConfig.claims``): a peer that has served its stage
+        through a round boundary (its first completed round), in a stage of two or more serving
+        (a lone replica never votes). None: every record counts ("trusted", or no boundary yet)."""
+        if self.cfg.claims == "trusted" or self.now < self.cfg.round_s:
+            return None
+        serving: dict[int, list[_Peer]] = {}
+        for p in self.peers.values():
+            if p.phase in ("online", "fetch"):
+                serving.setdefault(p.stage, []).append(p)
+        now_round = self._round()
+        return {p.id for peers in serving.values() if len(peers) >= 2 for p in peers
+                if int(p.since // self.cfg.round_s) < now_round}
 
     def _round(self) -> int:
         return int(self.now // self.cfg.round_s)
@@ -321,12 +354,14 @@ class Simulation:
     def _ready(self, p: _Peer) -> None:
         if p.phase == "join":
             p.phase = "online"
+            p.since = self.now
         elif p.phase == "fetch":
             p.phase = "warm"
             p.token += 1
             self._push(self.now + self.cfg.warmup_s, "ready", p.id, p.token)
         elif p.phase == "warm":
             p.phase, p.stage, p.target = "online", p.target, -1
+            p.since = self.now
             p.conf.reset()
 
     def _leave(self, pid: str) -> None:
