@@ -4,6 +4,9 @@ reader's SwarmView (docs/trust.md, "Anchors: voices the owner vouches for")."""
 from __future__ import annotations
 
 import random
+import re
+import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -122,3 +125,101 @@ def test_a_record_carries_its_voucher_and_the_reader_marks_it(inprocess) -> None
 
     records = inprocess(main)
     assert [(r.peer_id, r.vouched) for r in records] == sorted([(PEER, True), (OTHER, False)])
+
+
+# ------------------------------------------------------------------------------ the command line
+def _owner_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    from swarmgrad.peer.cli.launcher import small_manifest
+    from swarmgrad.peer.manifest import dumps
+    from swarmgrad.peer.net.identity import write_key_file
+    manifest, owner, peer = tmp_path / "run.toml", tmp_path / "owner.key", tmp_path / "peer.key"
+    manifest.write_text(dumps(small_manifest(run_id="anchored")))
+    write_key_file(owner, OWNER)
+    write_key_file(peer, peer_keys(1, "voucher-peers")[0])
+    return manifest, owner, peer
+
+
+def test_vouch_writes_a_voucher_that_the_owners_run_accepts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from swarmgrad.peer.cli import main
+    from swarmgrad.peer.cli.public import sign_own_run
+    manifest, owner, peer = _owner_files(tmp_path)
+    out = tmp_path / "peer.voucher"
+    assert main.main(["vouch", "--owner-key", str(owner), "--identity", str(peer), "--manifest", str(manifest),
+                      "--days", "2", "--out", str(out)]) == 0
+    assert "anchor of run anchored@" in capsys.readouterr().out
+    run = sign_own_run(str(manifest), str(owner)).manifest  # what the owner's peers train with
+    v = check_voucher(voucher_from_text(out.read_text()), run.run_id, PEER, time.time(), run.hash)
+    assert v.manifest_hash == run.hash and 1.9 * 86400 < v.expires_at - time.time() <= 2 * 86400
+    # by name: any manifest of the run
+    assert main.main(["vouch", "--owner-key", str(owner), "--peer-id", OTHER, "--run", "anchored", "--out", str(out)]) == 0
+    assert check_voucher(voucher_from_text(out.read_text()), run.run_id, OTHER, time.time(), "ff" * 32)
+
+
+def test_vouchs_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from swarmgrad.peer.cli import main
+    manifest, owner, peer = _owner_files(tmp_path)
+    out = str(tmp_path / "v")
+    for argv, why in (([f"--run=anchored@{fingerprint(STRANGER)}", "--peer-id", PEER], "owner key has fingerprint"),
+                      (["--run", "anchored", "--peer-id", "12D3KooWnope"], "not an Ed25519 peer id"),
+                      (["--run", "anchored", "--identity", str(tmp_path / "missing")], "--identity"),
+                      (["--run", "a b", "--peer-id", PEER], "--run"),
+                      (["--run", "anchored", "--peer-id", PEER, "--days", "0"], "--days")):
+        assert main.main(["vouch", "--owner-key", str(owner), "--out", out, *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], (argv, err)
+
+
+def test_a_peer_with_a_voucher_that_does_not_hold_stops_with_one_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    import signal
+    from types import SimpleNamespace
+
+    from swarmgrad.peer.cli import main
+    from swarmgrad.peer.cli.peer import _anchor_options
+    from swarmgrad.peer.cli.public import sign_own_run
+    manifest, owner, peer = _owner_files(tmp_path)
+    run = sign_own_run(str(manifest), str(owner)).manifest
+    files = {}
+    for name, blob in (("good", sign_voucher(OWNER, run.run_id, PEER, time.time() + 60, run.hash)),
+                       ("other-peer", sign_voucher(OWNER, run.run_id, OTHER, time.time() + 60)),
+                       ("expired", sign_voucher(OWNER, run.run_id, PEER, time.time() - 1))):
+        files[name] = tmp_path / name
+        files[name].write_text(voucher_text(blob))
+    files["garbage"] = tmp_path / "garbage"
+    files["garbage"].write_text("not a voucher")
+    key = peer_keys(1, "voucher-peers")[0]
+
+    def options(voucher: Path | None = None, owner_key: Path | None = None) -> dict | str:
+        return _anchor_options(SimpleNamespace(voucher=voucher and str(voucher), owner_key=owner_key and str(owner_key)),
+                               run, key)
+
+    assert options(files["good"]) == {"voucher": voucher_from_text(files["good"].read_text())}
+    assert "owner_key" in options(owner_key=owner)  # type: ignore[operator]
+    assert options() == {}
+    for name, why in (("other-peer", "for peer .* --identity FILE"), ("expired", "expired"),
+                      ("garbage", "not a voucher file"), ("missing", "No such file")):
+        line = options(tmp_path / name)
+        assert isinstance(line, str) and "\n" not in line and re.search(why, line), (name, line)
+    # end to end: a manifest of no public run (no --owner-key) has no owner to vouch
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main.main(["peer", "--manifest", str(manifest), "--voucher", str(files["good"])]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a public run" in err[0], err
+    assert main.main(["peer", "--manifest", str(manifest), "--owner-key", str(owner), "--voucher", "v"]) == 2
+    assert "leave --voucher out" in capsys.readouterr().err
+
+
+def test_a_peer_refuses_a_voucher_that_is_not_its_own() -> None:
+    from swarmgrad.peer.cli.launcher import small_manifest
+    from swarmgrad.peer.node.peer import PeerOptions, own_voucher
+    from swarmgrad.peer.public.signed_manifest import public_manifest
+    m = public_manifest(small_manifest(run_id="anchored"), fingerprint(OWNER))
+    with pytest.raises(VoucherRefused, match="for peer"):
+        own_voucher(PeerOptions(voucher=sign_voucher(OWNER, m.run_id, OTHER, time.time() + 60)), m, PEER)
+    with pytest.raises(ValueError, match="not the owner key"):
+        own_voucher(PeerOptions(owner_key=STRANGER), m, PEER)
+    assert own_voucher(PeerOptions(owner_key=OWNER), m, PEER) is not None
+    assert own_voucher(PeerOptions(), m, PEER) is None
