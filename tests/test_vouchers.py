@@ -70,6 +70,22 @@ def test_a_voucher_is_refused_with_a_reason(case: str, reason: str) -> None:
         check_voucher(blob, run, peer, NOW, manifest)
 
 
+def test_any_bytes_are_a_voucher_or_a_refusal() -> None:
+    rng = random.Random(7)
+    good = sign_voucher(OWNER, RUN, PEER, NOW + 60)
+    samples = [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))) for _ in range(300)]
+    samples += [good[:n] + bytes([good[n] ^ 0x55]) + good[n + 1:] for n in range(0, len(good), 7)]
+    samples.append(bytearray(good))  # type: ignore[arg-type]
+    samples += [msgpack.packb(v) for v in ([1, {(1, 2): 3}, b"x" * 64], [1, msgpack.packb([1] * 5), b"s" * 64],
+                                          [1, msgpack.packb(["a", "b", "c", "d", float("nan")]), b"s" * 64])]
+    for blob in samples:
+        try:
+            check_voucher(blob, RUN, PEER, NOW)
+        except VoucherRefused:
+            continue
+        assert blob == good
+
+
 def test_only_the_owner_key_signs_vouchers_of_its_run() -> None:
     with pytest.raises(ValueError, match="not the owner key"):
         sign_voucher(STRANGER, RUN, PEER, NOW + 60)

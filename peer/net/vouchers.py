@@ -108,7 +108,7 @@ def read_voucher(blob: object) -> tuple[Voucher, bytes, bytes]:
         parts = msgpack.unpackb(blob, raw=False)
         fields = msgpack.unpackb(parts[1], raw=False) if isinstance(parts, list) and len(parts) == 3 \
             and isinstance(parts[1], bytes) else None
-    except (ValueError, msgpack.UnpackException):
+    except (ValueError, TypeError, msgpack.UnpackException):  # TypeError: e.g. a map with list keys
         raise VoucherRefused("not a voucher (not msgpack)") from None
     if fields is None or parts[0] != VERSION or not isinstance(parts[2], bytes) or len(parts[2]) != 64:
         raise VoucherRefused(f"not a voucher of version {VERSION}")
