@@ -298,6 +298,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
             publisher = Publisher(RunDirectory(dht, manifest.timeouts.dht), published)
             print(f"  public run {published.run_id}: others join with `swarmgrad peer --run {published.run_id} "
                   "--initial-peers ADDRESS`, ADDRESS one of the above", flush=True)
+        if options.voucher or options.owner_key is not None:
+            print(f"  anchor of run {manifest.run_id}: its records carry the owner's voucher"
+                  f"{' (renewed as it runs)' if options.voucher == b'' else _voucher_until(options.voucher)}", flush=True)
         admission = checkpoints = None
         resume_round = 0
         if private is not None:
@@ -345,6 +348,11 @@ def _anchor_options(args: argparse.Namespace, manifest, key) -> dict[str, Any] |
         from swarmgrad.peer.net.identity import load_key
         return {"owner_key": load_key(Path(args.owner_key))}  # sign_own_run loaded it already
     return {}
+
+
+def _voucher_until(blob: bytes) -> str:
+    from swarmgrad.peer.net.vouchers import read_voucher
+    return f" until {time.strftime('%Y-%m-%d %H:%M', time.gmtime(read_voucher(blob)[0].expires_at))} UTC"
 
 
 def _public_flags_conflict(args: argparse.Namespace) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -58,6 +59,8 @@ VERIFY_BUDGET = 32
 """New vouchers one read verifies at most (about 0.5 ms each, measured on a loaded 2-core machine:
 16 ms per read at most); the rest wait for the next read."""
 _MAX_FIELD_CHARS = 128
+
+logger = logging.getLogger(__name__)
 
 
 class VoucherRefused(ValueError):
@@ -173,13 +176,25 @@ class OwnVoucher:
         self._key = owner_key
         self._run, self._peer, self._manifest, self.lifetime = run_id, peer_id, manifest_hash, lifetime
         self._expires = read_voucher(blob)[0].expires_at if blob is not None else 0.0
+        self._said_expired = False
+
+    @property
+    def expires_at(self) -> float:
+        """When the voucher last announced stops counting (0: none signed yet)."""
+        return self._expires
 
     def current(self, now: float) -> bytes:
         """The voucher to announce at `now` (b"" once a given one expired: the record then has none)."""
         if self._key is not None and self._expires - now < self.lifetime / 2:
             self._expires = now + self.lifetime
             self._blob = sign_voucher(self._key, self._run, self._peer, self._expires, self._manifest)
-        return self._blob if self._blob is not None and self._expires > now else b""
+        if self._blob is not None and self._expires > now:
+            return self._blob
+        if not self._said_expired:
+            self._said_expired = True
+            logger.warning("this peer's voucher expired: it is no longer an anchor of the run (ask the owner for a "
+                           "new one: swarmgrad vouch)")
+        return b""
 
 
 class VoucherBook:
