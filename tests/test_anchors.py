@@ -210,8 +210,9 @@ async def _repeat(step, pause: float) -> None:  # type: ignore[no-untyped-def]
 def test_a_flood_before_the_first_round_leaves_an_anchored_stage_as_it_is(inprocess) -> None:
     """With one anchor (the owner's peer) in the stage, twenty voiceless ids at its position are no
     group and no donor: the stage trains on its own digests, the second peer joins the anchor's
-    state and averages with nobody else. Without the anchor (`_flood_before_the_first_round(False)`)
-    the same flood is the stage's group and its state is the sybils'. (Whether the second peer, an
+    state and averages with nobody else. Without the anchor (`_flood_before_the_first_round(False)`,
+    run by hand) the second peer joins from the sybils' state, and the first one's rounds wait for
+    the sybils' group. (Whether the second peer, an
     unvouched volunteer, averages with the anchor in every round is the flood rule's race,
     matchmaking.waited_for: under a flood the anchor waits only for the voiced.)"""
     seen = inprocess(_flood_before_the_first_round(anchored=True), timeout=110)
