@@ -139,8 +139,14 @@ def test_a_hostile_replica_of_a_pair_cannot_hand_its_state_over_an_anchor() -> N
     stage[-1] = anchor(rec("owner", applied=4, digest="old"))
     assert decisions.resync_donors(stage, "me", 5, ("me", "hostile"), stale=False,
                                    evidence=ev.among(stage)) == ["hostile"]
-    # and a newcomer's donors are no longer a tie of the pair
     stage[-1] = anchor(rec("owner", applied=5, digest="d"))
+    # the hostile one registers the round after ours: with one voice each, its claim of one round more wins
+    regs = {"me": reg("d", 5), "hostile": reg("evil", 6)}
+    g = choose_group(regs, ev.among(pair), me="me")
+    assert g is not None and g.members == ("hostile",)  # today: we are stale, and re-sync from its group
+    g = choose_group({**regs, "owner": reg("d", 5)}, ev.among(stage), me="me")
+    assert g is not None and g.members == ("me", "owner") and g.digest == "d"
+    # and a newcomer's donors are no longer a tie of the pair
     assert decisions.join_donors(pair, "new") == []
     assert decisions.join_donors(stage, "new", NO_EVIDENCE.among(stage)) == ["me", "owner"]
 
