@@ -154,9 +154,18 @@ def resync_donors(records: Sequence[PeerRecord], self_id: str, own_applied: int,
     *their* voices announces (peer/evidence.py: earned voices, credible claims only; ties decide
     nothing). Our own voice is not among them: a replica that failed a round knows it is the one
     behind, so in a stage of two the member that applied the round is followed. One replica
-    claiming a large applied_rounds, or any number of ids that did no work, hand us nothing."""
+    claiming a large applied_rounds, or any number of ids that did no work, hand us nothing.
+
+    Where the stage has an anchor other than us at our position or past it (`Evidence.anchors`: a
+    peer the run's owner vouches for, ONLINE here), only anchors are followed: the owner's peer
+    that did not apply the round says it was not applied, as far as the owner trusts anyone. So in
+    a stage of two replicas and an anchor, the one admitted id that claims the round we failed
+    hands us nothing (docs/trust.md, "Anchors"). An anchor behind us says nothing of this round."""
     newer = [r for r in records if r.peer_id != self_id and r.state == ONLINE and (
         r.applied_rounds > own_applied or (stale and r.peer_id in group))]
+    if any(r.peer_id in evidence.anchors and r.peer_id != self_id and r.state == ONLINE
+           and r.applied_rounds >= own_applied for r in records):
+        newer = [r for r in newer if r.peer_id in evidence.anchors]
     q = quorum(newer, evidence)
     return list(q.holders) if q is not None else []
 

@@ -23,7 +23,9 @@ The API, kept small for the other subsystems that count evidence:
   any, else 0), `corroborated_round` (the applied-round count of the newest state this replica
   applied or verified; -1 for none), `anchored` (it has any), `credible(applied_rounds, peer_id)`
   (a claim is believed up to `corroborated_round`, one round more (MAX_LEAD) only from a peer
-  with a voice, never further; a newcomer believes anything and relies on majorities).
+  with a voice, never further; a newcomer believes anything and relies on majorities),
+  `anchors` and `among(records)` (peers the run's owner vouches for, with a voice from the start
+  where their ONLINE record is: docs/trust.md, "Anchors").
 - `quorum(records, evidence, ...)`: the digest a strict majority of voices announces (a tie, or
   no majority, decides nothing: None), with the records that back it and the round they are in.
 - `voiced_majority(values, evidence)`: the same rule over any per-peer claim (the run's epoch).
@@ -34,12 +36,14 @@ A replica with no evidence at all (a newcomer) has nobody to weigh: it counts id
 by strict majority (ties refuse, and it asks again). An honest swarm is then what it reads; a
 swarm of forged ids outnumbering the honest replicas can give a newcomer its state, but never
 the replicas that hold evidence, which do not group with it (docs/trust.md, "State to adopt").
+In a public run whose owner anchors the stage (a vouched record there), the newcomer counts the
+anchors' voices instead of ids, and so does a stage before its first averaged round.
 Pure: no I/O, imports only `records`.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence, TypeVar
 
 from swarmgrad.peer.records import ONLINE, PeerRecord
@@ -62,6 +66,11 @@ class Evidence:
     """peer id -> completed voted rounds (within the window) it took part in."""
     corroborated_round: int = -1
     """Applied rounds of the newest state this replica applied or verified (-1: none yet)."""
+    anchors: frozenset[str] = frozenset()
+    """Peers the run's owner vouches for (peer/net/vouchers.py) whose ONLINE record is among the
+    records this snapshot was taken with (`among`): each has a voice from the start, before any
+    round was averaged, for a newcomer too. Only where their record is: a stage without one
+    decides as without anchors."""
 
     @property
     def anchored(self) -> bool:
@@ -71,14 +80,14 @@ class Evidence:
     @property
     def voiced(self) -> bool:
         """Anyone has a voice here (else decisions count ids: the newcomer's rule)."""
-        return any(n > 0 for n in self.rounds.values())
+        return bool(self.anchors) or any(n > 0 for n in self.rounds.values())
 
     def earned(self, peer_id: str) -> int:
         return int(self.rounds.get(peer_id, 0))
 
     def voice(self, peer_id: str) -> int:
-        """1 for a peer that earned its voice, 0 for one that did no work we saw."""
-        return 1 if self.earned(peer_id) > 0 else 0
+        """1 for a peer that earned its voice or is an anchor, 0 for one that did no work we saw."""
+        return 1 if self.earned(peer_id) > 0 or peer_id in self.anchors else 0
 
     def credible(self, applied_rounds: int, peer_id: str | None = None) -> bool:
         """Is a claimed applied-round count believed? Anything, by a replica with no position of
@@ -91,6 +100,13 @@ class Evidence:
     def weight(self, peer_id: str) -> int:
         """A peer's weight in a majority: its voice, or 1 per id when nobody has one yet."""
         return self.voice(peer_id) if self.voiced else 1
+
+    def among(self, records: Iterable[PeerRecord]) -> "Evidence":
+        """This evidence with the anchors of `records` (a stage's, as just read): the ONLINE ones
+        whose reader found their owner's voucher valid (`PeerRecord.vouched`). Replaces the anchors
+        it had: an anchor counts only while its record is there."""
+        anchors = frozenset(r.peer_id for r in records if r.vouched and r.state == ONLINE)
+        return self if anchors == self.anchors else replace(self, anchors=anchors)
 
 
 NO_EVIDENCE = Evidence(stage=-1)

@@ -46,6 +46,11 @@ class PeerRecord:
     backups: tuple[tuple[int, int], ...] = ()
     """(stage, applied_rounds) of the backups this peer holds (peer/state/backup.py): placement prefers
     a holder of a stage's current state to repair it (it joins without a download)."""
+    voucher: bytes = b""
+    """The run owner's voucher for this peer (peer/net/vouchers.py; public runs only; b"": none)."""
+    vouched: bool = False
+    """The reader checked `voucher` and it holds: this peer is an anchor (peer/evidence.py). Set by
+    the reader (net/dht_view.py SwarmView), never read from the wire."""
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
@@ -54,6 +59,9 @@ class PeerRecord:
         value["backups"] = [list(pair) for pair in self.backups]
         if value["stats"] is None:
             del value["stats"]
+        del value["vouched"]
+        if not self.voucher:  # records without one are as they were
+            del value["voucher"]
         return value
 
     @classmethod
@@ -69,7 +77,7 @@ class PeerRecord:
         return cls(peer_id=peer_id, stage=f["stage"], state=f["state"], throughput=f["throughput"], round=f["round"],
                    applied_rounds=f["applied_rounds"], digest=f["digest"], manifest_hash=f["manifest_hash"],
                    driver=f["driver"], maddrs=tuple(f["maddrs"]), memory=f["memory"], moving=f["moving"],
-                   pinned=f["pinned"], stats=f["stats"], backups=f["backups"])
+                   pinned=f["pinned"], stats=f["stats"], backups=f["backups"], voucher=f["voucher"])
 
 
 def stage_key(run_id: str, stage: int) -> str:

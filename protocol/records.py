@@ -28,6 +28,8 @@ MAX_MEMORY = 1 << 50
 MAX_BACKUPS = 16
 """(stage, applied_rounds) pairs one record may list: a holder keeps one copy per stage, and a
 record is read by every peer's placement, so it stays small whatever the writer claims."""
+MAX_VOUCHER_BYTES = 512
+"""A record's optional `voucher` (peer/net/vouchers.py, which checks what it says)."""
 
 
 def _fail(what: str, reason: str) -> ProtocolError:
@@ -93,7 +95,7 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
     stage: int in [0, max_stage]; state: str of at most MAX_STATE_CHARS; throughput: finite, in
     [0, max_throughput]; round, applied_rounds: int in [0, MAX_ROUND]; digest, manifest_hash:
     str of at most MAX_ID_CHARS; driver: bool; maddrs (optional): a list of at most MAX_MADDRS
-    str of at most MAX_MADDR_CHARS each; stats (optional): see _stats; backups (optional): see _backups. Returns a new dict with exactly these keys; raises
+    str of at most MAX_MADDR_CHARS each; stats (optional): see _stats; backups (optional): see _backups; voucher (optional): see _voucher. Returns a new dict with exactly these keys; raises
     ProtocolError(BAD_REQUEST) naming the first bad field. Whether `state` is a known state and
     the manifest hash ours stay the caller's checks.
     """
@@ -120,7 +122,16 @@ def bounded_record_fields(value: Any, *, max_throughput: float = MAX_THROUGHPUT,
         "pinned": _bool(value.get("pinned", False), "record pinned"),
         "stats": _stats(value.get("stats")),
         "backups": _backups(value.get("backups", ()), max_stage),
+        "voucher": _voucher(value.get("voucher", b"")),
     }
+
+
+def _voucher(value: Any) -> bytes:
+    """A record's optional `voucher`: bytes, at most MAX_VOUCHER_BYTES (whether it holds is the
+    reader's check, peer/net/vouchers.py)."""
+    if not isinstance(value, bytes) or len(value) > MAX_VOUCHER_BYTES:
+        raise _fail("record voucher", f"must be bytes, at most {MAX_VOUCHER_BYTES}")
+    return value
 
 
 def _backups(value: Any, max_stage: int) -> tuple[tuple[int, int], ...]:

@@ -313,7 +313,7 @@ RECORD = dict(stage=1, state="online", throughput=3.5, round=4, applied_rounds=3
 
 def test_record_fields() -> None:
     assert bounded_record_fields(RECORD) == {**RECORD, "memory": 0, "moving": False, "pinned": False, "stats": None,
-                                             "backups": ()}  # defaults
+                                             "backups": (), "voucher": b""}  # defaults
     stats = bounded_record_fields({**RECORD, "stats": {"train_loss": 2.5, "samples": 10, "from_the_future": 1}})
     assert stats["stats"]["train_loss"] == 2.5 and "from_the_future" not in stats["stats"]
     for bad in ({"train_loss": math.nan}, {"samples": -1}, {"bytes_sent": 1e300}, "lots", {str(i): 0 for i in range(40)}):
@@ -327,7 +327,8 @@ def test_record_fields() -> None:
                            ({"maddrs": ["x" * 300]}, "maddr"), ({"maddrs": "abc"}, "maddrs"),
                            ({"digest": "d" * 500}, "digest"), ({"driver": 1}, "driver"), ({"state": ""}, "state"),
                            ({"memory": -1}, "memory"), ({"memory": 2**60}, "memory"), ({"moving": "no"}, "moving"),
-                           ({"pinned": 1}, "pinned")]:
+                           ({"pinned": 1}, "pinned"), ({"voucher": "text"}, "voucher"),
+                           ({"voucher": b"v" * 513}, "voucher")]:
         assert needle in refused(bounded_record_fields, {**RECORD, **change}).reason, change
     assert refused(bounded_record_fields, ["not", "a", "dict"]).status == pb.BAD_REQUEST
 

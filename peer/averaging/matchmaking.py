@@ -46,7 +46,8 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     make the others wait out their patience. `evidence`: this replica's (peer/evidence.py): the
     group is chosen by it, and once anyone has a voice matchmaking waits for the voiced replicas,
     and for the others unless they are a flood (`waited_for`: forged ONLINE records must not make
-    every round wait out its patience)."""
+    every round wait out its patience). The anchors among the stage's records (peers the run's
+    owner vouches for: `Evidence.among`) have a voice here from the start."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
@@ -63,6 +64,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             knock.clear()  # before the read: a request that arrives during it wakes the wait below
             regs, records = await asyncio.gather(board.round_registrations(stage, round_no), board.stage_records(stage))
             regs.setdefault(me, registration)
+            evidence = evidence.among(records)  # the run owner's anchors where their record is: a voice each
             alive = waited_for(records, evidence)
             if alive <= set(regs) or time.monotonic() > deadline:
                 break

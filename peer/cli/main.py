@@ -14,7 +14,7 @@ from swarmgrad.peer.cli.args import (address_arg, duration_arg, fraction_arg, me
 from swarmgrad.peer.cli.peer import BOOTSTRAP_WAIT_S, cmd_peer, cmd_relay
 from swarmgrad.peer.cli.export import cmd_generate
 from swarmgrad.peer.cli.private import cmd_coordinator, cmd_export, cmd_invite, cmd_keygen, cmd_revoke
-from swarmgrad.peer.cli.public import cmd_runs
+from swarmgrad.peer.cli.public import VOUCHER_DAYS, cmd_runs, cmd_vouch
 from swarmgrad.peer.cli.swarm_access import add_initial_peer_flags
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "defaults" / "tiny-llama.toml"
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--owner-key", default=None, metavar="KEY",
                    help="start (or rejoin) the public run of --manifest as its owner: the manifest is signed with "
                         "this key from `swarmgrad keygen`, and the run is NAME@FINGERPRINT")
+    p.add_argument("--voucher", default=None, metavar="FILE",
+                   help="the run owner's voucher for this peer (from `swarmgrad vouch`; give --identity, the key it "
+                        "names): this peer is an anchor of the public run, with a voice from the start")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where --run caches verified manifests and tokenizer files (default $SWARMGRAD_CACHE/runs, "
                         "~/.cache/swarmgrad/runs)")
@@ -241,6 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="create an Ed25519 key (a coordinator's, or a stable peer identity)")
     k.add_argument("--out", required=True, metavar="KEY")
     k.set_defaults(fn=cmd_keygen)
+
+    v = sub.add_parser("vouch", help="vouch for a peer of your public run with its owner key: an anchor, with a "
+                                     "voice from the start (docs/public-runs.md)")
+    v.add_argument("--owner-key", required=True, metavar="KEY", help="the run's owner key (`swarmgrad keygen`)")
+    who = v.add_mutually_exclusive_group(required=True)
+    who.add_argument("--peer-id", default=None, metavar="ID", help="the peer id to vouch for")
+    who.add_argument("--identity", default=None, metavar="FILE", help="the peer's key file (`swarmgrad peer --identity`)")
+    run = v.add_mutually_exclusive_group(required=True)
+    run.add_argument("--run", default=None, metavar="NAME[@FINGERPRINT]", help="the run (any manifest of it)")
+    run.add_argument("--manifest", default=None, metavar="PATH", help="the run's manifest (this manifest only)")
+    v.add_argument("--days", type=float, default=VOUCHER_DAYS, metavar="N",
+                   help=f"how long the voucher holds (default {VOUCHER_DAYS:g})")
+    v.add_argument("--out", required=True, metavar="FILE", help="where to write the voucher")
+    v.set_defaults(fn=cmd_vouch)
 
     i = sub.add_parser("invite", help="print a single-use invitation to a private run")
     i.add_argument("--key", required=True, metavar="KEY", help="the coordinator's key")

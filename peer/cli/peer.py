@@ -106,7 +106,8 @@ def _start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarmgrad.peer.cli.public import PublicRunError, fetch_run, missing_data, public_run_warnings, sign_own_run
+    from swarmgrad.peer.cli.public import (PublicRunError, fetch_run, missing_data, public_run_warnings,
+                                           read_own_voucher, sign_own_run)
     from swarmgrad.peer.cli.swarm_access import SwarmUnreachable, initial_peers as resolve_initial_peers
     from swarmgrad.peer.manifest import ManifestError, load
     from swarmgrad.peer.net.reachability import plan as network_plan
@@ -263,6 +264,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
             from swarmgrad.peer.net.identity import load_or_create
             key = load_or_create(Path(args.identity)) if args.identity else Ed25519PrivateKey.generate()
+        anchor = _anchor_options(args, manifest, key)
+        if isinstance(anchor, str):
+            print(anchor, file=sys.stderr)
+            return 2
+        options = dataclasses.replace(options, **anchor)
         dht = start_dht(initial_peers, args.host_maddrs, args.announce_maddrs, args.identity,
                          manifest.timeouts.state_download, key=key,
                          authorizer=private.authorizer() if private else None, network=network.dht_kwargs,
@@ -292,6 +298,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
             publisher = Publisher(RunDirectory(dht, manifest.timeouts.dht), published)
             print(f"  public run {published.run_id}: others join with `swarmgrad peer --run {published.run_id} "
                   "--initial-peers ADDRESS`, ADDRESS one of the above", flush=True)
+        if options.voucher or options.owner_key is not None:
+            print(f"  anchor of run {manifest.run_id}: its records carry the owner's voucher"
+                  f"{' (renewed as it runs)' if options.voucher == b'' else _voucher_until(options.voucher)}", flush=True)
         admission = checkpoints = None
         resume_round = 0
         if private is not None:
@@ -325,11 +334,34 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return code
 
 
+def _anchor_options(args: argparse.Namespace, manifest, key) -> dict[str, Any] | str:  # type: ignore[no-untyped-def]
+    """PeerOptions fields that make this peer an anchor of its public run (`--voucher FILE`, or
+    `--owner-key`: it vouches for itself), or the one-line error of a voucher that does not hold."""
+    from swarmgrad.peer.cli.public import PublicRunError, read_own_voucher
+    from swarmgrad.peer.net.identity import peer_id_of
+    if getattr(args, "voucher", None):
+        try:
+            return {"voucher": read_own_voucher(args.voucher, manifest, peer_id_of(key))}
+        except PublicRunError as e:
+            return f"--voucher {args.voucher}: {e}"
+    if args.owner_key:
+        from swarmgrad.peer.net.identity import load_key
+        return {"owner_key": load_key(Path(args.owner_key))}  # sign_own_run loaded it already
+    return {}
+
+
+def _voucher_until(blob: bytes) -> str:
+    from swarmgrad.peer.net.vouchers import read_voucher
+    return f" until {time.strftime('%Y-%m-%d %H:%M', time.gmtime(read_voucher(blob)[0].expires_at))} UTC"
+
+
 def _public_flags_conflict(args: argparse.Namespace) -> str | None:
     """The one-line usage error of a contradictory choice of run (private, public by name, own), or None."""
     private = args.join or args.coordinator
-    if private and (args.run or args.owner_key):
-        return "--run and --owner-key are for public runs; a private run (--join, --coordinator) has a coordinator"
+    if private and (args.run or args.owner_key or getattr(args, "voucher", None)):
+        return "--run, --owner-key and --voucher are for public runs; a private run (--join, --coordinator) has a coordinator"
+    if getattr(args, "voucher", None) and args.owner_key:
+        return "--owner-key makes the peer vouch for itself: leave --voucher out"
     if args.run and args.manifest:
         return "--run fetches the run's signed manifest: leave --manifest out (or give --manifest alone)"
     if args.owner_key and not args.manifest:

@@ -155,3 +155,89 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     return run_swarm_command("runs", lambda: list_runs(peers, args.json, args.timeout), peers)
+
+
+VOUCHER_DAYS = 30.0
+"""How long a voucher from `swarmgrad vouch` holds by default (`--days`)."""
+
+
+def cmd_vouch(args: argparse.Namespace) -> int:
+    """`swarmgrad vouch`: the owner's voucher for a peer id of its public run, written to `--out`
+    (docs/public-runs.md, "Anchors"). The run is `--run NAME[@FINGERPRINT]` (any manifest of it) or
+    `--manifest PATH` (its manifest only); the peer is `--peer-id ID` or the key file `--identity`."""
+    import sys
+    import time
+
+    from swarmgrad.peer.manifest import ManifestError, load
+    from swarmgrad.peer.net.identity import IdentityError, fingerprint, is_peer_id, load_key, peer_id_of
+    from swarmgrad.peer.net.vouchers import sign_voucher, voucher_text
+    from swarmgrad.peer.public.run_name import parse
+    from swarmgrad.peer.public.signed_manifest import public_manifest
+    try:
+        owner = load_key(Path(args.owner_key))
+    except IdentityError as e:
+        print(f"--owner-key {e}", file=sys.stderr)
+        return 2
+    owner_fp = fingerprint(owner)
+    if args.identity:
+        try:
+            peer_id = peer_id_of(load_key(Path(args.identity)))
+        except IdentityError as e:
+            print(f"--identity {e}", file=sys.stderr)
+            return 2
+    else:
+        peer_id = args.peer_id
+        if not is_peer_id(peer_id):
+            print(f"--peer-id {peer_id[:60]!r} is not an Ed25519 peer id (as `swarmgrad peer` prints it)", file=sys.stderr)
+            return 2
+    manifest_hash = ""
+    if args.manifest:
+        try:
+            manifest = public_manifest(load(args.manifest), owner_fp)
+        except ManifestError as e:
+            print(e, file=sys.stderr)
+            return 2
+        run_id, manifest_hash = manifest.run_id, manifest.hash
+    else:
+        try:
+            name = parse(args.run)
+        except ValueError as e:
+            print(f"--run {e}", file=sys.stderr)
+            return 2
+        if name.fingerprint is not None and name.fingerprint != owner_fp:
+            print(f"--run {args.run}: the run's owner key has fingerprint {name.fingerprint}; --owner-key's is "
+                  f"{owner_fp}", file=sys.stderr)
+            return 2
+        run_id = f"{name.name}@{owner_fp}"
+    if not args.days > 0:
+        print(f"--days must be > 0 (got {args.days})", file=sys.stderr)
+        return 2
+    expires = time.time() + args.days * 86400.0
+    blob = sign_voucher(owner, run_id, peer_id, expires, manifest_hash)
+    try:
+        Path(args.out).write_text(voucher_text(blob))
+    except OSError as e:
+        print(f"--out {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    until = time.strftime("%Y-%m-%d %H:%M", time.gmtime(expires))
+    print(f"wrote {args.out}: peer {peer_id} is an anchor of run {run_id}"
+          f"{' (manifest ' + manifest_hash[:12] + ')' if manifest_hash else ''} until {until} UTC; "
+          f"it runs with `swarmgrad peer --run {run_id} --identity ITS_KEY --voucher {args.out}`")
+    return 0
+
+
+def read_own_voucher(path: str, manifest, peer_id: str) -> bytes:  # type: ignore[no-untyped-def]
+    """The voucher in file `path`, checked for this peer of this run now (`swarmgrad peer --voucher`).
+    Raises PublicRunError saying why in one line."""
+    import time
+
+    from swarmgrad.peer.net.vouchers import VoucherRefused, check_voucher, voucher_from_text
+    try:
+        blob = voucher_from_text(Path(path).read_text(errors="replace"))
+        check_voucher(blob, manifest.run_id, peer_id, time.time(), manifest.hash)
+    except OSError as e:
+        raise PublicRunError(e.strerror or str(e)) from None
+    except VoucherRefused as e:
+        hint = " (run with --identity FILE, the key it was made for)" if "for peer" in str(e) else ""
+        raise PublicRunError(f"{e}{hint}") from None
+    return blob

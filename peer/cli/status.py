@@ -50,7 +50,8 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
     placement = _placement(manifest, swarm) if manifest is not None else None
     if as_json:
         print(json.dumps({"run_id": run_id, "time": time.time(), "stages": {
-            str(s): [r.__dict__ | {"maddrs": list(r.maddrs)} for r in recs] for s, recs in swarm.items()},
+            str(s): [{k: v for k, v in r.__dict__.items() if k != "voucher"} | {"maddrs": list(r.maddrs)}
+                     for r in recs] for s, recs in swarm.items()},
             "data": data, **(placement or {})}, indent=1))
         return 0
     hashes = sorted({r.manifest_hash for recs in swarm.values() for r in recs})
@@ -65,7 +66,7 @@ def print_status(initial_peers: list[str], run_id: str | None, manifest_path: st
         print(f"stage {stage}: {len(recs)} replica(s), capacity {capacity:.1f} samples/s{mark}")
         for r in recs:
             print(f"  {r.peer_id}  {r.state:8s}{' moving' if r.moving else ' pinned' if r.pinned else '       '} "
-                  f"{'driver ' if r.driver else '       '}{r.throughput:8.1f} samples/s  "
+                  f"{'driver ' if r.driver else '       '}{'anchor ' if r.vouched else ''}{r.throughput:8.1f} samples/s  "
                   f"{r.memory / 2**30:6.1f} GiB  round {r.round:4d}  applied {r.applied_rounds:4d}  θ {r.digest[:10]}")
             if (evaluation := eval_line(r.stats)) is not None:
                 print(f"      {evaluation}")

@@ -24,6 +24,7 @@ when the network fails it; any other exception is a bug and propagates.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from typing import Any, Callable, Iterable
@@ -34,6 +35,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.peer.net.errors import SwarmUnavailable, dht_call
 from swarmgrad.peer.net.identity import is_peer_id
 from swarmgrad.peer.net.record_signing import MAX_CLOCK_SKEW, MAX_RECORD_TTL
+from swarmgrad.peer.net.vouchers import OwnVoucher, VoucherBook, run_fingerprint
 from swarmgrad.peer.records import PeerRecord, round_key, stage_key
 from swarmgrad.protocol.framing import ProtocolError
 from swarmgrad.protocol.records import validate_registration
@@ -81,6 +83,12 @@ class SwarmView:
         """Private runs: Admission.admitted(peer id, stage); stage records and round registrations
         of peers it refuses (revoked, expired, or certified for another stage) are ignored, so
         nobody routes to or averages with them."""
+        self.vouchers: VoucherBook | None = VoucherBook(run_id, manifest_hash) if run_fingerprint(run_id) else None
+        """Public runs: the vouchers of the records read, checked against the run's owner key (the
+        fingerprint in the run id; peer/net/vouchers.py); a record whose voucher holds is read as
+        `vouched` (an anchor, peer/evidence.py). Private runs have none (admission decides)."""
+        self.own_voucher: OwnVoucher | None = None
+        """The voucher announced with our own records (`swarmgrad peer --voucher`, `--owner-key`)."""
 
     @property
     def peer_id(self) -> str:
@@ -112,6 +120,8 @@ class SwarmView:
         return signed_entries(await self._get(key), ttl, key)
 
     async def announce(self, record: PeerRecord) -> bool:
+        if self.own_voucher is not None and record.peer_id == self.peer_id:
+            record = dataclasses.replace(record, voucher=self.own_voucher.current(get_dht_time()))
         return await self._store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), self.ttl)
 
     async def stage_records(self, stage: int) -> list[PeerRecord]:
@@ -126,7 +136,14 @@ class SwarmView:
                 logger.debug("ignored the record of %s under stage %d: not admitted", peer_id[-8:], stage)
             elif not self.manifest_hash or record.manifest_hash == self.manifest_hash:
                 records.append(record)
-        return sorted(records, key=lambda r: r.peer_id)
+        return sorted(self._mark_vouched(records), key=lambda r: r.peer_id)
+
+    def _mark_vouched(self, records: list[PeerRecord]) -> list[PeerRecord]:
+        """`records`, those whose voucher holds marked `vouched` (none in a private run)."""
+        if self.vouchers is None or not any(r.voucher for r in records):
+            return records
+        vouched = self.vouchers.vouched([(r.peer_id, r.voucher) for r in records], get_dht_time())
+        return [dataclasses.replace(r, vouched=True) if r.peer_id in vouched else r for r in records]
 
     async def swarm(self) -> dict[int, list[PeerRecord]]:
         results = await asyncio.gather(*(self.stage_records(s) for s in range(self.n_stages)))
@@ -143,7 +160,8 @@ class SwarmView:
         return out
 
     async def epoch(self, origin: float | None = None) -> float:
-        """The run's time origin (`agreed_epoch` over the signed entries). If nobody has set one,
+        """The run's time origin (`agreed_epoch` over the signed entries; in a public run where any
+        anchor, a peer the owner vouches for, wrote one, over the anchors' entries only). If nobody has set one,
         we write `origin` (default: now) and read back, so peers that start together agree. A
         swarm resuming from round R passes now − R·round_seconds, so its wall clock goes on at
         round R instead of making the restored replicas wait R rounds for a fresh clock."""
@@ -152,10 +170,17 @@ class SwarmView:
             now = float(get_dht_time())
             await self.refresh_epoch(now if origin is None or not 0 < origin <= now else float(origin))
             epochs = await self.epochs()
+        anchors = await self._anchors() if self.vouchers is not None and epochs else set()
+        if anchors & set(epochs):  # the owner's word over any number of ids (docs/trust.md, "Epoch")
+            epochs = {p: e for p, e in epochs.items() if p in anchors}
         found = agreed_epoch(epochs.values())
         if found is None:  # our write was stored nowhere, or its read found nothing
             raise SwarmUnavailable(f"{self._epoch_key}: could not read or set the run's epoch in the DHT")
         return found
+
+    async def _anchors(self) -> set[str]:
+        """The vouched peers with a record under any stage (peer/net/vouchers.py)."""
+        return {r.peer_id for records in (await self.swarm()).values() for r in records if r.vouched}
 
     @property
     def _epoch_key(self) -> str:

@@ -11,6 +11,8 @@ Pure functions over bytes and files; no network.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shutil
 import tempfile
@@ -57,6 +59,19 @@ def public_key_of(peer_id: str) -> Ed25519PublicKey:
     if base58.b58encode(raw).decode() != peer_id:  # one peer, one spelling
         raise ValueError("not a canonical peer id")
     return Ed25519PublicKey.from_public_bytes(raw[len(_PEER_ID_PREFIX):])
+
+
+FINGERPRINT_BYTES = 10
+"""A key's fingerprint is the first 80 bits of sha256(raw public key), in lowercase base32 (16
+characters): what a public run's id carries after '@' (peer/public/run_name.py says why)."""
+
+
+def fingerprint(key: Ed25519PrivateKey | Ed25519PublicKey | str) -> str:
+    """The fingerprint of an Ed25519 key, or of the key a peer id embeds (ValueError for another id)."""
+    if isinstance(key, str):
+        key = public_key_of(key)
+    digest = hashlib.sha256(raw_public_key(key)).digest()[:FINGERPRINT_BYTES]
+    return base64.b32encode(digest).decode().lower().rstrip("=")
 
 
 def is_peer_id(value: object) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine
 
@@ -42,6 +43,7 @@ from swarmgrad.peer.compute.precision import precision_name, resolve_compute_dty
 from swarmgrad.peer.placement.bench import device_memory, stage_rate, stage_rates
 from swarmgrad.peer.placement.cost import StageCost, stage_costs
 from swarmgrad.peer.net.dht_view import SwarmView
+from swarmgrad.peer.net.vouchers import OwnVoucher, check_voucher
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.validation import RunIdentity
 
@@ -111,6 +113,12 @@ class PeerOptions:
     unless a stage was given (a user who chose a stage keeps it, as Petals servers with explicit
     blocks do)."""
 
+    voucher: bytes = b""
+    """The run owner's voucher for this peer (`swarmgrad peer --voucher FILE`, peer/net/vouchers.py):
+    announced with its records, it makes this peer an anchor of a public run."""
+    owner_key: Any = None
+    """The run owner's Ed25519 key (`--owner-key`): this peer vouches for itself with it."""
+
     event_sink: EventSink | None = None
     """Sees every event as it is emitted, beside --events and the metrics (an embedding program or
     a test follows the peer live)."""
@@ -118,6 +126,21 @@ class PeerOptions:
     @property
     def rebalancing(self) -> bool:
         return self.rebalance == "on" or (self.rebalance == "auto" and self.stage is None)
+
+
+def own_voucher(options: PeerOptions, manifest: Manifest, peer_id: str) -> OwnVoucher | None:
+    """The voucher this peer announces (None: none). A given one must hold for this run, manifest
+    and peer id now: raises vouchers.VoucherRefused (the CLI checks it first and says so in one
+    line). With the owner key (public runs only) the peer signs its own, renewed as it runs."""
+    if options.voucher:
+        check_voucher(options.voucher, manifest.run_id, peer_id, time.time(), manifest.hash)
+        return OwnVoucher(options.voucher)
+    if options.owner_key is not None:
+        voucher = OwnVoucher(owner_key=options.owner_key, run_id=manifest.run_id, peer_id=peer_id,
+                             manifest_hash=manifest.hash)
+        voucher.current(time.time())  # signs now: a key that is not the run owner's fails here (ValueError)
+        return voucher
+    return None
 
 
 class Peer:
@@ -151,6 +174,7 @@ class Peer:
                                manifest.timeouts.announce_ttl)
         if admission is not None:
             self.swarm.admitted = admission.admitted
+        self.swarm.own_voucher = own_voucher(options, manifest, self.peer_id)
         self.max_message_bytes = int(manifest.pipeline.max_message_mb * 2**20)
         self.compute_dtype = precision_name(resolve_compute_dtype(manifest.model.dtype, options.device,
                                                                   options.compute_dtype))

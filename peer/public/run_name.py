@@ -14,16 +14,14 @@ see each other's records. Pure; no network.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from swarmgrad.peer.net.identity import public_key_of, raw_public_key
+from swarmgrad.peer.net.identity import FINGERPRINT_BYTES  # noqa: F401  (also read from here)
+from swarmgrad.peer.net.identity import fingerprint as identity_fingerprint
 
-FINGERPRINT_BYTES = 10
 FINGERPRINT_CHARS = 16
 """base32 of 10 bytes, unpadded."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a manifest's run_id (peer/manifest.py)
@@ -31,11 +29,9 @@ _FINGERPRINT = re.compile(rf"^[a-z2-7]{{{FINGERPRINT_CHARS}}}$")
 
 
 def fingerprint(key: Ed25519PrivateKey | Ed25519PublicKey | str) -> str:
-    """The fingerprint of an Ed25519 key, or of the key a peer id embeds."""
-    if isinstance(key, str):
-        key = public_key_of(key)
-    digest = hashlib.sha256(raw_public_key(key)).digest()[:FINGERPRINT_BYTES]
-    return base64.b32encode(digest).decode().lower().rstrip("=")
+    """The fingerprint of an Ed25519 key, or of the key a peer id embeds (identity.fingerprint:
+    net's vouchers check it too)."""
+    return identity_fingerprint(key)
 
 
 @dataclass(frozen=True)

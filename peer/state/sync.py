@@ -250,8 +250,9 @@ class StateSync:
             self._active.pop(peer, None)
 
     # fetching -----------------------------------------------------------------------------------
-    def evidence(self) -> Evidence:
-        return self.ledger.snapshot()
+    def evidence(self, records: Sequence[PeerRecord] = ()) -> Evidence:
+        """Our ledger's evidence, with the anchors among `records` (the stage's, as just read)."""
+        return self.ledger.snapshot().among(records)
 
     async def download(self, peers: Sequence[str], expected: Quorum) -> bool:
         """Download the state from `peers` (parts spread over the first two), adopt it if it is the
@@ -286,7 +287,7 @@ class StateSync:
         checkpoint_waits, donor_waits = CHECKPOINT_WAIT.waits(), DONOR_RETRY.waits()
         while True:
             records = await self.swarm.stage_records(self.stage)
-            found = quorum(records, self.evidence(), exclude=(self.peer_id,))
+            found = quorum(records, self.evidence(records), exclude=(self.peer_id,))
             donors = list(found.holders) if found is not None else []
             if not donors and any(r.state == ONLINE and r.digest for r in records if r.peer_id != self.peer_id):
                 # replicas are online but no digest has a strict majority (a tie, or a split):
@@ -357,7 +358,7 @@ class StateSync:
         out whether the state is stale."""
         with self._rereading:
             records = await self.swarm.stage_records(self.stage)
-            evidence = self.evidence()
+            evidence = self.evidence(records)
             if decisions.join_superseded(records, self.peer_id, self.state.applied_rounds, evidence):
                 return quorum(records, evidence, exclude=(self.peer_id,))
         return None
@@ -479,7 +480,7 @@ class StateSync:
             if records is None:
                 await asyncio.sleep(next(waits))
                 continue
-            evidence = self.evidence()
+            evidence = self.evidence(records)
             donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
                                              result.stale, evidence)
             found = quorum([r for r in records if r.peer_id in donors], evidence) if donors else None
