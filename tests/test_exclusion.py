@@ -4,13 +4,17 @@ DHT) with one member that votes "failed" every round or withholds its part."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from swarmgrad.peer.averaging import outcome
 from swarmgrad.peer.averaging.exclusion import (FORGIVE_ROUNDS, MAX_EXCLUSION_ROUNDS, Standing, after_round, blame,
                                                 excluded)
+from swarmgrad.protocol import wire_pb2 as pb
+from swarmgrad.protocol.framing import ProtocolError
 
+from support.until import until
 from test_averaging_inprocess import PEERS, deltas, group, manifest, run_all
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -110,4 +114,74 @@ def test_members_whose_exclusions_differ_do_not_blame_each_other() -> None:
         assert not results[0].complete and not results[1].complete
         assert PEERS[1] not in results[0].blamed and PEERS[0] not in results[1].blamed, \
             [(r.reason, r.blamed) for r in results]
+    asyncio.run(main())
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("learns_by", ["vote", "refusal"])
+def test_honest_members_blame_the_withholder_whichever_of_them_fails_first(learns_by: str) -> None:
+    """The race behind the flaky test above, made to happen: with a member W that withholds its
+    part, honest A's part fails first (B's reducer gave A's request up first, as under load) and A
+    blames W; B learns that the round failed from A, not from its own part: from A's failed vote,
+    or from the WRONG_ROUND refusal A's reducer answers once A gave the round up. On main, B then
+    blamed A (the vote) or nobody (the refusal): A and B excluded different members and their
+    next groups differed. B now witnesses its own part first (peer/averaging/witness.py), sees W's
+    contribution missing as A did, and blames W too; round 1 completes without W."""
+    async def main() -> None:
+        net, _, avgs = await group(3, manifest(robust=0))
+        a, b, w = avgs
+        honest = (a, b)
+
+        async def withhold(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(3600)
+        w._send_part = withhold  # type: ignore[method-assign]
+
+        def exchanged() -> bool:  # each honest member's part reached the other's reducer
+            return all({x.peer_id for x in honest} <= set(x.reducer.slot(0).contributions) for x in honest)
+
+        b_handler, a_handler = net.handlers[b.peer_id], net.handlers[a.peer_id]
+
+        async def b_gives_a_up_first(request: Any, caller: str) -> Any:
+            if request.round != 0 or caller != a.peer_id:
+                return await b_handler(request, caller)
+            waiting = asyncio.ensure_future(b_handler(request, caller))
+            await until(exchanged, "both honest parts delivered")
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            raise ProtocolError(pb.DEADLINE_EXCEEDED, "not every member's part arrived in time")
+        net.handlers[b.peer_id] = b_gives_a_up_first
+
+        refused = asyncio.Event()
+
+        async def a_answers_b(request: Any, caller: str) -> Any:
+            if request.round != 0 or caller != b.peer_id:
+                return await a_handler(request, caller)
+            try:
+                return await a_handler(request, caller)
+            except ProtocolError as e:
+                assert e.status == pb.WRONG_ROUND, e
+                if learns_by == "vote":  # the refusal is lost: B can only learn from A's vote
+                    await asyncio.sleep(3600)
+                refused.set()
+                raise
+        net.handlers[a.peer_id] = a_answers_b
+
+        if learns_by == "refusal":  # B reads the votes only once A's refusal reached it
+            view = b.swarm
+
+            class VotesAfterTheRefusal:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(view, name)
+
+                async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
+                    return await view.round_checks(stage, round_no) if refused.is_set() or round_no else {}
+            b.swarm = VotesAfterTheRefusal()  # type: ignore[assignment]
+
+        first = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=0)
+        assert not any(r.complete for r in first)
+        assert "DEADLINE_EXCEEDED" in first[0].reason, first[0].reason  # A's own part failed first
+        assert learns_by == "vote" or refused.is_set()
+        assert [r.blamed for r in first[:2]] == [(w.peer_id,), (w.peer_id,)], [(r.reason, r.blamed) for r in first]
+        second = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=1)
+        assert [r.complete for r in second[:2]] == [True, True], [r.reason for r in second]
     asyncio.run(main())
