@@ -11,6 +11,7 @@ import pytest
 from swarmgrad.peer.averaging import outcome
 from swarmgrad.peer.averaging.exclusion import (FORGIVE_ROUNDS, MAX_EXCLUSION_ROUNDS, Standing, after_round, blame,
                                                 excluded)
+from swarmgrad.peer.net.deadline import within
 from swarmgrad.protocol import wire_pb2 as pb
 from swarmgrad.protocol.framing import ProtocolError
 
@@ -55,6 +56,65 @@ def test_exclusion_grows_with_strikes_and_is_forgiven_by_completed_rounds() -> N
     for r in range(2, 2 + FORGIVE_ROUNDS):
         h = after_round(h, r, completed_with={"h", "me"})
     assert h == {}
+
+
+def test_only_a_member_of_our_round_giving_it_up_ends_our_exchange_for_it() -> None:
+    """witness.ended_by: when another member's failure, not one of our own parts, ended our
+    exchange (then we witness our own part before judging)."""
+    from swarmgrad.peer.averaging.witness import Abandoned, ended_by
+    from swarmgrad.peer.net.rpc import RPCFailed
+    members, me, h = ("a", "b", "me"), "me", "g"
+    ok, wrong_round = pb.AverageResponse(status=pb.OK), pb.AverageResponse(status=pb.WRONG_ROUND)
+    on_vote, after_part = Abandoned("a voted failed", ("a",), on_vote=True), Abandoned("another part failed")
+    assert ended_by(members, me, h, [ok, ok, ok], {}) is None  # completed: the votes decide
+    assert ended_by(members, me, h, [on_vote, ok, on_vote], {}) == {"a"}
+    assert ended_by(members, me, h, [Abandoned("another group", on_vote=True), ok, ok], {}) == frozenset()
+    # a reducer that gave our round up (it voted failed under our group's hash) refuses what waits on it
+    assert ended_by(members, me, h, [wrong_round, after_part, after_part], {"a": "g:failed"}) == {"a"}
+    # one in another round, or another group, or that did not say: a disagreement about the round
+    for votes in ({}, {"a": "other:failed"}, {"a": "g:0123"}):
+        assert ended_by(members, me, h, [wrong_round, after_part, after_part], votes) is None
+    # a part that failed of itself: judged at once, as before
+    for failure in (pb.AverageResponse(status=pb.DEADLINE_EXCEEDED), RPCFailed("unreachable"), asyncio.TimeoutError()):
+        assert ended_by(members, me, h, [failure, after_part, after_part], {"a": "g:failed"}) is None
+        assert ended_by(members, me, h, [wrong_round, failure, after_part], {"a": "g:failed"}) is None
+
+
+def test_witnessing_our_part_waits_for_the_contributions_and_our_parts_on_the_way() -> None:
+    """witness.witness ends once every member's contribution reached our part (or its member is
+    gone) and our parts on the way were answered, or at its deadline; never before."""
+    import time
+
+    from swarmgrad.peer.averaging.witness import witness
+
+    async def main() -> None:
+        members = ("a", "b", "me")
+        contributed, dead = {"me"}, set()
+
+        async def gone(missing):
+            return [p for p in missing if p in dead]
+
+        async def watch(calls, deadline=60.0):
+            return asyncio.ensure_future(witness(members, lambda: contributed, calls, time.monotonic() + deadline,
+                                                 gone, 1.0))
+        upload = asyncio.get_running_loop().create_future()
+        task = await watch([upload])
+        contributed.add("a")
+        await asyncio.sleep(0.3)
+        assert not task.done()  # b's contribution is missing
+        contributed.add("b")
+        await asyncio.sleep(0.3)
+        assert not task.done()  # our own part is still on its way to a reducer
+        upload.set_result(None)
+        await within(task, 1.0)
+        contributed.discard("b")
+        dead.add("b")
+        await within(await watch([]), 1.0)  # b is gone: its part will never come
+        dead.clear()
+        started = time.monotonic()
+        await within(await watch([], deadline=0.5), 2.0)
+        assert time.monotonic() - started >= 0.45  # the deadline ends a wait for a withheld part
+    asyncio.run(main())
 
 
 @pytest.mark.inprocess

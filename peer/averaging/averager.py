@@ -29,6 +29,8 @@ A round r of stage s, on every replica:
    stops waiting for its other parts, and every member watches the votes while its parts are on
    the way, so one member's failure ends the round for the group within a poll instead of after
    timeouts.allreduce, and no member applies a round another member failed (a split outcome).
+   A member that stopped because of another member's failure votes at once, but blames anyone
+   only once it has witnessed its own part (peer/averaging/witness.py).
 A round is complete only if every part came back with the full group as contributors and every
 member voted the same digest. Anything less is a failed round, logged as such: nobody applies a
 partial mean. A member that vanished fails the round for the others after at most `patience` +

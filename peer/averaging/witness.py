@@ -88,7 +88,8 @@ async def witness(members: Sequence[str], contributed: Callable[[], Collection[s
     cancelled here (their owner does that)."""
     listing = BestEffort("listing connections while witnessing our own part", logger)
     for delay in poll_intervals(WITNESS_POLL_SECONDS):
-        missing = [p for p in members if p not in set(contributed())]
+        have = set(contributed())
+        missing = [p for p in members if p not in have]
         left: Collection[str] = ()
         if missing:
             with listing:  # the daemon did not answer: the deadline still ends the wait
