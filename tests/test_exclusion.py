@@ -245,3 +245,53 @@ def test_honest_members_blame_the_withholder_whichever_of_them_fails_first(learn
         second = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=1)
         assert [r.complete for r in second[:2]] == [True, True], [r.reason for r in second]
     asyncio.run(main())
+
+
+@pytest.mark.inprocess
+def test_a_failed_vote_cast_while_honest_parts_are_on_the_way_blames_the_voter(monkeypatch) -> None:
+    """A member L votes failed as the exchange starts, while honest A's part is still on its way
+    to B (a slow link). A and B abandon their exchange on L's vote and witness their own parts:
+    A's part to B must still arrive meanwhile, or B would find it missing and blame A. Both blame
+    L, which sent its parts and failed the round anyway."""
+    real_agree = outcome.agree
+
+    async def main() -> None:
+        net, stage, avgs = await group(3, manifest(robust=0))
+        a, b, liar = avgs
+
+        async def agree(board, stage_no, round_no, members, group_hash, me, digest, *args, **kwargs):
+            if me == liar.peer_id:  # its failed vote is already posted
+                return outcome.Outcome(False, "voted failed on purpose")
+            return await real_agree(board, stage_no, round_no, members, group_hash, me, digest, *args, **kwargs)
+        monkeypatch.setattr(outcome, "agree", agree)
+
+        async def vote_failed_early() -> None:
+            slot = liar.reducer.slot(0)
+            await slot.ready.wait()
+            assert slot.group is not None
+            await liar.swarm.post_check(1, 0, liar.peer_id, outcome.vote(slot.group.hash, None))
+
+        b_handler = net.handlers[b.peer_id]
+
+        async def slow_link_from_a(request: Any, caller: str) -> Any:
+            if caller == a.peer_id and request.round == 0:  # A's part arrives once A gave the round up
+                await until(lambda: a.peer_id in votes, "A voted", timeout=10.0)
+            return await b_handler(request, caller)
+        votes: dict[str, str] = {}
+
+        async def track_votes() -> None:
+            while True:
+                votes.update({p: v for p, v in (await stage.votes(0)).items() if v.endswith(":failed")})
+                await asyncio.sleep(0.01)
+        net.handlers[b.peer_id] = slow_link_from_a
+        early, tracking = asyncio.ensure_future(vote_failed_early()), asyncio.ensure_future(track_votes())
+        try:
+            first = await run_all(avgs, [deltas(i) for i in range(3)], [1.0, 1.0, 1.0], round_no=0)
+        finally:
+            tracking.cancel()
+            await asyncio.gather(early, tracking, return_exceptions=True)
+        assert not any(r.complete for r in first)
+        assert a.peer_id in b.reducer.slot(0).contributions, "A's part still reached B"
+        assert [r.blamed for r in first[:2]] == [(liar.peer_id,), (liar.peer_id,)], \
+            [(r.reason, r.blamed) for r in first]
+    asyncio.run(main())
