@@ -305,6 +305,10 @@ class Averager:
                 vote_started = time.monotonic()
                 result, voted = await self._vote(round_no, group, result)
                 phases["vote"] = time.monotonic() - vote_started
+            if not result.complete and not slot.result.done():
+                # callers still waiting on our part get WRONG_ROUND now, not a timeout; those that
+                # come while we witness it are answered so as soon as their part is in
+                slot.result.cancel()
             if not result.complete:
                 ended = None if result.forged else await self._ended_by(round_no, group, results)
                 if ended is not None:  # another member ended our exchange: witness our own part first
@@ -315,8 +319,6 @@ class Averager:
                                                                         ended))
         finally:
             await self._end(round_no, running)
-        if not result.complete and not slot.result.done():
-            slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
 
     async def _send_part(self, round_no: int, group: Group, part: int, encoded: dict[str, Encoded], weight: float,

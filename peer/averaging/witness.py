@@ -5,20 +5,21 @@ A member whose part fails (a reducer gave up waiting for a withheld contribution
 gives up its own round; its reducer then answers the requests still waiting on it WRONG_ROUND
 ("abandoned here"). Every other member reads that vote, or gets that refusal, while its own part
 is still waiting for the withheld contribution: it cannot tell a withholder from an honest member
-that was merely slower, and on main it judged at once: it blamed the member whose failed vote it
-read first, or, after the refusal, nobody. The member that failed first blamed the withholder.
+that was merely slower. It used to judge at once: it blamed the member whose failed vote it read
+first, or, after the refusal, nobody, while the member that failed first blamed the withholder.
 Two honest members then excluded different members, so their next groups differed and failed.
 
 So a member whose exchange another member ended (`ended_by`) votes failed as before, at once, but
 judges only after it has *witnessed* its own part: once every member's contribution reached it, or
 every member whose contribution did not is gone (no connection: it will never send), or at
-`deadline` (our exchange's start + timeouts.allreduce, the time our reducer holds the members
-waiting for its mean). Meanwhile its own parts still on the way keep going (a failed vote cast
-while honest members were still uploading must not cost them their parts at each other's
-reducers), and the wait ends early only once they have been answered too. By then a member that
-sends its parts as its exchange starts has long delivered them, so every honest member that waits
-sees the same withholder missing from its own part and blames it, as the member that failed first
-did.
+`deadline` (timeouts.allreduce after our part was ready: as long as our reducer holds the members
+waiting for its mean). Meanwhile its own parts still on the way keep going, and the wait ends
+early only once they have been answered too: a failed vote cast while honest members were still
+uploading must not cost them their parts at each other's reducers (a reducer whose member gave
+the round up answers WRONG_ROUND as soon as a part is in, so there "answered" is "delivered"). By
+then a member that sends its parts as its exchange starts has long delivered them, so every
+honest member that waits sees the same withholder missing from its own part and blames it, as the
+member that failed first did. The wait changes neither the vote nor what is applied.
 """
 from __future__ import annotations
 
