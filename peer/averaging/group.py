@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
 from swarmgrad.peer.records import FAILED
@@ -57,7 +57,12 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
     then the (applied rounds, digest) held by the most voices wins, then the one held by the most
     registrants, then the most applied rounds, then the smallest digest. (Registrants before
     rounds: a replica that applied rounds alone, with no voice to show for them, follows the
-    stage instead of leading it.) A replica that knows voices never follows a candidate that has
+    stage instead of leading it.) Where candidates tie on all three and the tie is of one voice
+    or none, the candidate holding `me` wins: one voice's word against ours decides nothing (in a
+    stage of two, one admitted id would otherwise choose the state by its digest; a tie of two
+    voices or more is broken by the digest, so honest lines still converge). A claim one round
+    ahead counts only where `evidence.leads` allows it (`corroborated_leads`, read by matchmaking
+    for a replica with a voice of its own). A replica that knows voices never follows a candidate that has
     none unless it is its own (`me`'s): ids that did no work, however many, cannot be its group,
     even in a round none of its voiced peers registered for.
 
@@ -83,7 +88,12 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
                       if any(evidence.voice(p) for p in m) or (me is not None and me in m)}
         if not candidates:
             return None
-    applied, digest = max(candidates, key=score)
+    best = max(score(k)[:3] for k in candidates)
+    tied = [k for k in candidates if score(k)[:3] == best]
+    own = [k for k in tied if me is not None and me in candidates[k]]
+    # one voice's word against ours: a tie decides nothing, so we keep our own line rather than
+    # take the smaller digest (one admitted id in a stage of two would otherwise choose the state)
+    applied, digest = own[0] if own and len(tied) > 1 and best[0] <= 1 else max(tied, key=score)
     return Group(tuple(sorted(candidates[(applied, digest)])), digest, applied)
 
 
@@ -132,3 +142,33 @@ def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapp
     votes; `completed_groups`). Empty when no group completed. What placement's evidence and a
     backup holder (peer/state/backup.py) count as a replica proven on a stage."""
     return frozenset(p for g in completed_groups(checks, registrations) for p in g.members)
+
+
+def corroborated_leads(rounds: Iterable[tuple[Mapping[str, str], Mapping[str, Mapping[str, Any]]]],
+                       evidence: Evidence) -> frozenset[str]:
+    """The peers whose claim of one round past our position (`evidence.corroborated_round` + 1)
+    the outcome votes bear out: in one of `rounds` (each: that round's votes, peer id ->
+    "<group hash>:<digest>", and its registrations) a group completed (`completed_groups`: every
+    member voted one digest under the hash of exactly their ids) in which the claimant and at
+    least one other member with a voice in `evidence` both registered at our position. That other
+    voice saw the claimant's round agreed; a voice alone (a partner of a pair saying it applied
+    the round we failed) is a claim. Our own voice counts: our digest vote in a completed group
+    is what the two-generals case of outcome.py leaves us (docs/trust.md, "State to adopt", says
+    what that leaves a hostile partner). Pure; the caller reads the rounds
+    (`Evidence.with_leads`)."""
+    position = evidence.corroborated_round
+    leads: set[str] = set()
+    for votes, registrations in rounds:
+        for group in completed_groups(votes):
+            at = [p for p in group.members if _applied(registrations.get(p)) == position]
+            for p in at:
+                if evidence.voice(p) and any(q != p and evidence.voice(q) for q in at):
+                    leads.add(p)
+    return frozenset(leads)
+
+
+def _applied(registration: Mapping[str, Any] | None) -> int | None:
+    try:
+        return int(registration["applied_rounds"]) if registration is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Collection, Protocol
+from typing import Any, Collection, Iterable, Protocol
 
 from swarmgrad.peer import decisions
-from swarmgrad.peer.averaging.group import Group, choose_group
+from swarmgrad.peer.averaging.group import Group, choose_group, corroborated_leads
 from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.polling import poll_intervals
@@ -34,6 +34,8 @@ class RoundBoard(Protocol):
     async def round_registrations(self, stage: int, round_no: int) -> dict[str, dict[str, Any]]: ...
 
     async def stage_records(self, stage: int) -> list[PeerRecord]: ...
+
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]: ...
 
 
 async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, registration: dict[str, Any],
@@ -82,6 +84,12 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             await asyncio.gather(registering, return_exceptions=True)
     regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
+    claims = [(p, int(v["applied_rounds"])) for p, v in regs.items()] + [(r.peer_id, r.applied_rounds) for r in records]
+    if evidence.voice(me) and evidence.leading(claims):
+        # a voice one round ahead: believed only if the last rounds' votes bear it out (a replica
+        # without a voice of its own, a joiner, has no line to keep and follows its donors as before)
+        evidence = evidence.with_leads(await read_leads(board, stage, range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1),
+                                                        evidence))
     group = choose_group(regs, evidence, me)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
@@ -92,6 +100,19 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             return None, weights, (f"{', '.join(p[-8:] for p in ahead)} already applied this round "
                                    f"without us: our θ_global is superseded")
     return group, weights, ""
+
+
+LEAD_ROUNDS = 2
+"""Rounds back whose outcome votes matchmaking reads to corroborate a claim one round ahead: the
+last one, and the one before it (an overlapped round is applied a round after its boundary)."""
+
+
+async def read_leads(board: RoundBoard, stage: int, rounds: Iterable[int], evidence: Evidence) -> frozenset[str]:
+    """`group.corroborated_leads` over the votes and registrations of `rounds` (those ≥ 0), read now."""
+    rounds = [r for r in rounds if r >= 0]
+    read = await asyncio.gather(*(asyncio.gather(board.round_checks(stage, r), board.round_registrations(stage, r))
+                                  for r in rounds))
+    return corroborated_leads([(votes, regs) for votes, regs in read], evidence)
 
 
 FLOOD_SLACK = 4

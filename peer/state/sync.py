@@ -21,6 +21,7 @@ from swarmgrad.compression import get_codec
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
 from swarmgrad.peer.averaging.group import group_hash
+from swarmgrad.peer.averaging.matchmaking import read_leads
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.evidence import MAX_LEAD, Evidence, EvidenceLedger, Quorum, bounded_round, quorum
 from swarmgrad.peer.net.deadline import within
@@ -192,6 +193,8 @@ class StateSync:
         self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
         self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
         self._reading_votes = BestEffort(f"stage {stage}: reading a failed round's votes", logger)
+        self._reading_leads = BestEffort(f"stage {stage}: reading the votes that bear out a claim one round ahead",
+                                         logger)
         self._saying_abandoned = BestEffort(f"stage {stage}: saying a failed round was abandoned", logger)
         self._reading_abandoned = BestEffort(f"stage {stage}: reading who abandoned a failed round", logger)
 
@@ -481,6 +484,8 @@ class StateSync:
                 await asyncio.sleep(next(waits))
                 continue
             evidence = self.evidence(records)
+            if evidence.voice(self.peer_id) and evidence.leading((r.peer_id, r.applied_rounds) for r in records):
+                evidence = evidence.with_leads(await self._leads(round_no, evidence))
             donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
                                              result.stale, evidence)
             found = quorum([r for r in records if r.peer_id in donors], evidence) if donors else None
@@ -505,6 +510,15 @@ class StateSync:
         with self._reading_votes:
             return await within(self.swarm.round_checks(self.stage, round_no), self.t.dht)
         return None
+
+    async def _leads(self, round_no: int, evidence: Evidence) -> frozenset[str]:
+        """Who the votes of the failed round (and the one before) show one round ahead of us with
+        another voice (group.corroborated_leads); nobody if they could not be read: the claim is
+        not believed, and the next read tries again."""
+        with self._reading_leads:
+            return await within(read_leads(self.swarm, self.stage, (round_no, round_no - 1), evidence),
+                                self.t.dht)
+        return frozenset()
 
     async def _say_abandoned(self, round_no: int, hash_: str) -> None:
         """Tell the other members that we did not apply the round and will not (decisions.resync_settled)."""

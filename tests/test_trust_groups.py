@@ -1,0 +1,178 @@
+"""Group choice and re-sync against one admitted id and against voiceless floods (issue 43;
+docs/trust.md, "State to adopt"): a claim one round ahead is believed only when the round's
+outcome votes show it agreed with another voice (`group.corroborated_leads`), and voiceless
+registrants join a voiced group only up to a cap (`group.choose_group`).
+
+The pure decisions first, then real peers in one event loop (tests/support/swarm.py). Each swarm
+test failed on the code before this change."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmgrad.peer import decisions
+from swarmgrad.peer.averaging.group import choose_group, corroborated_leads, group_hash
+from swarmgrad.peer.averaging.outcome import vote
+from swarmgrad.peer.evidence import Evidence, EvidenceLedger
+
+from support.records import rec
+
+
+def reg(digest: str, applied: int, weight: float = 1.0) -> dict:
+    return {"digest": digest, "applied_rounds": applied, "weight": weight}
+
+
+def veterans(*peers: str, position: int = 5) -> Evidence:
+    """The evidence of a replica that applied rounds with `peers` and stands at `position`."""
+    ledger = EvidenceLedger(stage=1)
+    for r in range(3):
+        ledger.applied(r, peers, position - 2 + r)
+    return ledger.snapshot()
+
+
+def completed(members: tuple[str, ...], mean: str = "m") -> dict[str, str]:
+    """The votes of a group of `members` that completed a round."""
+    return {p: vote(group_hash(tuple(sorted(members))), mean) for p in members}
+
+
+# ------------------------------------------------------------ a claim one round ahead needs a witness
+def test_a_claim_one_round_ahead_is_a_lead_only_with_another_voice_in_its_completed_group() -> None:
+    ev = veterans("h", "a", "w")  # h's evidence: h, a and w have voices; h stands at 5
+    at5 = {p: reg("d", 5) for p in ("h", "a", "w", "s")}
+    assert corroborated_leads([(completed(("a", "w")), at5)], ev) == {"a", "w"}
+    # a group of the claimant with voiceless ids proves nothing, nor do votes of a group of one
+    assert corroborated_leads([(completed(("a", "s")), at5)], ev) == frozenset()
+    assert corroborated_leads([({"a": vote(group_hash(("a",)), "m")}, at5)], ev) == frozenset()
+    # a failed vote, or a member missing, is no completed group
+    assert corroborated_leads([({**completed(("a", "w")), "w": vote(group_hash(("a", "w")), None)}, at5)],
+                              ev) == frozenset()
+    # registered elsewhere than our position: that round did not take them from 5 to 6
+    assert corroborated_leads([(completed(("a", "w")), {"a": reg("d", 4), "w": reg("d", 4)})], ev) == frozenset()
+    # our own digest vote is a witness: the two-generals case (we voted, could not read every vote)
+    assert corroborated_leads([(completed(("h", "a")), at5)], ev) == {"a", "h"}
+    # any of the rounds read
+    assert corroborated_leads([({}, {}), (completed(("a", "w")), at5)], ev) == {"a", "w"}
+
+
+def test_a_voice_one_round_ahead_without_a_witness_is_not_believed() -> None:
+    ev = veterans("h", "a")
+    assert ev.credible(6, "a") and ev.leading([("a", 6)]) and not ev.leading([("a", 5), ("s", 6)])
+    alone = ev.with_leads(corroborated_leads([({}, {})], ev))
+    assert not alone.credible(6, "a") and alone.credible(5, "a") and alone.credible(5, "s")
+    witnessed = ev.with_leads({"a"})
+    assert witnessed.credible(6, "a") and not witnessed.credible(6, "s") and not witnessed.credible(7, "a")
+
+
+def test_in_a_pair_the_honest_replica_that_failed_keeps_its_state_and_is_not_pulled_into_the_claim() -> None:
+    """h failed round 7; a, its only partner, claims 6 applied rounds (a state of its own): no
+    completed group of round 7 holds a with another voice, so h takes no donor and keeps its line."""
+    ev = veterans("h", "a")
+    votes = {"h": vote(group_hash(("a", "h")), None)}
+    refused = ev.with_leads(corroborated_leads([(votes, {"h": reg("d", 5), "a": reg("d", 5)})], ev))
+    recs = [rec("h", applied=5, digest="d"), rec("a", applied=6, digest="evil", round_no=8)]
+    assert decisions.resync_donors(recs, "h", 5, group=("a", "h"), stale=False, evidence=ev) == ["a"]  # before
+    assert decisions.resync_donors(recs, "h", 5, group=("a", "h"), stale=False, evidence=refused) == []
+    assert decisions.resync_donors(recs, "h", 5, group=("a",), stale=True, evidence=refused) == []
+    # the next round: a's registration one round ahead does not win on "most applied rounds"
+    regs = {"h": reg("d", 5), "a": reg("evil", 6)}
+    assert choose_group(regs, ev, me="h").members == ("a",)  # before: h was stale, and re-synced from a
+    g = choose_group(regs, refused, me="h")
+    assert g is not None and g.members == ("h",) and g.digest == "d"
+    # a (at 6) keeps its own line too: the pair trains as two lines until a third voice arrives
+    a_view = veterans("h", "a", position=6)
+    assert choose_group(regs, a_view, me="a").members == ("a",)
+
+
+def test_one_voice_at_our_position_does_not_win_on_its_digest() -> None:
+    """a registers h's position with a digest of its own that sorts first: before, h took it as the
+    group (the smaller digest breaks a tie) and re-synced from a. One voice against ours decides
+    nothing; two voices against two still break the tie as before, so honest lines converge."""
+    regs = {"h": reg("f" * 24, 5), "a": reg("0" * 24, 5)}
+    assert choose_group(regs, veterans("h", "a"), me="h").members == ("h",)
+    assert choose_group(regs, veterans("h", "a"), me="a").members == ("a",)
+    four = {"h": reg("f" * 24, 5), "i": reg("f" * 24, 5), "a": reg("0" * 24, 5), "b": reg("0" * 24, 5)}
+    assert choose_group(four, veterans("h", "i", "a", "b"), me="h").members == ("a", "b")
+
+
+def test_a_joiner_without_a_voice_of_its_own_follows_its_donor_one_round_ahead() -> None:
+    """j joined from h (it credits h) and has completed no round: h's round alone moved it on. j
+    has no line of its own to keep, so it follows h without a witness, as before (matchmaking and
+    the re-sync read the votes only for a replica with a voice of its own)."""
+    ledger = EvidenceLedger(stage=1)
+    ledger.adopted(5, backers=("h",))
+    ev = ledger.snapshot()
+    assert ev.voice("j") == 0 and ev.credible(6, "h") and ev.leading([("h", 6)])
+    assert choose_group({"j": reg("d", 5), "h": reg("e", 6)}, ev, me="j").members == ("h",)
+
+
+def test_a_replica_that_failed_a_round_its_two_partners_completed_re_syncs_as_before() -> None:
+    ev = veterans("h", "a", "w")
+    votes = {**completed(("a", "w")), "h": vote(group_hash(("a", "h", "w")), None)}
+    regs = {p: reg("d", 5) for p in ("h", "a", "w")}
+    leads = ev.with_leads(corroborated_leads([(votes, regs)], ev))
+    recs = [rec("h", applied=5, digest="d"), rec("a", applied=6, digest="e", round_no=8),
+            rec("w", applied=6, digest="e", round_no=8)]
+    assert decisions.resync_donors(recs, "h", 5, group=("a", "h", "w"), stale=False, evidence=leads) == ["a", "w"]
+    g = choose_group({"h": reg("d", 5), "a": reg("e", 6), "w": reg("e", 6)}, leads, me="h")
+    assert g is not None and g.members == ("a", "w")  # h is stale and re-syncs from them, as before
+
+
+# ---------------------------------------------------------------------------- against real peers
+def _rounds(peer, after: float = 0.0) -> list[dict]:
+    return [e for e in peer.events("round") if e["complete"] and e["time"] > after]
+
+
+@pytest.mark.timeout(120)
+def test_one_admitted_id_in_a_pair_cannot_replace_the_honest_replicas_state(inprocess) -> None:
+    """A stage of two, h and a, averages until each has the other's voice; then a turns hostile
+    (the test takes over its id): every round it announces and registers one applied round more
+    than h, with a state of its own. Before this change h, finding itself behind a voice, re-synced
+    from a every round and trained from a's state; now a's claim has no witness in the votes, and
+    h keeps its own state, training alone (rounds lost, not a state replaced)."""
+    from support.dht import swarm_view
+    from support.hostile import Forgers, forged_state
+    from support.swarm import InProcessSwarm, step_manifest
+
+    async def scenario() -> None:
+        m = step_manifest(2, stages={"count": 1})
+        async with InProcessSwarm(m) as swarm:
+            h, a = swarm.start(0), swarm.start(0)
+            await swarm.until(lambda: min(len([e for e in _rounds(p) if e["group_size"] == 2]) for p in (h, a)) >= 2,
+                              60, "two complete rounds of the pair")
+            await swarm.kill(a)  # from here on a's id is the attacker's: it writes and serves what it likes
+            swarm.dht.unreachable.discard(a.peer_id)
+            hostile = Forgers(swarm, 0)
+            hostile.ids, hostile.views = [a.peer_id], {a.peer_id: swarm_view(swarm.dht, a.peer_id, m)}
+            evil = forged_state(swarm, 0, applied_rounds=0, round_no=0)
+            since = max(e["time"] for e in h.events("round"))
+
+            async def attack_step() -> None:
+                last = h.events("round")[-1]
+                claim = last["applied_rounds"] + 1
+                evil.applied_rounds = claim
+                evil.commit(last["round"] + 1)
+                await hostile.serve_state(0, evil, a.peer_id)
+                await hostile.announce(0, applied_rounds=claim, digest=evil.digest, round_no=last["round"] + 1)
+                await hostile.register(0, range(last["round"] + 1, last["round"] + 3), applied_rounds=claim,
+                                       digest=evil.digest, weight=1.0)
+
+            async def attack() -> None:
+                while True:
+                    await attack_step()
+                    await asyncio.sleep(0.05)
+
+            attacking = asyncio.create_task(attack())
+            try:
+                await swarm.until(lambda: len([e for e in h.events("round") if e["time"] > since]) >= 4, 60,
+                                  "four more rounds of h under attack")
+            finally:
+                attacking.cancel()
+                await asyncio.gather(attacking, return_exceptions=True)
+                await hostile.close()
+            assert not [e for e in h.events("resynced") if e["time"] > since], h.events("resynced")
+            forged = {e["digest"] for e in h.events() if e.get("digest") and e["time"] > since} & {evil.digest}
+            assert not forged, "h adopted the hostile replica's state"
+            assert h.alive
+
+    inprocess(scenario, timeout=110)
