@@ -108,6 +108,14 @@ class Evidence:
         `with_leads` has something to decide?"""
         return self.anchored and any(a == self.corroborated_round + MAX_LEAD and self.voice(p) for p, a in claims)
 
+    def of_replica(self, me: str) -> "Evidence":
+        """This evidence as replica `me` weighs claims. One that knows voices but has none of its
+        own (a joiner that credited its donors and has not yet completed a round with them: left
+        out of a full group, say) has no line of its own to defend, so it believes its voiced
+        peers however far ahead they are (voiceless claims still weigh nothing); anchored, it
+        would never catch up with a stage two rounds ahead of the state it downloaded."""
+        return replace(self, corroborated_round=-1) if self.voiced and not self.voice(me) else self
+
     def with_leads(self, leads: Iterable[str]) -> "Evidence":
         """This evidence, believing a claim of one round more only from `leads` (docs/trust.md,
         "State to adopt": a voice alone is not enough, since a replica that failed a round cannot

@@ -12,7 +12,8 @@ import asyncio
 import pytest
 
 from swarmgrad.peer import decisions
-from swarmgrad.peer.averaging.group import choose_group, corroborated_leads, group_hash
+from swarmgrad.peer.averaging.group import choose_group, corroborated_leads, group_hash, voiceless_cap, \
+    voiceless_order, witnessed_members
 from swarmgrad.peer.averaging.outcome import vote
 from swarmgrad.peer.evidence import Evidence, EvidenceLedger
 
@@ -118,6 +119,91 @@ def test_a_replica_that_failed_a_round_its_two_partners_completed_re_syncs_as_be
     assert g is not None and g.members == ("a", "w")  # h is stale and re-syncs from them, as before
 
 
+# ------------------------------------------------------- voiceless registrants join a voiced group up to a cap
+def test_voiceless_registrants_join_a_voiced_group_only_while_the_voiced_are_a_strict_majority() -> None:
+    flood = {**{p: reg("d", 5) for p in ("a", "b")}, **{f"s{i}": reg("d", 5) for i in range(10)}}
+    g = choose_group(flood, veterans("a", "b"), me="a", round_no=7)
+    assert g is not None and set(g.members) >= {"a", "b"} and len(g.members) == 3  # two voices, one voiceless
+    assert set(g.members) - {"a", "b"} == {voiceless_order([f"s{i}" for i in range(10)], 7, "d")[0]}
+    three = choose_group({**flood, "c": reg("d", 5)}, veterans("a", "b", "c"), round_no=7)
+    assert three is not None and len(three.members) == 5
+    # the same registrations give every member the same group; the draw changes with the round
+    assert {choose_group(flood, veterans("a", "b"), me=m, round_no=7) for m in ("a", "b", g.members[-1])} == {g}
+    drawn = {choose_group(flood, veterans("a", "b"), round_no=r).members for r in range(40)}
+    assert len({p for members in drawn for p in members} - {"a", "b"}) == 10
+    # no voices (a newcomer's, an observer's, completed_groups'), or one: everybody joins
+    assert len(choose_group(flood).members) == 12
+    assert len(choose_group(flood, veterans("a"), round_no=7).members) == 12
+    assert voiceless_cap(0) > 100 and voiceless_cap(1) > 100 and voiceless_cap(2) == 1 and voiceless_cap(5) == 4
+
+
+def test_an_honest_newcomer_among_k_others_is_drawn_in_k_plus_one_over_c_rounds_on_average() -> None:
+    k, rounds = 9, 2000
+    regs = {**{p: reg("d", 5) for p in ("a", "b", "c")}, "newcomer": reg("d", 5),
+            **{f"s{i}": reg("d", 5) for i in range(k)}}
+    ev = veterans("a", "b", "c")  # three voices: two free places
+    drawn = sum("newcomer" in choose_group(regs, ev, round_no=r).members for r in range(rounds))
+    assert abs(drawn / rounds - 2 / (k + 1)) < 0.04
+
+
+def test_two_joiners_of_a_voiced_pair_come_in_one_after_the_other_with_the_same_group_everywhere() -> None:
+    """h1, h2 averaged; j1 and j2 download their state at once. Every ledger names the same group
+    in each round: one joiner, then (after the round it completed) the other, so no round fails
+    on groups that differ (GROUP_MISMATCH)."""
+    h = EvidenceLedger(stage=1)
+    for r in range(3):
+        h.applied(r, ("h1", "h2"), 3 + r)
+    joiner = {j: EvidenceLedger(stage=1) for j in ("j1", "j2")}
+    for ledger in joiner.values():
+        ledger.adopted(5, backers=("h1", "h2"))
+    regs = {p: reg("d", 5) for p in ("h1", "h2", "j1", "j2")}
+    first = {choose_group(regs, led.snapshot(), me=m, round_no=8) for m, led in
+             [("h1", h), ("j1", joiner["j1"]), ("j2", joiner["j2"])]}
+    assert len(first) == 1
+    (group,) = first
+    inside, outside = (("j1", "j2") if "j1" in group.members else ("j2", "j1"))
+    assert outside not in group.members
+    # the round completes without the other joiner; it re-syncs and credits who completed it
+    h.applied(8, group.members, 6)
+    joiner[inside].applied(8, group.members, 6)
+    left_out = joiner[outside]
+    left_out.adopted(6, backers=("h1", "h2"))
+    left_out.adopted(6, witnessed_members(completed(group.members), left_out.snapshot()))
+    regs = {p: reg("e", 6) for p in ("h1", "h2", "j1", "j2")}
+    second = {choose_group(regs, led.snapshot(), me=m, round_no=9) for m, led in
+              [("h1", h), (inside, joiner[inside]), (outside, left_out)]}
+    assert len(second) == 1 and len(next(iter(second)).members) == 4
+
+
+def test_a_joiner_left_out_of_full_groups_follows_its_voices_however_far_ahead() -> None:
+    """j downloaded at 2 and was left out (capped) of two rounds: the stage is at 4. Anchored at 2
+    it would never believe 4 and would start a line of its own with the others left out; without a
+    voice of its own it has none to defend, and follows its voiced donors. Voiceless claims still
+    count for nothing, and a replica with a voice keeps the bound."""
+    ledger = EvidenceLedger(stage=1)
+    ledger.adopted(2, backers=("h1", "h2"))
+    ev = ledger.snapshot()
+    regs = {"j": reg("d", 2), "k": reg("d", 2), "h1": reg("e", 4), "h2": reg("e", 4), "s": reg("evil", 2 ** 40)}
+    assert choose_group(regs, ev, me="j").members == ("j", "k")  # before: a line of the left-out
+    g = choose_group(regs, ev.of_replica("j"), me="j")
+    assert g is not None and g.members == ("h1", "h2")
+    assert veterans("h1", "h2").of_replica("h1") == veterans("h1", "h2")
+    assert EvidenceLedger(stage=1).snapshot().of_replica("j").corroborated_round == -1
+
+
+def test_a_capped_group_still_completes_for_placement_credit_and_witnesses() -> None:
+    """completed_groups recomputes choose_group without evidence from the registrations of the
+    round's voters: registrants left out by the cap post no vote, so the group that completed is
+    the one it names."""
+    regs = {**{p: reg("d", 5) for p in ("a", "b")}, **{f"s{i}": reg("d", 5) for i in range(6)}}
+    g = choose_group(regs, veterans("a", "b"), round_no=3)
+    assert g is not None and len(g.members) == 3
+    from swarmgrad.peer.averaging.group import completed_voters
+    assert completed_voters(completed(g.members), regs) == set(g.members)
+    assert witnessed_members(completed(g.members), veterans("a", "b")) == set(g.members)
+    assert witnessed_members(completed(("a", "s0")), veterans("a", "b")) == frozenset()  # one voice's group
+
+
 # ---------------------------------------------------------------------------- against real peers
 def _rounds(peer, after: float = 0.0) -> list[dict]:
     return [e for e in peer.events("round") if e["complete"] and e["time"] > after]
@@ -176,3 +262,33 @@ def test_one_admitted_id_in_a_pair_cannot_replace_the_honest_replicas_state(inpr
             assert h.alive
 
     inprocess(scenario, timeout=110)
+
+
+@pytest.mark.timeout(150)
+def test_newcomers_join_a_voiced_pair_a_few_at_a_time_and_all_earn_their_voices(inprocess) -> None:
+    """Three newcomers start at once beside a pair that has averaged. Before this change all three
+    joined its next group, outnumbering the two replicas whose voices the stage had (as many fresh
+    ids would); now the voiced stay a strict majority of every group, and the newcomers still come
+    in and earn their voices: within a few rounds all five average as one group, and no round
+    fails on groups that differ."""
+    from support.swarm import InProcessSwarm, step_manifest
+
+    async def scenario() -> None:
+        m = step_manifest(2, stages={"count": 1})
+        async with InProcessSwarm(m) as swarm:
+            pair = swarm.start(0), swarm.start(0)
+            await swarm.until(lambda: min(len([e for e in _rounds(p) if e["group_size"] == 2]) for p in pair) >= 2,
+                              60, "two complete rounds of the pair")
+            since = max(e["time"] for e in pair[0].events("round"))
+            newcomers = [swarm.start(0) for _ in range(3)]
+            await swarm.until(lambda: any(e["group_size"] == 5 for e in _rounds(pair[0], since)), 90,
+                              "a complete round of all five")
+            voiced = {p.peer_id for p in pair}
+            for e in [e for e in _rounds(pair[0]) if e["time"] > since]:
+                fresh = set(e["group"]) - voiced
+                assert len(fresh) < len(set(e["group"]) & voiced), (e["round"], len(fresh), "voiceless of", e["group_size"])
+                voiced |= set(e["group"])
+            for p in (*pair, *newcomers):
+                assert not [e for e in p.events("round") if "GROUP_MISMATCH" in e.get("reason", "")], p.name
+
+    inprocess(scenario, timeout=140)

@@ -84,13 +84,14 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             await asyncio.gather(registering, return_exceptions=True)
     regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
+    evidence = evidence.of_replica(me)
     claims = [(p, int(v["applied_rounds"])) for p, v in regs.items()] + [(r.peer_id, r.applied_rounds) for r in records]
     if evidence.voice(me) and evidence.leading(claims):
         # a voice one round ahead: believed only if the last rounds' votes bear it out (a replica
         # without a voice of its own, a joiner, has no line to keep and follows its donors as before)
         evidence = evidence.with_leads(await read_leads(board, stage, range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1),
                                                         evidence))
-    group = choose_group(regs, evidence, me)
+    group = choose_group(regs, evidence, me, round_no)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
         believed = [r for r in records if evidence.credible(r.applied_rounds, r.peer_id)
