@@ -85,6 +85,73 @@ def test_in_a_pair_the_honest_replica_that_failed_keeps_its_state_and_is_not_pul
     assert choose_group(regs, a_view, me="a").members == ("a",)
 
 
+class Board:
+    """What StateSync.resync reads of the DHT (tests/test_resync.py has the fuller fake)."""
+
+    def __init__(self, votes: dict[str, str], registrations: dict[str, dict], records: list) -> None:
+        self.votes, self.registrations, self.records = votes, registrations, records
+
+    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
+        return dict(self.votes) if round_no == 7 else {}
+
+    async def round_registrations(self, stage: int, round_no: int) -> dict[str, dict]:
+        return dict(self.registrations) if round_no == 7 else {}
+
+    async def post_abandoned(self, stage: int, round_no: int, peer_id: str, group_hash: str) -> bool:
+        return True
+
+    async def round_abandoned(self, stage: int, round_no: int) -> dict[str, str]:
+        return {}
+
+    async def stage_records(self, stage: int) -> list:
+        return list(self.records)
+
+
+def resynced(board: Board, ledger: EvidenceLedger, group: tuple[str, ...]) -> list[list[str]]:
+    """Run StateSync.resync for "h" after round 7 failed for it in `group`; the donors it downloaded from."""
+    from types import SimpleNamespace
+
+    from swarmgrad.peer.averaging.averager import RoundResult
+    from swarmgrad.peer.manifest import TimeoutsConfig
+    from swarmgrad.peer.state.phase import ReplicaPhase
+    from swarmgrad.peer.state.sync import StateSync
+
+    s = StateSync(rpc=None, swarm=board, identity=None, peer_id="h", stage=1,  # type: ignore[arg-type]
+                  state=SimpleNamespace(applied_rounds=5, digest="d"), worker=None,  # type: ignore[arg-type]
+                  clock=SimpleNamespace(current=8), progress=None,  # type: ignore[arg-type]
+                  events=SimpleNamespace(emit=lambda *a, **k: None), phase=ReplicaPhase(),  # type: ignore[arg-type]
+                  timeouts=TimeoutsConfig(matchmaking=0.5, allreduce=0.5), max_numel=0, ledger=ledger)
+    downloads: list[list[str]] = []
+
+    async def download(peers: list[str], expected: object = None, credit: object = None) -> bool:
+        downloads.append(list(peers))
+        return True
+
+    s.download = download  # type: ignore[method-assign]
+    asyncio.run(s.resync(7, RoundResult(False, "part 1: timed out", group, None)))
+    return downloads
+
+
+def test_the_resync_takes_a_witnessed_state_and_refuses_one_voices_claim() -> None:
+    ledger = EvidenceLedger(stage=1)
+    for r in range(3):
+        ledger.applied(r, ("h", "a", "w"), 3 + r)
+    ours = group_hash(("a", "h", "w"))
+    at5 = {p: reg("d", 5) for p in ("h", "a", "w")}
+    # a and w completed round 7 as a pair (our group of three failed): each is the other's witness
+    board = Board({**completed(("a", "w")), "h": vote(ours, None)}, at5,
+                  [rec("h", applied=5, digest="d"), rec("a", applied=6, digest="e", round_no=8),
+                   rec("w", applied=6, digest="e", round_no=8)])
+    assert resynced(board, ledger, ("a", "h", "w")) == [["a"]]
+    # a stage of two: a says it applied the round h failed; nobody saw it
+    pair = EvidenceLedger(stage=1)
+    for r in range(3):
+        pair.applied(r, ("h", "a"), 3 + r)
+    board = Board({"h": vote(group_hash(("a", "h")), None)}, {p: reg("d", 5) for p in ("h", "a")},
+                  [rec("h", applied=5, digest="d"), rec("a", applied=6, digest="evil", round_no=8)])
+    assert resynced(board, pair, ("a", "h")) == []
+
+
 def test_one_voice_at_our_position_does_not_win_on_its_digest() -> None:
     """a registers h's position with a digest of its own that sorts first: before, h took it as the
     group (the smaller digest breaks a tie) and re-synced from a. One voice against ours decides
