@@ -49,7 +49,10 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     group is chosen by it, and once anyone has a voice matchmaking waits for the voiced replicas,
     and for the others unless they are a flood (`waited_for`: forged ONLINE records must not make
     every round wait out its patience). The anchors among the stage's records (peers the run's
-    owner vouches for: `Evidence.among`) have a voice here from the start."""
+    owner vouches for: `Evidence.among`) have a voice here from the start. A replica with a voice
+    of its own that reads a voice one round ahead of it reads the last two rounds' votes too: that
+    claim counts only with a witness (`group.corroborated_leads`); `round_no` draws the voiceless
+    members' places (`group.voiceless_order`)."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
