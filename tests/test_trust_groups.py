@@ -50,8 +50,10 @@ def test_a_claim_one_round_ahead_is_a_lead_only_with_another_voice_in_its_comple
                               ev) == frozenset()
     # registered elsewhere than our position: that round did not take them from 5 to 6
     assert corroborated_leads([(completed(("a", "w")), {"a": reg("d", 4), "w": reg("d", 4)})], ev) == frozenset()
-    # our own digest vote is a witness: the two-generals case (we voted, could not read every vote)
-    assert corroborated_leads([(completed(("h", "a")), at5)], ev) == {"a", "h"}
+    # our own digest vote is no witness: a group of ours that completed after our wait is one we
+    # apply ourselves (Averager.confirm_late), and a partner may have withheld its vote till then
+    assert corroborated_leads([(completed(("h", "a")), at5)], ev, me="h") == frozenset()
+    assert corroborated_leads([(completed(("h", "a", "w")), at5)], ev, me="h") == {"a", "w"}
     # any of the rounds read
     assert corroborated_leads([({}, {}), (completed(("a", "w")), at5)], ev) == {"a", "w"}
 
@@ -150,6 +152,46 @@ def test_the_resync_takes_a_witnessed_state_and_refuses_one_voices_claim() -> No
     board = Board({"h": vote(group_hash(("a", "h")), None)}, {p: reg("d", 5) for p in ("h", "a")},
                   [rec("h", applied=5, digest="d"), rec("a", applied=6, digest="evil", round_no=8)])
     assert resynced(board, pair, ("a", "h")) == []
+
+
+def test_a_round_whose_votes_came_after_our_wait_is_applied_with_our_own_mean() -> None:
+    """The two-generals case of a pair: we voted the mean, the other member's vote came after our
+    wait. Its claim of one round more has no witness now (ours does not count), so we apply the
+    mean we hold once the votes show every member voted it; until they do, the round failed."""
+    import torch
+
+    from swarmgrad.peer.averaging.averager import Averager, RoundResult, mean_digest
+    from swarmgrad.peer.averaging.exclusion import Standing
+
+    from swarmgrad.peer.cli.launcher import small_manifest
+
+    class Votes:
+        def __init__(self) -> None:
+            self.votes: dict[str, str] = {}
+
+        async def round_checks(self, stage: int, round_no: int) -> dict[str, str]:
+            return dict(self.votes)
+
+    mean = {"w": torch.ones(3)}
+    board = Votes()
+    avg = Averager(small_manifest(), 0, "h", {"w": (3,)}, rpc=None, swarm=board, max_numel=2 ** 20,  # type: ignore[arg-type]
+                   clock=None)  # type: ignore[arg-type]
+    failed = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "h"), None, total_weight=3.0,
+                         voted_digest=True, unreachable=("a",), pending=mean, blamed=("a",))
+    ours = vote(group_hash(("a", "h")), mean_digest(mean))
+
+    async def confirm(votes: dict[str, str]) -> RoundResult:
+        board.votes = votes
+        avg._deferred = (7, [], {})
+        avg.standings = {"a": Standing(strikes=1, until=9)}  # what the failed round held against a
+        return await avg.confirm_late(7, failed)
+
+    still = asyncio.run(confirm({"h": ours}))
+    assert not still.complete and still.pending is None
+    late = asyncio.run(confirm({"h": ours, "a": ours}))
+    assert late.complete and late.mean_delta is mean and late.total_weight == 3.0 and not late.blamed
+    assert avg.standings == {} and avg._last_members == ("a", "h")  # a completed the round after all
+    assert not asyncio.run(confirm({"h": ours, "a": vote(group_hash(("a", "h")), "other")})).complete
 
 
 def test_one_voice_at_our_position_does_not_win_on_its_digest() -> None:

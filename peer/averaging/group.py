@@ -169,24 +169,24 @@ def completed_voters(checks: Mapping[str, str], registrations: Mapping[str, Mapp
 
 
 def corroborated_leads(rounds: Iterable[tuple[Mapping[str, str], Mapping[str, Mapping[str, Any]]]],
-                       evidence: Evidence) -> frozenset[str]:
+                       evidence: Evidence, me: str | None = None) -> frozenset[str]:
     """The peers whose claim of one round past our position (`evidence.corroborated_round` + 1)
     the outcome votes bear out: in one of `rounds` (each: that round's votes, peer id ->
     "<group hash>:<digest>", and its registrations) a group completed (`completed_groups`: every
     member voted one digest under the hash of exactly their ids) in which the claimant and at
     least one other member with a voice in `evidence` both registered at our position. That other
     voice saw the claimant's round agreed; a voice alone (a partner of a pair saying it applied
-    the round we failed) is a claim. Our own voice counts: our digest vote in a completed group
-    is what the two-generals case of outcome.py leaves us (docs/trust.md, "State to adopt", says
-    what that leaves a hostile partner). Pure; the caller reads the rounds
-    (`Evidence.with_leads`)."""
+    the round we failed) is a claim. Our own voice (`me`) is no witness: a group we were in that
+    completed after our vote wait ended is one whose mean we hold and apply ourselves
+    (Averager.confirm_late); a partner that withheld its vote until then could serve any state
+    as that round's result. Pure; the caller reads the rounds (`Evidence.with_leads`)."""
     position = evidence.corroborated_round
     leads: set[str] = set()
     for votes, registrations in rounds:
         for group in completed_groups(votes):
             at = [p for p in group.members if _applied(registrations.get(p)) == position]
             for p in at:
-                if evidence.voice(p) and any(q != p and evidence.voice(q) for q in at):
+                if p != me and evidence.voice(p) and any(q not in (p, me) and evidence.voice(q) for q in at):
                     leads.add(p)
     return frozenset(leads)
 

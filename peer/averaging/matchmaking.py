@@ -93,7 +93,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
         # a voice one round ahead: believed only if the last rounds' votes bear it out (a replica
         # without a voice of its own, a joiner, has no line to keep and follows its donors as before)
         evidence = evidence.with_leads(await read_leads(board, stage, range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1),
-                                                        evidence))
+                                                        evidence, me))
     group = choose_group(regs, evidence, me, round_no)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
@@ -111,12 +111,14 @@ LEAD_ROUNDS = 2
 last one, and the one before it (an overlapped round is applied a round after its boundary)."""
 
 
-async def read_leads(board: RoundBoard, stage: int, rounds: Iterable[int], evidence: Evidence) -> frozenset[str]:
-    """`group.corroborated_leads` over the votes and registrations of `rounds` (those ≥ 0), read now."""
+async def read_leads(board: RoundBoard, stage: int, rounds: Iterable[int], evidence: Evidence, me: str
+                     ) -> frozenset[str]:
+    """`group.corroborated_leads` (for replica `me`) over the votes and registrations of `rounds`
+    (those ≥ 0), read now."""
     rounds = [r for r in rounds if r >= 0]
     read = await asyncio.gather(*(asyncio.gather(board.round_checks(stage, r), board.round_registrations(stage, r))
                                   for r in rounds))
-    return corroborated_leads([(votes, regs) for votes, regs in read], evidence)
+    return corroborated_leads([(votes, regs) for votes, regs in read], evidence, me)
 
 
 FLOOD_SLACK = 4

@@ -545,8 +545,8 @@ class StateSync:
         another voice (group.corroborated_leads); nobody if they could not be read: the claim is
         not believed, and the next read tries again."""
         with self._reading_leads:
-            return await within(read_leads(self.swarm, self.stage, (round_no, round_no - 1), evidence),
-                                self.t.dht)
+            return await within(read_leads(self.swarm, self.stage, (round_no, round_no - 1), evidence,
+                                           self.peer_id), self.t.dht)
         return frozenset()
 
     async def _say_abandoned(self, round_no: int, hash_: str) -> None:
