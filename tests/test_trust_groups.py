@@ -246,6 +246,20 @@ def test_voiceless_registrants_join_a_voiced_group_only_while_the_voiced_are_a_s
     assert voiceless_cap(0) > 100 and voiceless_cap(1) > 100 and voiceless_cap(2) == 1 and voiceless_cap(5) == 4
 
 
+def test_a_lone_replica_and_its_joiners_count_alike_with_no_cap_below_two_voices() -> None:
+    """A stage of one replica that never averaged (no voice in its own ledger) and two joiners
+    that credit it as their donor (one voice in theirs): below two voices nobody caps, so all
+    three name the same group, the joiners included."""
+    lone = EvidenceLedger(stage=1)
+    lone.adopted(5)  # the seed: a position, no voices
+    joiner = EvidenceLedger(stage=1)
+    joiner.adopted(5, backers=("h",))
+    regs = {p: reg("d", 5) for p in ("h", "j1", "j2")}
+    groups = {choose_group(regs, lone.snapshot(), me="h", round_no=3),
+              choose_group(regs, joiner.snapshot(), me="j1", round_no=3)}
+    assert len(groups) == 1 and next(iter(groups)).members == ("h", "j1", "j2")
+
+
 def test_an_honest_newcomer_among_k_others_is_drawn_in_k_plus_one_over_c_rounds_on_average() -> None:
     k, rounds = 9, 2000
     regs = {**{p: reg("d", 5) for p in ("a", "b", "c")}, "newcomer": reg("d", 5),
