@@ -174,8 +174,8 @@ def test_a_round_whose_votes_came_after_our_wait_is_applied_with_our_own_mean() 
 
     mean = {"w": torch.ones(3)}
     board = Votes()
-    avg = Averager(small_manifest(), 0, "h", {"w": (3,)}, rpc=None, swarm=board, max_numel=2 ** 20,  # type: ignore[arg-type]
-                   clock=None)  # type: ignore[arg-type]
+    avg = Averager(small_manifest(), 0, "h", {"w": (3,)}, rpc=None, swarm=board,  # type: ignore[arg-type]
+                   max_numel=2 ** 20, clock=None)  # type: ignore[arg-type]
     failed = RoundResult(False, "outcome vote: 1 member(s) posted no vote", ("a", "h"), None, total_weight=3.0,
                          voted_digest=True, unreachable=("a",), pending=mean, blamed=("a",))
     ours = vote(group_hash(("a", "h")), mean_digest(mean))
@@ -409,7 +409,7 @@ def test_newcomers_join_a_voiced_pair_a_few_at_a_time_and_all_earn_their_voices(
             voiced = {p.peer_id for p in pair}
             for e in [e for e in _rounds(pair[0]) if e["time"] > since]:
                 fresh = set(e["group"]) - voiced
-                assert len(fresh) < len(set(e["group"]) & voiced), (e["round"], len(fresh), "voiceless of", e["group_size"])
+                assert len(fresh) < len(set(e["group"]) & voiced), (e["round"], len(fresh), e["group_size"])
                 voiced |= set(e["group"])
             for p in (*pair, *newcomers):
                 assert not [e for e in p.events("round") if "GROUP_MISMATCH" in e.get("reason", "")], p.name

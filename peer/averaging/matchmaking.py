@@ -92,8 +92,8 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     if evidence.voice(me) and evidence.leading(claims):
         # a voice one round ahead: believed only if the last rounds' votes bear it out (a replica
         # without a voice of its own, a joiner, has no line to keep and follows its donors as before)
-        evidence = evidence.with_leads(await read_leads(board, stage, range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1),
-                                                        evidence, me))
+        back = range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1)
+        evidence = evidence.with_leads(await read_leads(board, stage, back, evidence, me))
     group = choose_group(regs, evidence, me, round_no)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
