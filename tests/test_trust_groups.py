@@ -339,6 +339,11 @@ def test_one_admitted_id_in_a_pair_cannot_replace_the_honest_replicas_state(inpr
     than h, with a state of its own. Before this change h, finding itself behind a voice, re-synced
     from a every round and trained from a's state; now a's claim has no witness in the votes, and
     h keeps its own state, training alone (rounds lost, not a state replaced)."""
+    from swarmgrad.peer.net.rpc import FramedRPC, Traffic, stage_namespace
+    from swarmgrad.peer.pipeline.stage_server import refusal
+    from swarmgrad.peer.state.sync import state_response
+    from swarmgrad.protocol import wire_pb2 as pb
+
     from support.dht import swarm_view
     from support.hostile import Forgers, forged_state
     from support.swarm import InProcessSwarm, step_manifest
@@ -354,14 +359,25 @@ def test_one_admitted_id_in_a_pair_cannot_replace_the_honest_replicas_state(inpr
             hostile = Forgers(swarm, 0)
             hostile.ids, hostile.views = [a.peer_id], {a.peer_id: swarm_view(swarm.dht, a.peer_id, m)}
             evil = forged_state(swarm, 0, applied_rounds=0, round_no=0)
+            rpc = FramedRPC(swarm.net.node(a.peer_id), stage_namespace(m.run_id, 0), Traffic(),
+                            max_message_bytes=64 << 20)
+
+            async def serve(request: pb.StateRequest, caller: object) -> pb.StateResponse:
+                snap = evil.snapshot  # the claim of the moment: one round past h's
+                assert snap is not None
+                return state_response(snap, list(request.names) or None)
+
+            await rpc.add_handler("state", pb.StateRequest, serve, refusal(pb.StateResponse))
             since = max(e["time"] for e in h.events("round"))
+            claims: list[int] = []
 
             async def attack_step() -> None:
                 last = h.events("round")[-1]
                 claim = last["applied_rounds"] + 1
-                evil.applied_rounds = claim
-                evil.commit(last["round"] + 1)
-                await hostile.serve_state(0, evil, a.peer_id)
+                if claim != evil.applied_rounds:
+                    evil.applied_rounds = claim
+                    evil.commit(last["round"] + 1)
+                claims.append(claim)
                 await hostile.announce(0, applied_rounds=claim, digest=evil.digest, round_no=last["round"] + 1)
                 await hostile.register(0, range(last["round"] + 1, last["round"] + 3), applied_rounds=claim,
                                        digest=evil.digest, weight=1.0)
@@ -375,10 +391,12 @@ def test_one_admitted_id_in_a_pair_cannot_replace_the_honest_replicas_state(inpr
             try:
                 await swarm.until(lambda: len([e for e in h.events("round") if e["time"] > since]) >= 4, 60,
                                   "four more rounds of h under attack")
+                assert not attacking.done(), attacking.exception()  # it attacked all along
             finally:
                 attacking.cancel()
                 await asyncio.gather(attacking, return_exceptions=True)
-                await hostile.close()
+                await rpc.remove_handlers()
+            assert len(set(claims)) >= 3, claims  # one round ahead of h, round after round
             assert not [e for e in h.events("resynced") if e["time"] > since], h.events("resynced")
             forged = {e["digest"] for e in h.events() if e.get("digest") and e["time"] > since} & {evil.digest}
             assert not forged, "h adopted the hostile replica's state"
