@@ -12,7 +12,14 @@ them is `unit`, unless its module names its tier itself (`pytestmark = pytest.ma
 
 hivemind puts p2pd's control sockets in /tmp whatever TMPDIR says, and a p2pd that dies without
 stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those it left and the
-run's summary names the test, so a leak is seen and found rather than piling up on the machine."""
+run's summary names the test, so a leak is seen and found rather than piling up on the machine.
+
+`make test` runs on two pytest-xdist workers (`-n logical --maxprocesses 2 --dist loadgroup`): every
+test that starts real processes (`PROCESS_TIERS`) is put in one xdist group, `processes`, which one
+worker runs in file order while the other runs the unit, in-process and browser tests. So two swarms
+never share the cores, a check of /tmp's p2pd sockets (tests/test_bootstrap_wait.py,
+tests/test_private_run.py) sees only its own, and a module's shared swarm (`module_swarm`) is made
+once. `pytest` without `-n` runs everything in this process, in order, as before."""
 from __future__ import annotations
 
 import os
@@ -52,7 +59,15 @@ TIER_OF_FIXTURE = {
 }
 """The tier each fixture puts a test in (a test may be in several: a swarm checked in a browser)."""
 
+PROCESS_TIERS = ("wire", "swarm")
+"""Tiers whose tests start real processes (peers, DHT processes, p2pd): under pytest-xdist they run
+one at a time, on one worker (the `processes` xdist group)."""
 
+PROCESS_GROUP = "processes"
+
+
+# tryfirst: xdist's own hook (on each worker) reads the xdist_group markers to name a test's group
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tiers = {TIER_OF_FIXTURE[name] for name in getattr(item, "fixturenames", ()) if name in TIER_OF_FIXTURE}
@@ -60,6 +75,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(tier)
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker("unit")
+        if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
 
 
 def _swarm_factory(folder: Path, make_swarm: Callable[[Path, Path], LocalSwarm]
@@ -217,11 +234,36 @@ def _note_sockets_left(config: pytest.Config, nodeid: str, began: float) -> None
         config.stash[_LEFT].append((nodeid, [p.name for p in left]))
 
 
+def _on_a_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # set by pytest-xdist in its workers only
+
+
 @pytest.fixture(autouse=True)
 def _hivemind_sockets_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    # on an xdist worker, a test outside the process tiers would find (and be named for) the dead
+    # sockets of the test the other worker runs at the same time: those are left to the next
+    # process test and to the end of the run
+    check = not _on_a_worker(request.config) or any(
+        request.node.get_closest_marker(tier) for tier in PROCESS_TIERS)
     began = time.time()
     yield
-    _note_sockets_left(request.config, request.node.nodeid, began)
+    if check:
+        _note_sockets_left(request.config, request.node.nodeid, began)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _on_a_worker(session.config):  # what this worker found, for the summary in the main process
+        session.config.workeroutput["swarmgrad_left"] = {  # type: ignore[attr-defined]
+            "sockets": [[nodeid, list(names)] for nodeid, names in session.config.stash[_LEFT]],
+            "daemons": [[nodeid, list(procs)] for nodeid, procs in session.config.stash[_DAEMONS_LEFT]]}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called in the main process as a worker ends
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    found = getattr(node, "workeroutput", {}).get("swarmgrad_left")
+    if found:
+        node.config.stash[_LEFT].extend((nodeid, names) for nodeid, names in found["sockets"])
+        node.config.stash[_DAEMONS_LEFT].extend((nodeid, procs) for nodeid, procs in found["daemons"])
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
