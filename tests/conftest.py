@@ -16,7 +16,8 @@ run's summary names the test, so a leak is seen and found rather than piling up 
 
 `make test` runs on two pytest-xdist workers (`-n logical --maxprocesses 2 --dist loadgroup`): every
 test that starts real processes (`PROCESS_TIERS`) is put in one xdist group, `processes`, which one
-worker runs in file order while the other runs the unit, in-process and browser tests. So two swarms
+worker runs in file order while the other runs the unit, in-process and browser tests (the group
+is passed to xdist's scheduler by tests/support/workers.py: xdist 3.8's own way is lost on pytest 9.2). So two swarms
 never share the cores, a check of /tmp's p2pd sockets (tests/test_bootstrap_wait.py,
 tests/test_private_run.py) sees only its own, and a module's shared swarm (`module_swarm`) is made
 once. `pytest` without `-n` runs everything in this process, in order, as before."""
@@ -32,6 +33,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import asyncio  # noqa: E402
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
@@ -264,6 +267,41 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     if found:
         node.config.stash[_LEFT].extend((nodeid, names) for nodeid, names in found["sockets"])
         node.config.stash[_DAEMONS_LEFT].extend((nodeid, procs) for nodeid, procs in found["daemons"])
+
+
+# The `processes` group under `--dist loadgroup`, whatever pytest's node ids (tests/support/workers.py)
+_GROUPS_FOLDER = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist, main process: before a worker starts
+def pytest_configure_node(node: Any) -> None:
+    from support.workers import GROUPS_KEY
+    if _GROUPS_FOLDER not in node.config.stash:
+        node.config.stash[_GROUPS_FOLDER] = tempfile.mkdtemp(prefix="swarmgrad-xdist-groups-")
+    node.workerinput[GROUPS_KEY] = node.config.stash[_GROUPS_FOLDER]
+
+
+@pytest.hookimpl(tryfirst=True)  # on a worker, before xdist's own hook reports the collection
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from support.workers import GROUPS_KEY, write_process_tests
+    folder = getattr(session.config, "workerinput", {}).get(GROUPS_KEY)
+    if folder:
+        write_process_tests(folder, session.config.workerinput["workerid"],  # type: ignore[attr-defined]
+                            (item.nodeid for item in session.items
+                             if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS)))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist, main process: firstresult, before xdist's own
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup" or _GROUPS_FOLDER not in config.stash:
+        return None
+    from support.workers import process_group_scheduler
+    return process_group_scheduler(config, log, config.stash[_GROUPS_FOLDER], PROCESS_GROUP)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _GROUPS_FOLDER in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_FOLDER], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
