@@ -10,8 +10,11 @@ STAMP := $(VENV)/.swarmgrad-installed
 demo: $(STAMP)
 	$(VENV)/bin/swarmgrad demo
 
+# Two pytest-xdist workers (one where the machine has one CPU): one runs the tests that start real
+# processes, one at a time, the other everything else (tests/conftest.py, PROCESS_GROUP). More
+# workers would gain little: the process tests alone take about as long as all the others.
 test: $(STAMP) browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n logical --maxprocesses 2 --dist loadgroup tests
 
 # Debian's chromium for the dashboard's browser tests (tests/test_dashboard_page.py), installed
 # when it is missing and we are root; otherwise a note, and those tests skip.

@@ -12,7 +12,15 @@ them is `unit`, unless its module names its tier itself (`pytestmark = pytest.ma
 
 hivemind puts p2pd's control sockets in /tmp whatever TMPDIR says, and a p2pd that dies without
 stopping (SIGKILLed, orphaned) leaves its socket there: each test removes those it left and the
-run's summary names the test, so a leak is seen and found rather than piling up on the machine."""
+run's summary names the test, so a leak is seen and found rather than piling up on the machine.
+
+`make test` runs on two pytest-xdist workers (`-n logical --maxprocesses 2 --dist loadgroup`): every
+test that starts real processes (`PROCESS_TIERS`) is put in one xdist group, `processes`, which one
+worker runs in file order while the other runs the unit, in-process and browser tests (the group
+is passed to xdist's scheduler by tests/support/workers.py: xdist 3.8's own way is lost on pytest 9.2). So two swarms
+never share the cores, a check of /tmp's p2pd sockets (tests/test_bootstrap_wait.py,
+tests/test_private_run.py) sees only its own, and a module's shared swarm (`module_swarm`) is made
+once. `pytest` without `-n` runs everything in this process, in order, as before."""
 from __future__ import annotations
 
 import os
@@ -25,6 +33,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import asyncio  # noqa: E402
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
@@ -52,7 +62,15 @@ TIER_OF_FIXTURE = {
 }
 """The tier each fixture puts a test in (a test may be in several: a swarm checked in a browser)."""
 
+PROCESS_TIERS = ("wire", "swarm")
+"""Tiers whose tests start real processes (peers, DHT processes, p2pd): under pytest-xdist they run
+one at a time, on one worker (the `processes` xdist group)."""
 
+PROCESS_GROUP = "processes"
+
+
+# tryfirst: xdist's own hook (on each worker) reads the xdist_group markers to name a test's group
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tiers = {TIER_OF_FIXTURE[name] for name in getattr(item, "fixturenames", ()) if name in TIER_OF_FIXTURE}
@@ -60,6 +78,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(tier)
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker("unit")
+        if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
 
 
 def _swarm_factory(folder: Path, make_swarm: Callable[[Path, Path], LocalSwarm]
@@ -217,11 +237,71 @@ def _note_sockets_left(config: pytest.Config, nodeid: str, began: float) -> None
         config.stash[_LEFT].append((nodeid, [p.name for p in left]))
 
 
+def _on_a_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # set by pytest-xdist in its workers only
+
+
 @pytest.fixture(autouse=True)
 def _hivemind_sockets_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    # on an xdist worker, a test outside the process tiers would find (and be named for) the dead
+    # sockets of the test the other worker runs at the same time: those are left to the next
+    # process test and to the end of the run
+    check = not _on_a_worker(request.config) or any(
+        request.node.get_closest_marker(tier) for tier in PROCESS_TIERS)
     began = time.time()
     yield
-    _note_sockets_left(request.config, request.node.nodeid, began)
+    if check:
+        _note_sockets_left(request.config, request.node.nodeid, began)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _on_a_worker(session.config):  # what this worker found, for the summary in the main process
+        session.config.workeroutput["swarmgrad_left"] = {  # type: ignore[attr-defined]
+            "sockets": [[nodeid, list(names)] for nodeid, names in session.config.stash[_LEFT]],
+            "daemons": [[nodeid, list(procs)] for nodeid, procs in session.config.stash[_DAEMONS_LEFT]]}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called in the main process as a worker ends
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    found = getattr(node, "workeroutput", {}).get("swarmgrad_left")
+    if found:
+        node.config.stash[_LEFT].extend((nodeid, names) for nodeid, names in found["sockets"])
+        node.config.stash[_DAEMONS_LEFT].extend((nodeid, procs) for nodeid, procs in found["daemons"])
+
+
+# The `processes` group under `--dist loadgroup`, whatever pytest's node ids (tests/support/workers.py)
+_GROUPS_FOLDER = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist, main process: before a worker starts
+def pytest_configure_node(node: Any) -> None:
+    from support.workers import GROUPS_KEY
+    if _GROUPS_FOLDER not in node.config.stash:
+        node.config.stash[_GROUPS_FOLDER] = tempfile.mkdtemp(prefix="swarmgrad-xdist-groups-")
+    node.workerinput[GROUPS_KEY] = node.config.stash[_GROUPS_FOLDER]
+
+
+@pytest.hookimpl(tryfirst=True)  # on a worker, before xdist's own hook reports the collection
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from support.workers import GROUPS_KEY, write_process_tests
+    folder = getattr(session.config, "workerinput", {}).get(GROUPS_KEY)
+    if folder:
+        write_process_tests(folder, session.config.workerinput["workerid"],  # type: ignore[attr-defined]
+                            (item.nodeid for item in session.items
+                             if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS)))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist, main process: firstresult, before xdist's own
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup" or _GROUPS_FOLDER not in config.stash:
+        return None
+    from support.workers import process_group_scheduler
+    return process_group_scheduler(config, log, config.stash[_GROUPS_FOLDER], PROCESS_GROUP)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _GROUPS_FOLDER in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_FOLDER], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]

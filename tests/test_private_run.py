@@ -283,7 +283,11 @@ def test_private_run(private_swarm, tmp_path: Path) -> None:
     assert val["val_loss"] < first_val - 0.5 * (first_val - last_val[-1]), (first_val, last_val, val)
     assert resumed[0].events("started")[0]["peer"] == ids[peers[0].name]  # the same peer, recertified
 
-    # ---- the whole model of the newest checkpoint in one file
+    # ---- the whole model of the newest checkpoint in one file; the export reads only the state
+    # dir (each checkpoint is written whole: temp file, rename), so the swarm is stopped first
+    # rather than left to take the cores from it (the fixture's teardown would kill it anyway)
+    for p in (swarm.coordinator, *resumed):
+        p.kill_group()
     from safetensors import safe_open
     out = tmp_path / "model.safetensors"
     swarm._cli("export", "--state-dir", str(swarm.state_dir), "--out", str(out))

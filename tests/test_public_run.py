@@ -275,9 +275,10 @@ def test_contradictory_run_flags_are_refused() -> None:
         assert _public_flags_conflict(bad)
 
 
-def test_an_initial_peer_that_does_not_answer_is_one_line_and_a_nonzero_exit() -> None:
+def test_an_initial_peer_that_does_not_answer_is_one_line_and_a_nonzero_exit(p2p_daemons: None) -> None:
     """The real p2pd, for `status` (today it printed hivemind's P2PDaemonError traceback); the
-    initial peer from the environment."""
+    initial peer from the environment. (`p2p_daemons`: the wire tier, whose tests run one at a
+    time under `make test`, as this one's p2pd is started in a `swarmgrad status` process.)"""
     proc = subprocess.run([sys.executable, "-m", "swarmgrad.peer.cli", "status", "--run-id", "x"], capture_output=True,
                           text=True, timeout=90, cwd=ROOT, env={**os.environ, ENV_INITIAL_PEERS: DEAD_PEER})
     assert proc.returncode == 1, proc.stdout + proc.stderr
