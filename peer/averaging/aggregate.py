@@ -33,8 +33,6 @@ member decodes the reducer's bytes, so θ_global stays bit-identical whatever th
 """
 from __future__ import annotations
 
-from typing import Collection
-
 import torch
 
 
@@ -50,31 +48,21 @@ def weighted_mean(contributions: list[tuple[float, torch.Tensor]]) -> torch.Tens
     return out
 
 
-def bound_weights(weights: dict[str, float], max_ratio: float, voiceless: Collection[str] = ()) -> dict[str, float]:
+def bound_weights(weights: dict[str, float], max_ratio: float) -> dict[str, float]:
     """Every member's weight for the round, bounded by what its group shows a member can train in
     the round: at most `max_ratio` × the group's lower-median weight, and in a group of two at most
     the other member's (neither can be told from the other, so neither chooses the mean by
     claiming more). Non-finite or negative claims count as 0. These bounded weights are the ones
     the mean uses *and* the ones the round's total (the swarm's schedule position,
     `trained_samples`) adds up, so a member claiming 10^9 samples moves neither. Pure and
-    computed alike by every member from the same registrations.
-
-    `voiceless` (Group.voiceless: members without a voice in a group of two voices or more) count
-    at most the voiced members' lower-median weight: ids that did no work yet may be many, and at
-    `max_ratio` each they would move the schedule by that much per round (docs/trust.md, "Schedule
-    position"); a real newcomer is weighed as a typical member for its first rounds."""
+    computed alike by every member from the same registrations."""
     clean = {p: (w if w == w and 0.0 <= w < float("inf") else 0.0) for p, w in weights.items()}
     if len(clean) < 2:
         return clean
     ordered = sorted(clean.values())
     median = ordered[(len(ordered) - 1) // 2]
     cap = median if len(clean) == 2 else max(0.0, max_ratio) * median
-    bounded = {p: min(w, cap) for p, w in clean.items()}
-    voiced = sorted(w for p, w in bounded.items() if p not in voiceless)
-    if voiceless and voiced:
-        typical = voiced[(len(voiced) - 1) // 2]
-        bounded = {p: min(w, typical) if p in voiceless else w for p, w in bounded.items()}
-    return bounded
+    return {p: min(w, cap) for p, w in clean.items()}
 
 
 def cap_weights(weights: list[float], max_ratio: float) -> list[float]:

@@ -246,7 +246,7 @@ class Averager:
             # every member bounds every registered weight alike (aggregate.bound_weights): the mean
             # and the round's total (the schedule's position) both use the bounded ones
             registered = {p: weights.get(p, 0.0) for p in group.members}
-            weights = bound_weights(registered, self.m.averaging.max_weight_ratio, group.voiceless)
+            weights = bound_weights(registered, self.m.averaging.max_weight_ratio)
             weight = min(float(weight), weights[self.peer_id])
             self.reducer.slot(round_no).registered = registered
             encoded, decoded = await encoding

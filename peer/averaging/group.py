@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
@@ -39,11 +39,6 @@ class Group:
     members: tuple[str, ...]
     digest: str
     applied_rounds: int
-    voiceless: tuple[str, ...] = field(default=(), compare=False)
-    """Members without a voice that joined under the cap (`voiceless_cap`, a group of two voices or
-    more; empty otherwise): their weights are bounded by the voiced members' (aggregate.bound_weights).
-    Not part of the group's identity: members that agree on the members agree on this where it
-    is not empty, since the cap applies only where their ledgers agree on the voices."""
 
     @property
     def hash(self) -> str:
@@ -106,9 +101,7 @@ def choose_group(registrations: dict[str, dict[str, Any]], evidence: Evidence = 
     members = candidates[(applied, digest)]
     voiced = [p for p in members if evidence.voice(p)]
     voiceless = voiceless_order([p for p in members if not evidence.voice(p)], round_no, digest)
-    admitted = voiceless[:voiceless_cap(len(voiced))]
-    return Group(tuple(sorted(voiced + admitted)), digest, applied,
-                 voiceless=tuple(sorted(admitted)) if len(voiced) >= 2 else ())
+    return Group(tuple(sorted(voiced + voiceless[:voiceless_cap(len(voiced))])), digest, applied)
 
 
 def voiceless_cap(voiced: int) -> int:
