@@ -71,10 +71,6 @@ class Evidence:
     records this snapshot was taken with (`among`): each has a voice from the start, before any
     round was averaged, for a newcomer too. Only where their record is: a stage without one
     decides as without anchors."""
-    leads: frozenset[str] | None = None
-    """Peers whose claim of one round past our position the round's outcome votes bear out
-    (averaging/group.py `corroborated_leads`, read by the caller: `with_leads`); None: not read,
-    and a voice is enough (the rule before votes were read for it)."""
 
     @property
     def anchored(self) -> bool:
@@ -96,31 +92,10 @@ class Evidence:
     def credible(self, applied_rounds: int, peer_id: str | None = None) -> bool:
         """Is a claimed applied-round count believed? Anything, by a replica with no position of
         its own (a newcomer); up to our position by anyone; one round more (MAX_LEAD) only from a
-        peer with a voice (`peer_id`; None: from anyone) that is among the `leads`, where they
-        were read; never further."""
+        peer with a voice (`peer_id`; None: from anyone); never further."""
         if not self.anchored or applied_rounds <= self.corroborated_round:
             return True
-        return applied_rounds <= self.corroborated_round + MAX_LEAD and (peer_id is None or (
-            self.voice(peer_id) > 0 and (self.leads is None or peer_id in self.leads)))
-
-    def leading(self, claims: Iterable[tuple[str, int]]) -> bool:
-        """Does any (peer, applied rounds) claim one round past our position from a voice, so that
-        `with_leads` has something to decide?"""
-        return self.anchored and any(a == self.corroborated_round + MAX_LEAD and self.voice(p) for p, a in claims)
-
-    def of_replica(self, me: str) -> "Evidence":
-        """This evidence as replica `me` weighs claims. One that knows voices but has none of its
-        own (a joiner that credited its donors and has not yet completed a round with them: left
-        out of a full group, say) has no line of its own to defend, so it believes its voiced
-        peers however far ahead they are (voiceless claims still weigh nothing); anchored, it
-        would never catch up with a stage two rounds ahead of the state it downloaded."""
-        return replace(self, corroborated_round=-1) if self.voiced and not self.voice(me) else self
-
-    def with_leads(self, leads: Iterable[str]) -> "Evidence":
-        """This evidence, believing a claim of one round more only from `leads` (docs/trust.md,
-        "State to adopt": a voice alone is not enough, since a replica that failed a round cannot
-        tell a partner that applied it from one that says so)."""
-        return replace(self, leads=frozenset(leads))
+        return applied_rounds <= self.corroborated_round + MAX_LEAD and (peer_id is None or self.voice(peer_id) > 0)
 
     def weight(self, peer_id: str) -> int:
         """A peer's weight in a majority: its voice, or 1 per id when nobody has one yet."""

@@ -102,10 +102,6 @@ class RoundResult:
     """Members this replica holds responsible for the round's failure, from what it observed
     itself (peer/averaging/exclusion.py `blame`): they sit out the next rounds' groups."""
     phases: dict[str, float] = field(default_factory=dict)
-    pending: dict[str, torch.Tensor] | None = None
-    """The mean we voted for, when our vote wait ended with votes missing (and none failed or
-    different): every member may yet have voted it, and then the round is ours to apply
-    (`Averager.confirm_late`) rather than a state to download from someone who says it applied it."""
     """Seconds of the round's phases that ran: `matchmaking` (Δ is encoded meanwhile), `exchange`
     (what is left of the encoding, the parts, combine), `vote` (where an averaging round's time
     goes; the round event reports them)."""
@@ -154,10 +150,6 @@ class Averager:
         self.standings: dict[str, exclusion.Standing] = {}
         """What this replica holds against other members (peer/averaging/exclusion.py): those
         excluded for a round have their registrations dropped before its group is chosen."""
-        self._deferred: tuple[int, list, dict[str, exclusion.Standing]] | None = None
-        """(round, residuals, standings before it) of a round whose mean is pending (`confirm_late`)."""
-        self._reading_late_votes = BestEffort(f"stage {stage}: reading the votes of a round our wait gave up on",
-                                              logger)
 
     @property
     def patience(self) -> float:
@@ -213,12 +205,7 @@ class Averager:
         # a round that does not complete must leave the residuals as they were: otherwise this
         # round's Δ stays in them and is sent again later, on top of the next round's
         # (likewise a reducer's: a round nobody applied must not use up what its residual held)
-        if self._deferred is not None:  # a pending round nobody confirmed: it failed, as it was
-            for feedback, residuals in self._deferred[1]:
-                feedback.load_state_dict(residuals)
-            self._deferred = None
         saved = [(f, f.state_dict()) for f in (self.feedback, self.reducer.feedback) if f is not None]
-        standings_before = dict(self.standings)
         # Δ is encoded while matchmaking waits on the DHT (the encoding does not depend on the
         # group): the member that reaches the boundary last does not encode after it
         encoding = asyncio.get_running_loop().run_in_executor(None, self._encode_delta, delta)
@@ -272,11 +259,8 @@ class Averager:
                 # the encoding may still run (matchmaking failed or was cancelled): wait for it
                 # to finish with the residuals before putting them back
                 await asyncio.gather(asyncio.shield(encoding), return_exceptions=True)
-                if result is not None and result.pending is not None:
-                    self._deferred = (round_no, saved, standings_before)  # confirm_late decides
-                else:
-                    for feedback, residuals in saved:
-                        feedback.load_state_dict(residuals)
+                for feedback, residuals in saved:
+                    feedback.load_state_dict(residuals)
 
     async def _average(self, round_no: int, group: Group, weights: dict[str, float], encoded: dict[str, Encoded],
                        decoded: dict[str, torch.Tensor], weight: float, digest: str,
@@ -510,39 +494,8 @@ class Averager:
                                   self.m.timeouts.allreduce, self.m.timeouts.dht, gone=self._gone)
         if out.applied or digest is None:
             return result, out
-        pending = result.mean_delta if out.missing and not out.failed else None
-        return RoundResult(False, out.reason, group.members, None, total_weight=result.total_weight,
-                           unreachable=out.missing, voted_digest=out.voted_digest, pending=pending), out
-
-    async def confirm_late(self, round_no: int, result: RoundResult) -> RoundResult:
-        """A round whose votes were missing when our wait ended (`RoundResult.pending`): read them
-        once more, and if every member has now voted exactly our vote, the round completed for
-        all of them: it is returned complete, with the mean we voted for, and our residuals and
-        exclusions are those of a completed round. Otherwise it is returned as it failed (the
-        residuals put back). Either way the pending mean is let go.
-
-        Without this, our own digest vote in a group that completed after our wait would be what
-        a re-sync believes (group.corroborated_leads), and in a stage of two the other member
-        could withhold its vote until our wait ended, then serve any state as the round's result:
-        the vote signs the mean's digest, not the digest of the state applying it gives."""
-        deferred, self._deferred = self._deferred, None
-        if result.pending is None or deferred is None or deferred[0] != round_no:
-            return dataclasses.replace(result, pending=None)
-        _, saved, standings = deferred
-        votes: dict[str, str] = {}
-        with self._reading_late_votes:
-            votes = await within(self.swarm.round_checks(self.stage, round_no), self.m.timeouts.dht)
-        mine = outcome.vote(Group(result.group, "", 0).hash, mean_digest(result.pending))
-        if len(result.group) > 1 and all(votes.get(p) == mine for p in result.group):
-            logger.info("stage %d round %d: every member voted our mean after our wait ended: applying it",
-                        self.stage, round_no)
-            self.standings = exclusion.after_round(standings, round_no, (), result.group)
-            self._last_members = result.group
-            return dataclasses.replace(result, complete=True, reason="", mean_delta=result.pending, pending=None,
-                                       voted_digest=False, unreachable=(), blamed=())
-        for feedback, residuals in saved:
-            feedback.load_state_dict(residuals)
-        return dataclasses.replace(result, pending=None)
+        return RoundResult(False, out.reason, group.members, None, unreachable=out.missing,
+                           voted_digest=out.voted_digest), out
 
     async def _ended_by(self, round_no: int, group: Group, results: list[Any]) -> frozenset[str] | None:
         """witness.ended_by: the members whose failure ended our exchange, if that ended it. The

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Collection, Iterable, Protocol
+from typing import Any, Collection, Protocol
 
 from swarmgrad.peer import decisions
-from swarmgrad.peer.averaging.group import Group, choose_group, corroborated_leads
+from swarmgrad.peer.averaging.group import Group, choose_group
 from swarmgrad.peer.evidence import NO_EVIDENCE, Evidence
 from swarmgrad.peer.net.deadline import within
 from swarmgrad.peer.net.polling import poll_intervals
@@ -35,8 +35,6 @@ class RoundBoard(Protocol):
 
     async def stage_records(self, stage: int) -> list[PeerRecord]: ...
 
-    async def round_checks(self, stage: int, round_no: int) -> dict[str, str]: ...
-
 
 async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, registration: dict[str, Any],
                     patience: float, knock: asyncio.Event, exclude: Collection[str] = (),
@@ -49,10 +47,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
     group is chosen by it, and once anyone has a voice matchmaking waits for the voiced replicas,
     and for the others unless they are a flood (`waited_for`: forged ONLINE records must not make
     every round wait out its patience). The anchors among the stage's records (peers the run's
-    owner vouches for: `Evidence.among`) have a voice here from the start. A replica with a voice
-    of its own that reads a voice one round ahead of it reads the last two rounds' votes too: that
-    claim counts only with a witness (`group.corroborated_leads`); `round_no` draws the voiceless
-    members' places (`group.voiceless_order`)."""
+    owner vouches for: `Evidence.among`) have a voice here from the start."""
     # Our registration is stored while we read the others' (one DHT round trip instead of two
     # at every boundary): we know our own, and the others wait until they read it.
     registering = asyncio.ensure_future(board.register_round(stage, round_no, me, registration))
@@ -87,14 +82,7 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             await asyncio.gather(registering, return_exceptions=True)
     regs = {p: v for p, v in regs.items() if p not in exclude}
     weights = {p: float(v.get("weight", 0.0)) for p, v in regs.items()}
-    evidence = evidence.of_replica(me)
-    claims = [(p, int(v["applied_rounds"])) for p, v in regs.items()] + [(r.peer_id, r.applied_rounds) for r in records]
-    if evidence.voice(me) and evidence.leading(claims):
-        # a voice one round ahead: believed only if the last rounds' votes bear it out (a replica
-        # without a voice of its own, a joiner, has no line to keep and follows its donors as before)
-        back = range(round_no - 1, round_no - 1 - LEAD_ROUNDS, -1)
-        evidence = evidence.with_leads(await read_leads(board, stage, back, evidence, me))
-    group = choose_group(regs, evidence, me, round_no)
+    group = choose_group(regs, evidence, me)
     if group is not None and me in group.members:
         # only a credible claim of a member with a voice says our state is superseded
         believed = [r for r in records if evidence.credible(r.applied_rounds, r.peer_id)
@@ -104,21 +92,6 @@ async def matchmake(board: RoundBoard, stage: int, round_no: int, me: str, regis
             return None, weights, (f"{', '.join(p[-8:] for p in ahead)} already applied this round "
                                    f"without us: our θ_global is superseded")
     return group, weights, ""
-
-
-LEAD_ROUNDS = 2
-"""Rounds back whose outcome votes matchmaking reads to corroborate a claim one round ahead: the
-last one, and the one before it (an overlapped round is applied a round after its boundary)."""
-
-
-async def read_leads(board: RoundBoard, stage: int, rounds: Iterable[int], evidence: Evidence, me: str
-                     ) -> frozenset[str]:
-    """`group.corroborated_leads` (for replica `me`) over the votes and registrations of `rounds`
-    (those ≥ 0), read now."""
-    rounds = [r for r in rounds if r >= 0]
-    read = await asyncio.gather(*(asyncio.gather(board.round_checks(stage, r), board.round_registrations(stage, r))
-                                  for r in rounds))
-    return corroborated_leads([(votes, regs) for votes, regs in read], evidence, me)
 
 
 FLOOD_SLACK = 4

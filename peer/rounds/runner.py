@@ -327,8 +327,6 @@ class RoundRunner:
         try:
             delta = await self._pseudo_gradient(round_no, report)
             result = await self.averager.run_round(round_no, delta, float(samples), state.digest, state.applied_rounds)
-            if result.pending is not None:  # our vote wait gave up: every vote may have come since
-                result = await self.averager.confirm_late(round_no, result)
         except Exception as e:  # the whole round: whatever it raised, the replica goes on (_failed)
             result = self._failed(round_no, e)
         next_round = self.clock.next_round(get_dht_time())
@@ -421,8 +419,6 @@ class RoundRunner:
         worker, state, round = self.worker, self.state, flight.round
         try:
             result = await self.averager.run_round(round, delta, flight.weight, digest, applied_rounds)
-            if result.pending is not None:  # our vote wait gave up: every vote may have come since
-                result = await self.averager.confirm_late(round, result)
         except Exception as e:  # the whole round: whatever it raised, the replica goes on (_failed)
             result = self._failed(round, e)
         del delta

@@ -20,8 +20,7 @@ from hivemind.utils import get_dht_time
 from swarmgrad.compression import get_codec
 from swarmgrad.peer import decisions
 from swarmgrad.peer.averaging.averager import RoundResult
-from swarmgrad.peer.averaging.group import completed_groups, group_hash, witnessed_members
-from swarmgrad.peer.averaging.matchmaking import read_leads
+from swarmgrad.peer.averaging.group import group_hash
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.evidence import MAX_LEAD, Evidence, EvidenceLedger, Quorum, bounded_round, quorum
 from swarmgrad.peer.net.deadline import within
@@ -193,8 +192,6 @@ class StateSync:
         self._finding_backups = BestEffort(f"stage {stage}: reading the swarm to find backups", logger)
         self._resync_records = BestEffort(f"stage {stage}: reading the stage's records to re-sync", logger)
         self._reading_votes = BestEffort(f"stage {stage}: reading a failed round's votes", logger)
-        self._reading_leads = BestEffort(f"stage {stage}: reading the votes that bear out a claim one round ahead",
-                                         logger)
         self._saying_abandoned = BestEffort(f"stage {stage}: saying a failed round was abandoned", logger)
         self._reading_abandoned = BestEffort(f"stage {stage}: reading who abandoned a failed round", logger)
 
@@ -257,12 +254,11 @@ class StateSync:
         """Our ledger's evidence, with the anchors among `records` (the stage's, as just read)."""
         return self.ledger.snapshot().among(records)
 
-    async def download(self, peers: Sequence[str], expected: Quorum, credit: Sequence[str] | None = None) -> bool:
+    async def download(self, peers: Sequence[str], expected: Quorum) -> bool:
         """Download the state from `peers` (parts spread over the first two), adopt it if it is the
         state `expected` (a quorum of voices, peer/evidence.py) announces: its digest, its applied
         rounds. Its round moves our clock at most one round past the quorum's (`bounded_round`):
-        a donor's word is no more than its own digest's contents. `credit`: the voices the state
-        earns (None: the quorum's backers)."""
+        a donor's word is no more than its own digest's contents."""
         try:
             snap = await fetch_state(self.rpc, peers, self.identity, self.stage, self.state.shapes, self.max_numel,
                                      self.t.state_download)
@@ -278,7 +274,7 @@ class StateSync:
         self.state.load(snap.params, snap.momentum, snap.round, snap.applied_rounds, snap.trained_samples)
         self.progress.adopt(snap.trained_samples)
         self.clock.adopt(bounded_round(snap.round, expected.round), get_dht_time())
-        self.ledger.adopted(snap.applied_rounds, expected.backers if credit is None else credit)
+        self.ledger.adopted(snap.applied_rounds, expected.backers)
         return True
 
     async def join(self) -> None:
@@ -327,7 +323,7 @@ class StateSync:
                 self.from_replica = True
                 return
             # two donors at once when there are two; else each in turn
-            source = await self._download_any(donors, found, await self._worked(found))
+            source = await self._download_any(donors, found)
             if source is not None:
                 for _ in range(MAX_JOIN_REFRESHES):
                     newer = await self._superseded() if time.monotonic() < deadline else None
@@ -348,29 +344,13 @@ class StateSync:
                                    f"within timeouts.state_download")
             await asyncio.sleep(next(donor_waits))
 
-    async def _download_any(self, donors: Sequence[str], expected: Quorum, credit: Sequence[str] | None = None
-                            ) -> str | None:
+    async def _download_any(self, donors: Sequence[str], expected: Quorum) -> str | None:
         """Download from the donors (two at once when there are two; else each in turn); the
         source(s) that served it, or None if every attempt failed."""
         for order in [donors[i:] + donors[:i] for i in range(len(donors))]:
-            if await self.download(order, expected, credit):
+            if await self.download(order, expected):
                 return ",".join(order[:2])
         return None
-
-    async def _worked(self, found: Quorum) -> list[str] | None:
-        """The quorum's backers that a joiner credits: those seen in a completed group of the last
-        two rounds (group.completed_groups of their votes), when the votes show any; else all of
-        them (None), as before (a stage of one replica posts no votes). A newcomer counts ids, so
-        without this it would credit every record of the stage's digest, a replica that has just
-        joined too, and count voices its groups' other members do not (group.voiceless_cap)."""
-        votes: list[dict[str, str]] = []
-        with self._reading_votes:
-            votes = list(await within(asyncio.gather(*(self.swarm.round_checks(self.stage, r)
-                                                       for r in (found.round - 1, found.round - 2) if r >= 0)),
-                                      self.t.dht))
-        seen = {p for v in votes for g in completed_groups(v) for p in g.members}
-        worked = [p for p in found.backers if p in seen]
-        return worked or None
 
     async def _superseded(self) -> Quorum | None:
         """The quorum to download again from if its state moved past the one just adopted
@@ -500,16 +480,13 @@ class StateSync:
             if records is None:
                 await asyncio.sleep(next(waits))
                 continue
-            evidence = self.evidence(records).of_replica(self.peer_id)
-            if evidence.voice(self.peer_id) and evidence.leading((r.peer_id, r.applied_rounds) for r in records):
-                evidence = evidence.with_leads(await self._leads(round_no, evidence))
+            evidence = self.evidence(records)
             donors = decisions.resync_donors(records, self.peer_id, self.state.applied_rounds, result.group,
                                              result.stale, evidence)
             found = quorum([r for r in records if r.peer_id in donors], evidence) if donors else None
             for donor in donors:
                 assert found is not None
                 if await self.download([donor], found):
-                    await self._credit_witnessed(round_no, records)
                     self.events.emit("resynced", source=donor, round=self.clock.current,
                                      applied_rounds=self.state.applied_rounds, digest=self.state.digest)
                     return True
@@ -528,26 +505,6 @@ class StateSync:
         with self._reading_votes:
             return await within(self.swarm.round_checks(self.stage, round_no), self.t.dht)
         return None
-
-    async def _credit_witnessed(self, round_no: int, records: Sequence[PeerRecord]) -> None:
-        """Credit the members of the round's completed groups that two of our voices vouch for
-        (group.witnessed_members): a newcomer that completed the round without us has a voice in
-        its group's ledgers, and our next group must count it as they do (group.voiceless_cap).
-        Unreadable votes credit nobody: our next group may then differ from theirs for a round."""
-        votes = await self._votes(round_no)
-        if votes:
-            members = witnessed_members(votes, self.evidence(records))
-            if members:
-                self.ledger.adopted(self.state.applied_rounds, members)
-
-    async def _leads(self, round_no: int, evidence: Evidence) -> frozenset[str]:
-        """Who the votes of the failed round (and the one before) show one round ahead of us with
-        another voice (group.corroborated_leads); nobody if they could not be read: the claim is
-        not believed, and the next read tries again."""
-        with self._reading_leads:
-            return await within(read_leads(self.swarm, self.stage, (round_no, round_no - 1), evidence,
-                                           self.peer_id), self.t.dht)
-        return frozenset()
 
     async def _say_abandoned(self, round_no: int, hash_: str) -> None:
         """Tell the other members that we did not apply the round and will not (decisions.resync_settled)."""
