@@ -29,8 +29,6 @@ A round r of stage s, on every replica:
    stops waiting for its other parts, and every member watches the votes while its parts are on
    the way, so one member's failure ends the round for the group within a poll instead of after
    timeouts.allreduce, and no member applies a round another member failed (a split outcome).
-   A member that stopped because of another member's failure votes at once, but blames anyone
-   only once it has witnessed its own part (peer/averaging/witness.py).
 A round is complete only if every part came back with the full group as contributors and every
 member voted the same digest. Anything less is a failed round, logged as such: nobody applies a
 partial mean. A member that vanished fails the round for the others after at most `patience` +
@@ -59,11 +57,9 @@ from swarmgrad.peer.averaging import exclusion, outcome
 from swarmgrad.peer.clock import RoundClock
 from swarmgrad.peer.evidence import EvidenceLedger
 from swarmgrad.peer.net.deadline import within
-from swarmgrad.peer.net.errors import BestEffort
 from swarmgrad.peer.averaging.gather import aggregate_gathered, gathers
 from swarmgrad.peer.averaging.signed_parts import sign_part
 from swarmgrad.peer.averaging.verify import Forged, PartChecker
-from swarmgrad.peer.averaging.witness import Abandoned, ended_by, witness
 from swarmgrad.peer.manifest import Manifest
 from swarmgrad.peer.averaging.matchmaking import matchmake
 from swarmgrad.peer.averaging.reducer import Reducer, RoundSlot
@@ -280,7 +276,6 @@ class Averager:
             slot.signed[self.peer_id] = (float(weight), self._sign(round_no, group.hash, my_part, float(weight),
                                                                    slot.encoded[self.peer_id]))
         slot.ready.set()
-        ready_at = time.monotonic()  # our reducer holds the members waiting on it timeouts.allreduce from here
         self.reducer.maybe_reduce(slot)
 
         async def local() -> pb.AverageResponse:
@@ -291,34 +286,23 @@ class Averager:
         calls = [early[p] if p in early else asyncio.ensure_future(
                      local() if p == my_part else self._send_part(round_no, group, p, encoded, weight, digest))
                  for p in range(len(group.members))]
-        results, running = await self._collect(round_no, group, calls)
-        try:
-            mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if self.verify or gathers(
-                len(group.members), self.gather_up_to) else None
-            # in the gather exchange every member computes the mean itself: the same function of the
-            # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
-            # θ_global; the outcome vote below compares the digests in groups of 2 as well
-            result = self._combine(group, parts, results, weights, mine, round_no)
-            phases["exchange"] = time.monotonic() - started
-            voted = None
-            if len(group.members) > 1:
-                vote_started = time.monotonic()
-                result, voted = await self._vote(round_no, group, result)
-                phases["vote"] = time.monotonic() - vote_started
-            if not result.complete and not slot.result.done():
-                # callers still waiting on our part get WRONG_ROUND now, not a timeout; those that
-                # come while we witness it are answered so as soon as their part is in
-                slot.result.cancel()
-            if not result.complete:
-                ended = None if result.forged else await self._ended_by(round_no, group, results)
-                if ended is not None:  # another member ended our exchange: witness our own part first
-                    await witness(group.members, lambda: set(slot.contributions) | slot.arrived,
-                                  [c for p, c in enumerate(calls) if p != my_part and c in running],
-                                  ready_at + self.m.timeouts.allreduce, self._gone, self.m.timeouts.dht)
-                result = dataclasses.replace(result, blamed=self._blame(group, slot, results, voted, result.forged,
-                                                                        ended))
-        finally:
-            await self._end(round_no, running)
+        results = await self._collect(round_no, group, calls)
+        mine = (float(weight), self._own_decoded(self.shapes, encoded, decoded)) if self.verify or gathers(
+            len(group.members), self.gather_up_to) else None
+        # in the gather exchange every member computes the mean itself: the same function of the
+        # same bytes, but a machine whose float kernels differ (FMA, vector width) would split
+        # θ_global; the outcome vote below compares the digests in groups of 2 as well
+        result = self._combine(group, parts, results, weights, mine, round_no)
+        phases["exchange"] = time.monotonic() - started
+        voted = None
+        if len(group.members) > 1:
+            started = time.monotonic()
+            result, voted = await self._vote(round_no, group, result)
+            phases["vote"] = time.monotonic() - started
+        if not result.complete:
+            result = dataclasses.replace(result, blamed=self._blame(group, slot, results, voted, result.forged))
+        if not result.complete and not slot.result.done():
+            slot.result.cancel()  # callers still waiting on our part get WRONG_ROUND now, not a timeout
         return result
 
     async def _send_part(self, round_no: int, group: Group, part: int, encoded: dict[str, Encoded], weight: float,
@@ -371,52 +355,39 @@ class Averager:
             logger.warning("stage %d: %d early part(s) did not end within timeouts.dht of their cancel; left behind",
                            self.stage, len(stuck))
 
-    async def _collect(self, round_no: int, group: Group, calls: list[asyncio.Future]
-                       ) -> tuple[list[Any], set[asyncio.Future]]:
+    async def _collect(self, round_no: int, group: Group, calls: list[asyncio.Future]) -> list[Any]:
         """Every part's answer, in part order; but as soon as one part failed, or another member
         voted anything but our group's digest, the parts still on the way are abandoned (Abandoned):
-        the round has failed for everyone, and waiting for them would only stall this member.
-        Returns the answers and the abandoned calls, still running: the caller cancels them
-        (`_end`) once it has judged the round (peer/averaging/witness.py: our parts still on the
-        way must reach the others' reducers while they witness theirs)."""
+        the round has failed for everyone, and waiting for them would only stall this member."""
         watcher = asyncio.ensure_future(outcome.first_failure(self.swarm, self.stage, round_no, group.members, group.hash,
                                                               self.peer_id)) if len(group.members) > 1 else None
         pending: set[asyncio.Future] = set(calls)
-        why, by, on_vote = "", (), False
+        why, by = "", ()
         try:
             while pending:
                 done, _ = await asyncio.wait(pending | ({watcher} if watcher else set()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if watcher is not None and watcher in done:
-                    (why, by), on_vote = watcher.result(), True
+                    why, by = watcher.result()
                     break
                 pending -= done
                 if any(_part_failed(c) for c in done):
                     why = "another part failed"
                     break
-        except BaseException:
-            await self._end(round_no, pending)  # cancelled: nobody else will
-            raise
         finally:
-            if watcher is not None:
-                await self._end(round_no, [watcher])
-        return [Abandoned(why, by, on_vote) if c in pending else asyncio.CancelledError("our slot was dropped")
-                if c.cancelled() else (c.exception() or c.result()) for c in calls], pending
-
-    async def _end(self, round_no: int, tasks: Iterable[asyncio.Future]) -> None:
-        """Cancel `tasks` and await them, bounded: a task that lost its cancel must not hold the
-        round (peer/net/deadline.py); failures of tasks abandoned are not news."""
-        tasks = list(tasks)
-        leftovers = [t for t in tasks if not t.done()]
-        for task in leftovers:
-            task.cancel()
-        done, stuck = await asyncio.wait(leftovers, timeout=self.m.timeouts.dht) if leftovers else (set(), set())
-        for task in tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: a part that failed as it was abandoned is not news
-        if stuck:
-            logger.warning("stage %d round %d: %d task(s) did not end within timeouts.dht of their "
-                           "cancel; left behind", self.stage, round_no, len(stuck))
+            leftovers = [*pending, *([watcher] if watcher else [])]
+            for task in leftovers:
+                task.cancel()
+            if leftovers:  # bounded: a task that lost its cancel must not hold the round (peer/net/deadline.py)
+                done, stuck = await asyncio.wait(leftovers, timeout=self.m.timeouts.dht)
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()  # retrieved: a part that failed as it was abandoned is not news
+                if stuck:
+                    logger.warning("stage %d round %d: %d task(s) did not end within timeouts.dht of their "
+                                   "cancel; left behind", self.stage, round_no, len(stuck))
+        return [Abandoned(why, by) if c in pending else asyncio.CancelledError("our slot was dropped") if c.cancelled()
+                else (c.exception() or c.result()) for c in calls]
 
     def _combine(self, group: Group, parts: dict[str, int], results: list[Any], weights: dict[str, float],
                  mine: tuple[float, dict[str, torch.Tensor]] | None, round_no: int = -1) -> RoundResult:
@@ -497,38 +468,20 @@ class Averager:
         return RoundResult(False, out.reason, group.members, None, unreachable=out.missing,
                            voted_digest=out.voted_digest), out
 
-    async def _ended_by(self, round_no: int, group: Group, results: list[Any]) -> frozenset[str] | None:
-        """witness.ended_by: the members whose failure ended our exchange, if that ended it. The
-        votes are read only where a reducer refused a part WRONG_ROUND (it may have given our
-        round up); unread, such a refusal is taken as a disagreement about the round, as before."""
-        votes: dict[str, str] = {}
-        if any(isinstance(res, pb.AverageResponse) and res.status == pb.WRONG_ROUND for res in results):
-            with BestEffort(f"stage {self.stage} round {round_no}: reading the votes of reducers that refused",
-                            logger):
-                votes = await within(self.swarm.round_checks(self.stage, round_no), self.m.timeouts.dht)
-        return ended_by(group.members, self.peer_id, group.hash, results, votes)
-
-    def _blame(self, group: Group, slot: RoundSlot, results: list[Any], voted: outcome.Outcome | None,
-               forged: Sequence[str] = (), ended: frozenset[str] | None = None) -> tuple[str, ...]:
-        """Who failed this round, as far as this replica saw it itself (exclusion.blame). `ended`:
-        the members whose failure ended our exchange (witness.ended_by), our own part witnessed
-        since: a part failed of itself if it still lacks a member's contribution, else their
-        failure is not a reaction to any we saw."""
+    def _blame(self, group: Group, slot: RoundSlot, results: list[Any],
+               voted: outcome.Outcome | None, forged: Sequence[str] = ()) -> tuple[str, ...]:
+        """Who failed this round, as far as this replica saw it itself (exclusion.blame)."""
+        abandoned_by = {p for res in results if isinstance(res, Abandoned) for p in res.by}
+        vote_first = bool(abandoned_by)  # a failed vote made us abandon the parts still on the way
         answered = all(isinstance(res, pb.AverageResponse) and res.status == pb.OK for res in results)
-        contributed = set(slot.contributions) | slot.arrived
-        if ended is None:
-            part_failed = not answered
-        else:
-            part_failed = not set(group.members) <= contributed
         silent = [group.members[p] for p, res in enumerate(results)
                   if isinstance(res, (RPCFailed, asyncio.TimeoutError))]
         blamed = exclusion.blame(
-            me=self.peer_id, forged=forged, members=group.members, contributed=contributed,
-            part_failed=part_failed, silent_reducers=silent,
-            failed_votes=(ended or set()) | set(voted.failed if voted else ()),
+            me=self.peer_id, forged=forged, members=group.members, contributed=set(slot.contributions) | slot.arrived,
+            part_failed=not answered and not vote_first, silent_reducers=silent,
+            failed_votes=abandoned_by | set(voted.failed if voted else ()),
             missing_votes=voted.missing if voted is not None and answered else (),
-            wrong_round=ended is None and any(isinstance(res, pb.AverageResponse) and res.status == pb.WRONG_ROUND
-                                              for res in results))
+            wrong_round=any(isinstance(res, pb.AverageResponse) and res.status == pb.WRONG_ROUND for res in results))
         if blamed:
             logger.info("stage %d: %s failed the round as seen here: left out of the next group(s)", self.stage,
                         ", ".join(sorted(p[-8:] for p in blamed)))
@@ -539,6 +492,14 @@ class Averager:
         after the exchange, whose vote will never come)."""
         connected = await self.rpc.connected()
         return [p for p in members if p not in connected]
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A part this member stopped waiting for: the round had already failed (`why`)."""
+    why: str
+    by: tuple[str, ...] = ()
+    """The members whose failed vote under our group's hash made us stop (none: a part failed)."""
 
 
 def _part_failed(call: asyncio.Future) -> bool:

@@ -15,12 +15,9 @@ stranger cannot get an honest member excluded by saying so:
   because its sender formed another group counts as sent); if none did, the
   reducers that gave us no answer at all (not a refusal: a reducer refusing because a third
   member withheld from it says so truthfully);
-- another member ended our exchange (its failed vote, or its reducer refusing WRONG_ROUND once
-  it gave our round up): what our own part lacks once we have witnessed it
-  (peer/averaging/witness.py), judged as above; if it lacks nothing, the members that voted
-  "failed" under our group's hash;
-- the exchange completed: the members that voted "failed" under our group's hash, and those that
-  posted no vote by the deadline.
+- no part failed of itself (the exchange completed, or a failed vote made us abandon the rest):
+  the members that voted "failed" under our group's hash, and, where our exchange completed,
+  those that posted no vote by the deadline.
 Another member's word (its failed vote naming a reason, a reducer's refusal text) blames nobody.
 
 A strike excludes the member for 2^(strikes-1) rounds (at most MAX_EXCLUSION_ROUNDS); every
@@ -59,8 +56,7 @@ def blame(*, me: str, members: Collection[str], contributed: Collection[str], pa
           forged: Collection[str] = ()) -> frozenset[str]:
     """The members this replica holds responsible for a failed round, from what it observed itself
     (module docstring). `contributed`: the members whose contribution reached our part;
-    `part_failed`: a part failed of itself, or another member ended our exchange and our own
-    part, witnessed, still lacks a contribution;
+    `part_failed`: a part failed of itself (not abandoned because of a failed vote);
     `silent_reducers`: members whose reducer gave us no answer at all; `failed_votes`: members that
     voted failed under our group's hash; `missing_votes`: members without a vote at the deadline
     (pass them only where our exchange completed); `wrong_round`: a reducer refused our part as
