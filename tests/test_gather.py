@@ -227,11 +227,7 @@ def test_four_peers_gather_one_bit_parts_and_stay_identical(inprocess) -> None:
 
     async def scenario() -> None:
         async with InProcessSwarm(m) as swarm:
-            first = swarm.start(0, max_rounds=5, linger=60.0)
-            await swarm.wait_for(first, lambda e: e["event"] == "online", 30, "the first driver online")
-            for stage in (1, 0, 1):
-                swarm.start(stage, max_rounds=5, linger=60.0)
-            await swarm.wait_exit(50)
+            await swarm.run_two_by_two(max_rounds=5, timeout=50)
             for stage in (0, 1):
                 assert_replicas_agree(swarm.peers, stage)
                 full = [r for r, events in complete_rounds(swarm.peers, stage).items()

@@ -152,11 +152,7 @@ def test_four_peers_with_a_correction_train_every_microbatch_once_and_stay_ident
 
     async def scenario() -> None:
         async with InProcessSwarm(m) as swarm:
-            first = swarm.start(0, max_rounds=5, linger=60.0)
-            await swarm.wait_for(first, lambda e: e["event"] == "online", 30, "the first driver online")
-            for stage in (1, 0, 1):
-                swarm.start(stage, max_rounds=5, linger=60.0)
-            await swarm.wait_exit(60)
+            await swarm.run_two_by_two(max_rounds=5, timeout=60)
             drivers = [p for p in swarm.peers if p.stage == 0]
             assert any(r["ahead_share"] > 0 for p in drivers for r in p.events("pipeline")), swarm.history()
             for stage in (0, 1):

@@ -195,6 +195,15 @@ class InProcessSwarm:
         await self.until(lambda: all(p.task is not None and p.task.done() for p in peers), timeout,
                          f"{', '.join(p.name for p in peers)} to end")
 
+    async def run_two_by_two(self, max_rounds: int, timeout: float) -> None:
+        """2 stages × 2 replicas, each running `max_rounds` rounds: the first driver comes online
+        alone (it initialises the run), then the other three start; waits until all have ended."""
+        first = self.start(0, max_rounds=max_rounds, linger=60.0)
+        await self.wait_for(first, lambda e: e["event"] == "online", 30, "the first driver online")
+        for stage in (1, 0, 1):
+            self.start(stage, max_rounds=max_rounds, linger=60.0)
+        await self.wait_exit(timeout)
+
     def _raise_failures(self) -> None:
         for p in self.peers:
             if p.task is not None and p.task.done() and not p.killed and not p.task.cancelled() \
@@ -266,6 +275,16 @@ def exact_round_manifest(tmp_path: Path, **sections: dict[str, Any]) -> Manifest
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return small_manifest(**raw)
+
+
+def saved_round(save_dir: Path, stage: int) -> dict[str, torch.Tensor]:
+    """The parameters of the one round `one_saved_round` saved for `stage` under `save_dir`."""
+    from swarmgrad.peer.state.stage_state import load_checkpoint
+    files = list(save_dir.glob(f"stage{stage}-*.safetensors"))
+    assert len(files) == 1, files
+    params, _, meta = load_checkpoint(files[0])
+    assert meta["applied_rounds"] == "1"
+    return params
 
 
 async def one_saved_round(m: Manifest, tmp_path: Path, data_seed: int) -> list[Path]:
